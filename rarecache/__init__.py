@@ -1,0 +1,1 @@
+"""rarecache: cross-model KV-cache handoff."""
