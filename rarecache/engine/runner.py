@@ -1,0 +1,153 @@
+"""The forward pass over token sets at explicit positions, against a KV cache.
+
+`Runner.forward` runs every layer; `Runner.embed`, `Runner.layer` and
+`Runner.logits` are the same pass in pieces, so callers (the transfer package) can
+drive the layers one at a time and overwrite cache rows in between without the
+model knowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..models.config import ModelConfig
+from ..models.llama import CausalLM
+from ..models.loader import load_model
+from ..models.rope import Rope
+from .attention import attend
+from .cache import KVCache
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # float32; (B, V) for "last", (B, T, V) for "all", (B, K, V) for indices
+    attn: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (B, H, R, S) probabilities
+
+
+@dataclass(frozen=True)
+class AttnCapture:
+    """Record attention probabilities of `layers` for query rows `rows` (B, R), indices into T."""
+
+    layers: frozenset[int]
+    rows: torch.Tensor
+
+
+class Runner:
+    def __init__(self, model: CausalLM):
+        self.model = model
+        self.config: ModelConfig = model.config
+        p = model.model.embed_tokens.weight
+        self.dtype, self.device = p.dtype, p.device
+        self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Runner":
+        return cls(load_model(path, dtype=dtype, device=device))
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.for_model(self.config, batch, max_len, self.dtype, self.device)
+
+    # -- the pass in pieces ------------------------------------------------------------
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens.to(self.device))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.cos_sin(positions, self.dtype)
+
+    def qkv(self, i: int, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """Layer i's rotated q (B, H, T, D), k and v (B, Hkv, T, D) for residual h (B, T, C)."""
+        return self.model.layers[i].qkv(h, *cos_sin)
+
+    def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture_rows=None):
+        """q of layer i at positions (B, T) over the cache's filled slots -> (B, H, T, D), probs."""
+        length = int(positions.max()) + 1  # no query sees a slot past its own position
+        k, v = cache.layer(i, length)
+        return attend(q, positions, k, v, cache.filled[:, :length], capture_rows)
+
+    def finish(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        return self.model.layers[i].finish(h, attn)
+
+    def layer(
+        self,
+        i: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+        capture_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decoder layer: write this layer's k, v at `positions`, attend, MLP."""
+        q, k, v = self.qkv(i, h, cos_sin or self.cos_sin(positions))
+        cache.write(i, positions, k, v)
+        out, probs = self.attend(i, q, positions, cache, capture_rows)
+        return self.finish(i, h, out), probs
+
+    def logits(self, h: torch.Tensor, positions: torch.Tensor, at: str | torch.Tensor = "last"):
+        """Logits of h (B, T, C): at the highest position per row ("last"), everywhere ("all"),
+        or at row indices (B, K); None for at=None."""
+        if at is None:
+            return None
+        if isinstance(at, str):
+            if at == "all":
+                return self.model.logits(h)
+            if at != "last":
+                raise ValueError(f"logits_at must be 'last', 'all', None or an index tensor, not {at!r}")
+            at = positions.argmax(dim=1, keepdim=True)  # (B, 1)
+            return self.logits(h, positions, at)[:, 0]
+        sel = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, C)
+        return self.model.logits(sel)
+
+    # -- the whole pass -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        logits_at: str | torch.Tensor | None = "last",
+        capture: AttnCapture | None = None,
+    ) -> ForwardOutput:
+        """Run tokens (B, T) at positions (B, T) (-1 = padding) through every layer.
+
+        Each layer's k, v are written into `cache` at their positions; queries attend
+        to every filled slot at a position <= their own.
+        """
+        positions = positions.to(self.device)
+        cache.mark(positions)
+        h = self.embed(tokens)
+        cos_sin = self.cos_sin(positions)
+        attn: dict[int, torch.Tensor] = {}
+        for i in range(self.num_layers):
+            rows = capture.rows if capture is not None and i in capture.layers else None
+            h, probs = self.layer(i, h, positions, cache, cos_sin, rows)
+            if probs is not None:
+                attn[i] = probs
+        return ForwardOutput(self.logits(h, positions, logits_at), attn)
+
+    def prefill(self, prompts: list[list[int]], max_len: int | None = None) -> tuple[KVCache, ForwardOutput]:
+        """Right-padded prefill of prompts of different lengths into a new cache."""
+        tokens, positions = pad_batch(prompts, self.device)
+        cache = self.new_cache(len(prompts), max_len or tokens.shape[1])
+        return cache, self.forward(tokens, positions, cache)
+
+
+def pad_batch(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> tokens (B, T) and positions (B, T), padding at position -1."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    T = max(len(p) for p in prompts)
+    tokens = torch.zeros(len(prompts), T, dtype=torch.long)
+    positions = torch.full((len(prompts), T), -1, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+        positions[b, : len(p)] = torch.arange(len(p))
+    return tokens.to(device), positions.to(device)

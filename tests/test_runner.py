@@ -1,0 +1,164 @@
+"""The runner against transformers and against itself on tiny random models."""
+
+from __future__ import annotations
+
+import torch
+
+from rarecache.engine.generate import SamplingConfig, decode, generate
+from rarecache.engine.runner import AttnCapture, Runner, pad_batch
+
+ATOL = 1e-4
+
+
+def full_forward(runner: Runner, tokens: torch.Tensor):
+    cache = runner.new_cache(tokens.shape[0], tokens.shape[1])
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    out = runner.forward(tokens, positions, cache, logits_at="all")
+    return cache, out.logits
+
+
+def test_logits_and_kv_match_transformers(tiny):
+    _, path, hf = tiny
+    runner = Runner.load(path)
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens, use_cache=True)
+    cache, logits = full_forward(runner, tokens)
+    torch.testing.assert_close(logits, ref.logits, atol=ATOL, rtol=0)
+    for i, layer in enumerate(ref.past_key_values.layers):
+        k, v = cache.layer(i, 40)
+        torch.testing.assert_close(k, layer.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, layer.values, atol=ATOL, rtol=0)
+
+
+def test_attention_capture_matches_transformers(tiny):
+    _, path, hf = tiny
+    hf.set_attn_implementation("eager")
+    runner = Runner.load(path)
+    tokens = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(tokens, output_attentions=True).attentions
+    rows = torch.tensor([[3, 17, 29]])
+    cache = runner.new_cache(1, 30)
+    out = runner.forward(tokens, torch.arange(30)[None], cache, capture=AttnCapture(frozenset({0, 2}), rows))
+    assert sorted(out.attn) == [0, 2]
+    for i in (0, 2):
+        torch.testing.assert_close(out.attn[i], ref[i][:, :, rows[0]], atol=ATOL, rtol=0)
+
+
+def test_incremental_decode_equals_full_forward(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    tokens = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    _, full = full_forward(runner, tokens)
+    cache = runner.new_cache(1, 24)
+    out = runner.forward(tokens[:, :10], torch.arange(10)[None], cache)
+    torch.testing.assert_close(out.logits, full[:, 9], atol=ATOL, rtol=0)
+    for p in range(10, 24):
+        out = runner.forward(tokens[:, p : p + 1], torch.tensor([[p]]), cache)
+        torch.testing.assert_close(out.logits, full[:, p], atol=ATOL, rtol=0)
+
+
+def test_scattered_subset_over_prefilled_cache_equals_full_forward(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    T = 32
+    tokens = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(4))
+    own, full = full_forward(runner, tokens)
+    subset = torch.tensor([[0, 5, 6, 13, 20, 21, 31]])
+    cache = runner.new_cache(1, T)
+    cache.k.copy_(own.k)
+    cache.v.copy_(own.v)
+    cache.filled.copy_(own.filled)
+    # garbage in the subset's rows: the pass must overwrite them before anyone reads them
+    cache.k[:, :, :, subset[0]] = 1e3
+    cache.v[:, :, :, subset[0]] = -1e3
+    out = runner.forward(tokens[:, subset[0]], subset, cache, logits_at="all")
+    torch.testing.assert_close(out.logits, full[:, subset[0]], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.k, own.k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.v, own.v, atol=ATOL, rtol=0)
+
+
+def test_unfilled_slots_are_invisible(tiny):
+    """A query sees only filled slots: leaving a slot unfilled equals dropping that token."""
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    tokens = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(5))
+    keep = [i for i in range(12) if i != 4]
+    cache = runner.new_cache(1, 12)
+    out = runner.forward(tokens[:, keep], torch.tensor([keep]), cache)
+    assert not cache.filled[0, 4] and cache.filled[0, keep].all()
+    # same computation by hand: attention over the remaining positions only
+    ref_cache = runner.new_cache(1, 12)
+    pos = torch.tensor([keep])
+    h = runner.embed(tokens[:, keep])
+    ref_cache.mark(pos)
+    for i in range(runner.num_layers):
+        q, k, v = runner.qkv(i, h, runner.cos_sin(pos))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        h = runner.finish(i, h, a)
+    torch.testing.assert_close(out.logits, runner.logits(h, pos), atol=ATOL, rtol=0)
+
+
+def test_padded_batch_equals_single_runs(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 17, 11)]
+    _, batch = runner.prefill(prompts)
+    for b, p in enumerate(prompts):
+        _, single = runner.prefill([p])
+        torch.testing.assert_close(batch.logits[b], single.logits[0], atol=ATOL, rtol=0)
+    cfg = SamplingConfig(max_new_tokens=8)
+    batched = generate(runner, prompts, cfg)
+    for b, p in enumerate(prompts):
+        assert batched[b].tokens == generate(runner, [p], cfg)[0].tokens
+
+
+def test_greedy_generation_matches_transformers(tiny):
+    _, path, hf = tiny
+    runner = Runner.load(path)
+    prompt = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ours = generate(runner, prompt.tolist(), SamplingConfig(max_new_tokens=12))[0]
+    assert ours.tokens == ref[0, 9:].tolist() and ours.finish_reason == "length"
+
+
+def test_sampling_is_seeded_and_stops(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    prompt = [[1, 2, 3, 4]]
+    cfg = SamplingConfig(max_new_tokens=10, temperature=1.0, top_p=0.9, seed=11)
+    a, b = generate(runner, prompt, cfg)[0], generate(runner, prompt, cfg)[0]
+    assert a.tokens == b.tokens
+    # a vanishing top_p keeps only the top token: sampling becomes greedy
+    greedy = generate(runner, prompt, SamplingConfig(max_new_tokens=10))[0]
+    assert generate(runner, prompt, SamplingConfig(max_new_tokens=10, temperature=1.0, top_p=1e-6))[0].tokens == greedy.tokens
+    # stopping on the third greedy token ends before it, reason "stop"
+    stop = greedy.tokens[2]
+    first = greedy.tokens.index(stop)
+    stopped = generate(runner, prompt, SamplingConfig(max_new_tokens=10, stop_token_ids=(stop,)))[0]
+    assert stopped.tokens == greedy.tokens[:first] and stopped.finish_reason == "stop"
+
+
+def test_decode_continues_from_given_cache(tiny):
+    """decode() from a prefilled cache equals generate() (the path a handoff takes)."""
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    cfg = SamplingConfig(max_new_tokens=6)
+    tokens, positions = pad_batch(prompts)
+    cache = runner.new_cache(2, 5 + 6)
+    first = runner.forward(tokens, positions, cache)
+    out = decode(runner, cache, first.logits, torch.tensor([3, 5]), cfg)
+    assert [g.tokens for g in out] == [g.tokens for g in generate(runner, prompts, cfg)]
+
+
+def test_bf16_close_to_fp32(tiny):
+    _, path, _ = tiny
+    tokens = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(8))
+    _, ref = full_forward(Runner.load(path), tokens)
+    _, low = full_forward(Runner.load(path, dtype=torch.bfloat16), tokens)
+    assert low.dtype == torch.float32
+    assert (low - ref).abs().max() < 0.1 * ref.abs().max()
