@@ -21,7 +21,8 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int = 0
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # empty: the model's own end tokens (via LLM)
+    ignore_eos: bool = False  # never stop early (benchmarks, parity tests)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -62,7 +63,7 @@ def decode(
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
     reasons = ["length"] * B
-    stop = set(cfg.stop_token_ids)
+    stop = set() if cfg.ignore_eos else set(cfg.stop_token_ids)
     next_pos = next_pos.clone().to(runner.device)
     for step in range(cfg.max_new_tokens):
         tok = sample(logits, cfg, gen)

@@ -1,0 +1,60 @@
+"""The `rarecache` command on a tiny model: output equals the API, mistakes are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from rarecache import LLM, SamplingConfig
+from rarecache.cli import main
+
+from .conftest import make_tiny
+from .test_tokenizer import tok_dir  # noqa: F401  (fixture)
+
+
+@pytest.fixture()
+def model_dir(tok_dir):  # noqa: F811
+    make_tiny("qwen2", tok_dir, vocab_size=400)
+    return tok_dir
+
+
+def test_generate_prints_what_the_api_returns(model_dir, capsys):
+    assert main(["generate", "--model", str(model_dir), "--dtype", "float32", "--chat",
+                 "--max-new-tokens", "8", "--json", "hello there", "def add"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    llm = LLM(model_dir)
+    want = llm.generate([[{"role": "user", "content": p}] for p in ("hello there", "def add")],
+                        SamplingConfig(max_new_tokens=8))
+    assert [x["text"] for x in lines] == [w.text for w in want]
+    assert [x["prompt_tokens"] for x in lines] == [w.prompt_tokens for w in want]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "/no/such/model", "hi"], "model"),
+    (["generate", "--model", "MODEL", "--temperature", "-1", "hi"], "temperature"),
+    (["generate", "--model", "MODEL", "--max-new-tokens", "1000", "hi"], "exceeds the model's 256"),
+    (["generate", "--model", "MODEL", ""], "the prompt is empty"),
+    (["pull", "no-such-model"], "unknown model 'no-such-model'"),
+])
+def test_user_mistakes_are_one_line_errors(model_dir, capsys, argv, message):
+    argv = [str(model_dir) if a == "MODEL" else a for a in argv]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("rarecache: error:") and message in err
+    assert "Traceback" not in err
+
+
+def test_missing_weights_named(model_dir, capsys):
+    (model_dir / "model.safetensors").unlink()
+    assert main(["generate", "--model", str(model_dir), "hi"]) == 2
+    assert "no .safetensors weights" in capsys.readouterr().err
+
+
+def test_help_lists_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(c in out for c in ("pull", "generate", "models"))

