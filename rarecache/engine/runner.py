@@ -36,8 +36,9 @@ class AttnCapture:
 
 
 class Runner:
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, path: Path | None = None):
         self.model = model
+        self.path = path  # checkpoint directory, when loaded from one
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
@@ -45,7 +46,7 @@ class Runner:
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Runner":
-        return cls(load_model(path, dtype=dtype, device=device))
+        return cls(load_model(path, dtype=dtype, device=device), Path(path))
 
     @property
     def num_layers(self) -> int:

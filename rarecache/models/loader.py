@@ -8,6 +8,7 @@ tensor is an error that names it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -102,3 +103,22 @@ def load_model(
 def _names(names: list[str], limit: int = 8) -> str:
     more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A cheap identity of a checkpoint's weights, independent of the dtype it is run in.
+
+    Hashes each safetensors file's size, header (names, dtypes, shapes, offsets) and
+    1 MiB of data from its start, middle and end.
+    """
+    h = hashlib.sha256()
+    for file in checkpoint_files(Path(path)):
+        size = file.stat().st_size
+        h.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            h.update(f.read(min(header_len, 100 << 20)))
+            for at in (0, size // 2, max(size - (1 << 20), 0)):
+                f.seek(at)
+                h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]

@@ -45,6 +45,8 @@ class Rope:
         """positions (B, T) int -> cos, sin (B, 1, T, D) in `dtype` (padding positions < 0 are harmless)."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # (B, T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, D)
+        if dtype == torch.float64:  # float64 callers (map fitting, tests) get float64 trigonometry
+            emb = emb.double()
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

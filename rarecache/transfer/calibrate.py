@@ -1,0 +1,187 @@
+"""Streaming calibration: run both models over the same text, accumulate statistics, fit.
+
+Both models prefill each calibration sequence; the content rows of every layer at
+the sampled positions feed float64 sufficient statistics (stats.py). The state is
+checkpointed to `<out>.state` (safetensors, atomically replaced) every few
+sequences; a killed run resumes at the next sequence and ends with exactly the
+statistics of an uninterrupted one, because sums are added in the same order.
+
+Memory: per side, XᵀX is (Ls·ds)² and XᵀY is (Ls·ds)×(Lt·dt) float64 numbers.
+For Qwen2.5-Coder 0.5B -> 1.5B that is 3072² + 3072·7168 ≈ 31M numbers (250 MB)
+per side. For Qwen3-0.6B -> 14B (28×1024 -> 40×1024) it is about 2 GB + 9.4 GB per
+side, 23 GB for both: it fits one large GPU (pass device="cuda"). Time is the two
+prefills plus 2·N·(Ls·ds)·(Ls·ds + Lt·dt) float64 FLOPs per side for N tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..engine.runner import Runner
+from ..errors import RarecacheError
+from ..models.tokenizer import Tokenizer
+from .corpus import Corpus, token_sequences
+from .features import rows
+from .fit import Layout, fit_side, heldout_r2
+from .mapper import SIDES, Mapper, MapInfo, identity
+from .stats import RegressionStats
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    tokens: int = 65536  # sampled positions used for fitting
+    heldout_tokens: int = 8192  # sampled positions after those, for held-out R² (0 = none)
+    seq_len: int = 512
+    stride: int = 1  # sample every stride-th position ...
+    skip_first: int = 0  # ... from this position on (1 leaves out the attention sink)
+    k: int = 8
+    lam: float = 0.01
+    rank: int | None = None  # None: d_t / 8 (the paper's 128 for d_t = 1024)
+    checkpoint_every: int = 8  # sequences between state checkpoints
+
+    def __post_init__(self):
+        if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
+            raise RarecacheError("calibration needs tokens >= 1, heldout >= 0, seq_len >= 2, stride >= 1, k >= 1")
+        if self.lam < 0 or (self.rank is not None and self.rank < 0):
+            raise RarecacheError("lambda and rank must be >= 0")
+
+
+def layouts(source: Runner, target: Runner) -> tuple[Layout, Layout]:
+    return (Layout(source.config.num_layers, source.config.kv_dim),
+            Layout(target.config.num_layers, target.config.kv_dim))
+
+
+def features(runner: Runner, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Prefill one sequence; content rows (N, L·Hkv·D) per side at positions `keep`."""
+    cache, _ = runner.prefill([ids])
+    pos = keep[None].to(runner.device)
+    return {s: rows(runner, cache, pos, s)[0] for s in SIDES}
+
+
+class Calibration:
+    """A resumable calibration run that ends in a Mapper."""
+
+    def __init__(self, source: Runner, target: Runner, tokenizer: Tokenizer, corpus: Corpus,
+                 cfg: CalibrationConfig, out: Path, device: str | torch.device = "cpu"):
+        if source.config.vocab_size != target.config.vocab_size:
+            raise RarecacheError("source and target have different vocabularies: not one family")
+        self.source, self.target, self.tokenizer, self.corpus, self.cfg = source, target, tokenizer, corpus, cfg
+        self.out, self.state_path = Path(out), Path(str(out) + ".state")
+        self.src, self.tgt = layouts(source, target)
+        self.device = device
+        self.rank = cfg.rank if cfg.rank is not None else max(1, self.tgt.width // 8)
+        if self.rank > self.tgt.width:
+            raise RarecacheError(f"rank {self.rank} exceeds the target row width {self.tgt.width}")
+        self.run_id = {"source": identity(source), "target": identity(target), "corpus": corpus.describe(),
+                       "config": asdict(cfg), "dtype": str(source.dtype)}
+        self.stats = {f"{part}.{s}": RegressionStats(self.src.layers * self.src.width,
+                                                     self.tgt.layers * self.tgt.width, device)
+                      for part in ("fit", "heldout") for s in SIDES}
+        self.sequences_done = 0
+        self.documents_used = 0
+        self.fit_documents = 0  # documents the fit part read; held-out data starts after them
+
+    # -- state -------------------------------------------------------------------------
+
+    def _save_state(self) -> None:
+        tensors = {}
+        for name, st in self.stats.items():
+            tensors.update({k: v.cpu().contiguous() for k, v in st.tensors(name).items()})
+        meta = {"run": self.run_id, "sequences_done": self.sequences_done, "documents_used": self.documents_used,
+                "fit_documents": self.fit_documents}
+        tmp = self.state_path.with_name(self.state_path.name + ".partial")
+        save_file(tensors, str(tmp), metadata={"rarecache.calibration": json.dumps(meta)})
+        os.replace(tmp, self.state_path)
+
+    def _load_state(self) -> bool:
+        if not self.state_path.is_file():
+            return False
+        try:
+            with safe_open(str(self.state_path), framework="pt") as f:
+                meta = json.loads(f.metadata()["rarecache.calibration"])
+                tensors = {k: f.get_tensor(k).to(self.device) for k in f.keys()}
+        except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as e:
+            raise RarecacheError(f"{self.state_path} is not a calibration state ({e}); delete it to start over")
+        if meta["run"] != json.loads(json.dumps(self.run_id)):
+            raise RarecacheError(f"{self.state_path} belongs to a different calibration (models, corpus or "
+                                 "settings differ); delete it or pass --restart")
+        self.stats = {name: RegressionStats.from_tensors(tensors, name) for name in self.stats}
+        self.sequences_done, self.documents_used = meta["sequences_done"], meta["documents_used"]
+        self.fit_documents = meta["fit_documents"]
+        return True
+
+    # -- the run -----------------------------------------------------------------------
+
+    def run(self, progress: bool = True, restart: bool = False, max_sequences: int | None = None) -> Mapper | None:
+        """Accumulate until the token budgets are met, then fit. Returns None if stopped by
+        `max_sequences` first (the state is saved; call again to continue)."""
+        if restart:
+            self.state_path.unlink(missing_ok=True)
+        elif self._load_state() and progress:
+            tqdm.write(f"resuming {self.state_path.name} after {self.sequences_done} sequences")
+        cfg, fit, held = self.cfg, self.stats["fit.k"], self.stats["heldout.k"]
+        total = cfg.tokens + cfg.heldout_tokens
+        bar = tqdm(total=total, initial=min(fit.n + held.n, total), unit="tok", desc="calibrate",
+                   disable=not progress, dynamic_ncols=True)
+        seqs = token_sequences(self.corpus, self.tokenizer, cfg.seq_len)
+        done_now, t0 = 0, time.monotonic()
+        for i, (doc, ids) in enumerate(seqs):
+            if fit.n + held.n >= total:
+                break
+            if i < self.sequences_done:
+                continue
+            if max_sequences is not None and done_now >= max_sequences:
+                self._save_state()
+                bar.close()
+                return None
+            keep = torch.arange(cfg.skip_first, len(ids), cfg.stride)
+            part = "fit" if fit.n < cfg.tokens else "heldout"
+            budget = (cfg.tokens - fit.n) if part == "fit" else (total - fit.n - held.n)
+            keep = keep[:budget]
+            if part == "heldout" and doc < self.fit_documents:
+                keep = keep[:0]  # held-out data never shares a document with the fit
+            if len(keep):
+                xs, ys = features(self.source, ids, keep), features(self.target, ids, keep)
+                for s in SIDES:
+                    self.stats[f"{part}.{s}"].update(xs[s], ys[s])
+                bar.update(len(keep))
+            self.sequences_done, self.documents_used = i + 1, doc + 1
+            if part == "fit":
+                self.fit_documents = doc + 1
+            done_now += 1
+            if done_now % cfg.checkpoint_every == 0:
+                self._save_state()
+        bar.close()
+        if fit.n == 0:
+            raise RarecacheError(f"corpus {self.corpus.name} yielded no calibration tokens")
+        if fit.n + held.n < total and progress:
+            tqdm.write(f"corpus exhausted: {fit.n} fit and {held.n} held-out tokens "
+                       f"(asked {cfg.tokens} + {cfg.heldout_tokens})")
+        self._save_state()
+        if progress:
+            tqdm.write(f"accumulated {fit.n + held.n} tokens in {time.monotonic() - t0:.0f} s; fitting")
+        return self.fit()
+
+    def fit(self) -> Mapper:
+        cfg = self.cfg
+        sides, r2_held = {}, {}
+        for s in SIDES:
+            sides[s] = fit_side(self.stats[f"fit.{s}"], self.src, self.tgt, cfg.k, cfg.lam, self.rank)
+            if self.stats[f"heldout.{s}"].n > 1:
+                r2_held[s] = heldout_r2(sides[s], self.stats[f"heldout.{s}"], self.src, self.tgt).tolist()
+        calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
+                 "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
+                 "sequences": self.sequences_done, "heldout_tokens": self.stats["heldout.k"].n}
+        info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
+                       lam=cfg.lam, rank=self.rank, tokens=self.stats["fit.k"].n, corpus=self.corpus.describe(),
+                       calibration=calib, r2_heldout=r2_held)
+        return Mapper(info, sides)

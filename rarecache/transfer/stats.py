@@ -1,0 +1,46 @@
+"""Sufficient statistics of a cross-model regression, accumulated in float64.
+
+For one side (keys or values): x concatenates every source layer's content row,
+y every target layer's. Means, XᵀX and XᵀY are all a ridge fit, the R² of any
+subset of source layers and the rank-disagreement basis need, so calibration
+streams: it never holds all tokens, and it can stop and resume. Sums (not means)
+are kept, so adding chunks in the same order gives bit-identical statistics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class RegressionStats:
+    def __init__(self, dx: int, dy: int, device: str | torch.device = "cpu"):
+        f64 = dict(dtype=torch.float64, device=device)
+        self.n = 0
+        self.sx = torch.zeros(dx, **f64)
+        self.sy = torch.zeros(dy, **f64)
+        self.syy = torch.zeros(dy, **f64)  # per-dimension sums of squares (R² needs only these)
+        self.xx = torch.zeros(dx, dx, **f64)
+        self.xy = torch.zeros(dx, dy, **f64)
+
+    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x (N, dx), y (N, dy) rows of the same N tokens."""
+        x, y = x.to(self.xx), y.to(self.xx)
+        self.n += x.shape[0]
+        self.sx += x.sum(0)
+        self.sy += y.sum(0)
+        self.syy += (y * y).sum(0)
+        self.xx += x.T @ x
+        self.xy += x.T @ y
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        n = torch.tensor([self.n], dtype=torch.int64)
+        return {f"{prefix}.n": n, f"{prefix}.sx": self.sx, f"{prefix}.sy": self.sy, f"{prefix}.syy": self.syy,
+                f"{prefix}.xx": self.xx, f"{prefix}.xy": self.xy}
+
+    @classmethod
+    def from_tensors(cls, t: dict[str, torch.Tensor], prefix: str) -> "RegressionStats":
+        s = cls.__new__(cls)
+        s.n = int(t[f"{prefix}.n"][0])
+        for name in ("sx", "sy", "syy", "xx", "xy"):
+            setattr(s, name, t[f"{prefix}.{name}"])
+        return s

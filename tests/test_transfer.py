@@ -1,0 +1,184 @@
+"""Cross-model maps: RoPE round trips, planted-map recovery, streaming, resume, files, pairing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rarecache.engine.runner import Runner
+from rarecache.errors import RarecacheError
+from rarecache.models.config import ModelConfig
+from rarecache.models.rope import Rope
+from rarecache.models.tokenizer import Tokenizer
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fit import Layout, fit_side, heldout_r2
+from rarecache.transfer.mapper import Mapper
+from rarecache.transfer.stats import RegressionStats
+
+from .conftest import make_tiny
+from .test_tokenizer import tok_dir  # noqa: F401  (fixture)
+
+
+def test_rope_strip_then_apply_is_identity(tiny):
+    _, path, _ = tiny
+    cfg = ModelConfig.from_dir(path)
+    rope = Rope(cfg.rope, cfg.head_dim)
+    x = torch.randn(2, cfg.num_kv_heads, 50, cfg.head_dim, dtype=torch.float64)
+    pos = torch.randint(0, 40000, (2, 50))
+    torch.testing.assert_close(rope.apply(rope.strip(x, pos), pos), x, atol=1e-12, rtol=0)
+    torch.testing.assert_close(rope.strip(rope.apply(x, pos), pos), x, atol=1e-12, rtol=0)
+    assert (rope.apply(x, pos) - x).abs().max() > 0.1  # it does rotate
+    x32 = x.float()
+    torch.testing.assert_close(rope.apply(rope.strip(x32, pos), pos), x32, atol=1e-5, rtol=0)
+
+
+def planted(n=4000, src=Layout(6, 8), tgt=Layout(3, 5), k=2, noise=0.0, seed=0):
+    """Data where target layer l is an affine map of exactly k source layers."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, src.layers * src.width, generator=g, dtype=torch.float64) * 2 + 1
+    chosen, ys, maps = [], [], []
+    for _ in range(tgt.layers):
+        layers = sorted(torch.randperm(src.layers, generator=g)[:k].tolist())
+        w = torch.randn(k * src.width, tgt.width, generator=g, dtype=torch.float64)
+        b = torch.randn(tgt.width, generator=g, dtype=torch.float64)
+        ys.append(x[:, src.index(layers)] @ w + b + noise * torch.randn(n, tgt.width, generator=g, dtype=torch.float64))
+        chosen.append(layers)
+        maps.append((w, b))
+    return x, torch.cat(ys, 1), chosen, maps
+
+
+def test_ridge_recovers_planted_map_and_top_k_finds_its_layers():
+    src, tgt = Layout(6, 8), Layout(3, 5)
+    x, y, chosen, maps = planted(src=src, tgt=tgt)
+    stats = RegressionStats(x.shape[1], y.shape[1])
+    stats.update(x, y)
+    fit = fit_side(stats, src, tgt, k=2, lam=1e-9, rank=3)
+    for l, (w, b) in enumerate(maps):
+        assert fit.sources[l].tolist() == chosen[l]
+        torch.testing.assert_close(fit.weight[l], w, atol=1e-6, rtol=0)
+        torch.testing.assert_close(fit.bias[l], b, atol=1e-6, rtol=0)
+    torch.testing.assert_close(fit.r2, torch.ones(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    # the basis is orthonormal and spans the leading directions of the predictions' covariance
+    basis = fit.basis[0]
+    torch.testing.assert_close(basis.T @ basis, torch.eye(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    pred = x[:, src.index(chosen[0])] @ maps[0][0]
+    cov = torch.cov(pred.T, correction=0)
+    top = torch.linalg.eigh(cov).eigenvectors[:, -3:]
+    torch.testing.assert_close((basis @ basis.T), top @ top.T, atol=1e-6, rtol=0)
+
+
+def test_heldout_r2_equals_direct_computation():
+    src, tgt = Layout(4, 6), Layout(2, 4)
+    x, y, _, _ = planted(n=3000, src=src, tgt=tgt, noise=1.0)
+    train, test = RegressionStats(x.shape[1], y.shape[1]), RegressionStats(x.shape[1], y.shape[1])
+    train.update(x[:2000], y[:2000])
+    test.update(x[2000:], y[2000:])
+    fit = fit_side(train, src, tgt, k=2, lam=0.01, rank=2)
+    got = heldout_r2(fit, test, src, tgt)
+    for l in range(2):
+        xs, ys = x[2000:, src.index(fit.sources[l].tolist())], y[2000:, tgt.block(l)]
+        pred = xs @ fit.weight[l] + fit.bias[l]
+        want = 1 - ((ys - pred) ** 2).sum() / ((ys - ys.mean(0)) ** 2).sum()
+        torch.testing.assert_close(got[l], want, atol=1e-10, rtol=0)
+    assert 0.3 < got.min() < 0.99
+
+
+def test_streamed_statistics_equal_one_shot():
+    x, y, _, _ = planted(n=1000)
+    one, chunked = RegressionStats(x.shape[1], y.shape[1]), RegressionStats(x.shape[1], y.shape[1])
+    one.update(x, y)
+    for i in range(0, 1000, 137):
+        chunked.update(x[i : i + 137], y[i : i + 137])
+    assert one.n == chunked.n
+    for name in ("sx", "sy", "syy", "xx", "xy"):
+        torch.testing.assert_close(getattr(chunked, name), getattr(one, name), atol=1e-9, rtol=1e-12)
+
+
+# -- end to end on tiny models ---------------------------------------------------------------
+
+@pytest.fixture()
+def pair(tok_dir, tmp_path):  # noqa: F811
+    """(source, target, tokenizer, corpus): two tiny Qwen2 models sharing a tokenizer."""
+    dirs = {}
+    for name, seed, kw in (("src", 1, {}), ("tgt", 2, dict(num_hidden_layers=4, head_dim=24))):
+        d = tmp_path / name
+        d.mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (d / f).write_bytes((tok_dir / f).read_bytes())
+        make_tiny("qwen2", d, seed=seed, vocab_size=400, **kw)
+        dirs[name] = d
+    text = tmp_path / "corpus.txt"
+    words = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g)) for _ in range(12)]
+    text.write_text("\n\n\n".join(docs))
+    return (Runner.load(dirs["src"]), Runner.load(dirs["tgt"]), Tokenizer.from_dir(dirs["src"]),
+            load_corpus(str(text)))
+
+
+CFG = CalibrationConfig(tokens=600, heldout_tokens=150, seq_len=48, k=2, rank=4, checkpoint_every=1)
+
+
+def test_resumed_calibration_equals_uninterrupted(pair, tmp_path):
+    source, target, tok, corpus = pair
+    whole = Calibration(source, target, tok, corpus, CFG, tmp_path / "a.map").run(progress=False)
+    run = Calibration(source, target, tok, corpus, CFG, tmp_path / "b.map")
+    assert run.run(progress=False, max_sequences=3) is None  # "killed" after 3 sequences
+    assert run.run(progress=False, max_sequences=2) is None  # and again
+    resumed = Calibration(source, target, tok, corpus, CFG, tmp_path / "b.map").run(progress=False)
+    assert whole.info.tokens == resumed.info.tokens == 600
+    assert whole.info.calibration == resumed.info.calibration
+    for side in ("k", "v"):
+        for name in ("weight", "bias", "basis", "r2", "r2_single", "sources"):
+            assert torch.equal(getattr(whole.sides[side], name), getattr(resumed.sides[side], name)), name
+    assert whole.info.r2_heldout == resumed.info.r2_heldout and len(whole.info.r2_heldout["k"]) == 4
+
+
+def test_state_of_another_run_is_refused(pair, tmp_path):
+    source, target, tok, corpus = pair
+    Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False, max_sequences=1)
+    other = CalibrationConfig(tokens=601, heldout_tokens=150, seq_len=48, k=2, rank=4)
+    with pytest.raises(RarecacheError, match="different calibration"):
+        Calibration(source, target, tok, corpus, other, tmp_path / "m").run(progress=False)
+
+
+def test_map_file_round_trip_and_pair_check(pair, tmp_path):
+    source, target, tok, corpus = pair
+    mapper = Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False)
+    mapper.save(tmp_path / "m.safetensors")
+    back = Mapper.load(tmp_path / "m.safetensors")
+    assert back.info == mapper.info
+    for side in ("k", "v"):
+        for name in ("weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single", "sources"):
+            a, b = getattr(mapper.sides[side], name), getattr(back.sides[side], name)
+            assert torch.equal(a.float() if a.is_floating_point() else a, b), name
+    back.check_pair(source, target)
+    with pytest.raises(RarecacheError, match="runs src -> tgt.*fit a map in that direction"):
+        back.check_pair(target, source)
+    with pytest.raises(RarecacheError, match="fitted for src -> tgt"):
+        back.check_pair(source, source)
+
+
+def test_map_file_is_validated(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(b"not a map")
+    with pytest.raises(RarecacheError, match="not a map file"):
+        Mapper.load(tmp_path / "bad.safetensors")
+    with pytest.raises(RarecacheError, match="no map file"):
+        Mapper.load(tmp_path / "missing.safetensors")
+
+
+def test_self_map_reproduces_own_cache(pair, tmp_path):
+    """A model mapped onto itself with every source layer is the identity: the mapped cache is its own."""
+    source, _, tok, corpus = pair
+    cfg = CalibrationConfig(tokens=1500, heldout_tokens=0, seq_len=48, k=source.num_layers, lam=1e-6, rank=4)
+    mapper = Calibration(source, source, tok, corpus, cfg, tmp_path / "self").run(progress=False)
+    assert mapper.sides["k"].r2.min() > 0.999 and mapper.sides["v"].r2.min() > 0.999
+    ids = tok.encode(corpus.documents[-1])[:40]
+    own, _ = source.prefill([ids])
+    mapped = source.new_cache(1, 40)
+    pos = torch.arange(40)[None]
+    mapper.apply(source, own, source, mapped, pos, dtype=torch.float64)
+    assert mapped.filled[0, :40].all()
+    torch.testing.assert_close(mapped.k, own.k, atol=2e-3, rtol=0)
+    torch.testing.assert_close(mapped.v, own.v, atol=2e-3, rtol=0)
