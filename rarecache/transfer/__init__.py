@@ -1,0 +1,1 @@
+"""The transfer technique: cross-model KV maps, scoring, selective recompute."""
