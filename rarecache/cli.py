@@ -81,6 +81,66 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from .engine.llm import DTYPES
+    from .engine.runner import Runner
+    from .models.store import resolve_model
+    from .models.tokenizer import Tokenizer
+    from .transfer.calibrate import Calibration, CalibrationConfig
+    from .transfer.corpus import load_corpus
+
+    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
+                            stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
+                            rank=args.rank)
+    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
+    source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
+    tokenizer = Tokenizer.from_dir(paths[0])
+    corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    mapper = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device).run(restart=args.restart)
+    mapper.save(args.out)
+    Path(str(args.out) + ".state").unlink(missing_ok=True)
+    print(summary(mapper))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def summary(mapper) -> str:
+    i = mapper.info
+    lines = [f"map {i.direction}: k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
+             f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, {i.calibration.get('documents_used')} used)"]
+    for side, name in (("k", "keys"), ("v", "values")):
+        r2 = mapper.sides[side].r2
+        held = i.r2_heldout.get(side)
+        lines.append(f"  R2 {name:6s} mean {r2.mean():.4f} (min {r2.min():.4f}, max {r2.max():.4f})"
+                     + (f"   held-out mean {sum(held) / len(held):.4f}" if held else ""))
+    return "\n".join(lines)
+
+
+def cmd_inspect(args) -> int:
+    from .transfer.mapper import Mapper
+
+    mapper = Mapper.load(args.map)
+    i = mapper.info
+    if args.json:
+        print(json.dumps({"info": {**i.__dict__}, "r2": {s: mapper.sides[s].r2.tolist() for s in ("k", "v")},
+                          "sources": {s: mapper.sides[s].sources.tolist() for s in ("k", "v")}}))
+    else:
+        print(summary(mapper))
+        print(f"  source {i.source}\n  target {i.target}\n  calibration {i.calibration}")
+        print("  layer  R2_K    R2_V    held_K  held_V  key sources")
+        for l in range(mapper.sides["k"].r2.shape[0]):
+            held = [i.r2_heldout[s][l] if s in i.r2_heldout else float("nan") for s in ("k", "v")]
+            print(f"  {l:5d}  {mapper.sides['k'].r2[l]:.4f}  {mapper.sides['v'].r2[l]:.4f}  "
+                  f"{held[0]:.4f}  {held[1]:.4f}  {mapper.sides['k'].sources[l].tolist()}")
+    if args.plot:
+        from .transfer.plots import plot_r2
+
+        plot_r2(mapper, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -113,6 +173,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(p)
     _add_sampling_options(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("calibrate", help="fit a cross-model KV map (streams, checkpoints, resumes)",
+                       description="Run source and target over the same calibration text, accumulate float64 "
+                                   "statistics of their de-rotated KV rows, and fit top-K ridge maps per target "
+                                   "layer and side. Interrupted runs resume from OUT.state.")
+    p.add_argument("--source", required=True, help="model whose cache will be mapped (name, HF dir or .gguf)")
+    p.add_argument("--target", required=True, help="model that receives the mapped cache")
+    p.add_argument("--corpus", default="wiki",
+                   help="built-in (wiki, c4, tiny, technical, code, multilingual, hotpotqa), a text file or "
+                        "folder, or file.jsonl:field (default: wiki)")
+    p.add_argument("--chat", action="store_true", help="render each document as a user turn with the chat template")
+    p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
+    p.add_argument("--heldout-tokens", type=int, default=8192,
+                   help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
+    p.add_argument("--stride", type=int, default=1, help="sample every STRIDE-th position (default: 1)")
+    p.add_argument("--skip-first", type=int, default=0, help="leave out the first N positions (default: 0)")
+    p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")
+    p.add_argument("--lam", type=float, default=0.01, help="ridge lambda (default: 0.01)")
+    p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank r (default: d_t/8)")
+    p.add_argument("--out", type=Path, required=True, help="map file to write (.safetensors)")
+    p.add_argument("--restart", action="store_true", help="discard a saved state and start over")
+    p.add_argument("--device", default="cpu", help="where statistics accumulate (default: cpu)")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("inspect", help="show a map file's metadata and R2 per layer")
+    p.add_argument("map", type=Path)
+    p.add_argument("--plot", type=Path, default=None, help="also draw R2 per target layer to this PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
     return parser
 
 

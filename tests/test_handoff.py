@@ -1,0 +1,127 @@
+"""Selective recompute and the rank-disagreement score on tiny models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rarecache.errors import RarecacheError
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.features import rows
+from rarecache.transfer.handoff import HandoffConfig, budget, handoff, rank_scores
+from rarecache.transfer.mapper import SIDES
+
+from .test_transfer import pair, tok_dir  # noqa: F401  (fixtures)
+
+
+@pytest.fixture()
+def fitted(pair, tmp_path):  # noqa: F811
+    source, target, tok, corpus = pair
+    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
+    mapper = Calibration(source, target, tok, corpus, cfg, tmp_path / "m").run(progress=False)
+    prompts = [tok.encode(corpus.documents[-1])[:37], tok.encode(corpus.documents[-2])[:23]]
+    return source, target, mapper, prompts
+
+
+def own_prefill(target, prompts, max_len):
+    return target.prefill(prompts, max_len=max_len)
+
+
+def test_rho_one_equals_target_prefill(fitted):
+    source, target, mapper, prompts = fitted
+    cache, logits, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0))
+    own, out = own_prefill(target, prompts, max_len=37)
+    assert [len(p) for p in res.positions] == [37, 23]
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+    for b, n in enumerate((37, 23)):
+        torch.testing.assert_close(cache.k[:, b, :, :n], own.k[:, b, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[:, b, :, :n], own.v[:, b, :, :n], atol=1e-5, rtol=0)
+
+
+def test_rho_zero_is_plain_transfer(fitted):
+    """Only the last position is computed; every other row is the map's output."""
+    source, target, mapper, prompts = fitted
+    cache, logits, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.0))
+    assert res.positions == [[36]]
+    mapped = target.new_cache(1, 37)
+    src_cache, _ = source.prefill(prompts[:1])
+    mapper.apply(source, src_cache, target, mapped, torch.arange(37)[None])
+    torch.testing.assert_close(cache.k[:, :, :, :36], mapped.k[:, :, :, :36], atol=0, rtol=0)
+    assert not torch.allclose(cache.k[:, :, :, 36], mapped.k[:, :, :, 36])  # the last row is the target's own
+    # its logits: the target's last-position forward over the mapped cache
+    out = target.forward(torch.tensor([[prompts[0][36]]]), torch.tensor([[36]]), mapped)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+
+
+def test_score_equals_reduced_rank_gap_the_long_way(fitted):
+    source, target, mapper, prompts = fitted
+    src_cache, _ = source.prefill(prompts[:1])
+    pos = torch.arange(37)[None]
+    cache = target.new_cache(1, 37)
+    z = mapper.apply(source, src_cache, target, cache, pos, dtype=torch.float64)
+    fast = rank_scores(mapper, z)[0].double()
+    slow = torch.zeros(37, dtype=torch.float64)
+    for side in SIDES:
+        f = mapper.sides[side]
+        x = rows(source, src_cache, pos, side)[0].double()  # (T, Ls·ds)
+        width = x.shape[1] // source.num_layers
+        for l in range(f.weight.shape[0]):
+            xs = torch.cat([x[:, j * width:(j + 1) * width] for j in f.sources[l].tolist()], 1)
+            w, b = f.weight[l].double(), f.bias[l].double()
+            vr = f.basis[l].double()
+            w_r = w @ vr @ vr.T  # reduced-rank map
+            mu = f.mean[l].double()  # μ̂ = x̄W + b
+            b_r = mu - (mu - b) @ vr @ vr.T  # refit bias μ̂ − x̄W_r: sends x̄ to μ̂
+            slow += ((xs @ w + b) - (xs @ w_r + b_r)).square().sum(1)
+    torch.testing.assert_close(fast, slow, rtol=1e-3, atol=1e-6 * slow.max().item())
+
+
+def test_score_limits_in_rank(fitted):
+    source, target, mapper, prompts = fitted
+    src_cache, _ = source.prefill(prompts[:1])
+    pos = torch.arange(37)[None]
+    z = mapper.apply(source, src_cache, target, target.new_cache(1, 37), pos, dtype=torch.float64)
+    saved = {s: mapper.sides[s].basis for s in SIDES}
+    try:
+        for s in SIDES:
+            mapper.sides[s].basis = saved[s][..., :0]  # r = 0
+        norm = sum(z[s].square().sum(-1).sum(0) for s in SIDES)[0]
+        torch.testing.assert_close(rank_scores(mapper, z)[0].double(), norm, rtol=1e-5, atol=1e-6)
+        for s in SIDES:  # r = d_t: complete basis
+            dt = z[s].shape[-1]
+            lt = z[s].shape[0]
+            mapper.sides[s].basis = torch.linalg.qr(torch.randn(lt, dt, dt, dtype=torch.float64)).Q
+        assert rank_scores(mapper, z).abs().max() < 1e-6 * norm.max()
+    finally:
+        for s in SIDES:
+            mapper.sides[s].basis = saved[s]
+
+
+@pytest.mark.parametrize("selector", ["rank", "random"])
+@pytest.mark.parametrize("rho", [0.0, 0.1, 0.3, 0.5, 0.99])
+def test_selection_honours_budget_and_keeps_last(fitted, selector, rho):
+    source, target, mapper, prompts = fitted
+    _, _, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=rho, selector=selector))
+    for chosen, prompt in zip(res.positions, prompts):
+        n = len(prompt)
+        assert len(chosen) == budget(rho, n) == max(1, math.ceil(round(rho * n, 6)))
+        assert chosen == sorted(set(chosen)) and chosen[-1] == n - 1 and chosen[0] >= 0
+
+
+def test_rank_selector_picks_highest_scores(fitted):
+    source, target, mapper, prompts = fitted
+    _, _, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.3))
+    scores = res.scores[0]
+    chosen = set(res.positions[0])
+    rest = [s for i, s in enumerate(scores[:-1].tolist()) if i not in chosen]
+    picked = [s for i, s in enumerate(scores[:-1].tolist()) if i in chosen]
+    assert min(picked) >= max(rest)
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(RarecacheError, match="rho"):
+        HandoffConfig(rho=1.5)
+    with pytest.raises(RarecacheError, match="unknown selector"):
+        HandoffConfig(selector="magic")
