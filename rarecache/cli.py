@@ -61,6 +61,8 @@ def cmd_generate(args) -> int:
                                   top_p=args.top_p, seed=args.seed)
     except ValueError as e:
         raise RarecacheError(str(e)) from None
+    if args.source or args.map:
+        return _generate_handoff(args, prompts, sampling)
     llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
     outs = llm.generate(prompts, sampling)
     n_prompt = sum(o.prompt_tokens for o in outs)
@@ -141,6 +143,107 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def _generate_handoff(args, prompts, sampling) -> int:
+    from .transfer.handoff import HandoffConfig
+    from .transfer.pipeline import Pipeline
+
+    if not (args.source and args.map):
+        raise RarecacheError("a handoff needs both --source and --map (and --model/--target)")
+    cfg = HandoffConfig(rho=args.rho, selector=args.selector, seed=args.seed)
+    pipe = Pipeline(args.source, args.model, args.map, dtype=args.dtype, cache_dir=args.cache_dir)
+    outs, res = pipe.generate(prompts, cfg, sampling)
+    t = res.timings
+    report = []
+    for i, o in enumerate(outs):
+        entry = {"text": o.text, "prompt_tokens": o.prompt_tokens, "recomputed": len(res.positions[i]),
+                 "finish_reason": o.finish_reason}
+        if args.compare:
+            alone = {name: llm.generate([prompts[i]], sampling)[0]
+                     for name, llm in (("target", pipe.target), ("source", pipe.source))}
+            entry["target_alone"], entry["source_alone"] = alone["target"].text, alone["source"].text
+            entry["agreement_with_target"] = _agreement(o.tokens, alone["target"].tokens)
+        report.append(entry)
+    if args.json:
+        for e in report:
+            print(json.dumps({**e, "timings": t}))
+    else:
+        for i, e in enumerate(report):
+            if len(report) > 1:
+                print(f"--- [{i}]")
+            print(e["text"])
+            if args.compare:
+                print(f"\n--- target alone ({pipe.target.path.name}):\n{e['target_alone']}")
+                print(f"\n--- source alone ({pipe.source.path.name}):\n{e['source_alone']}")
+                print(f"\ntoken agreement with target alone: {e['agreement_with_target']:.1%}")
+    phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in t.items())
+    print(f"[{pipe.source.path.name} -> {pipe.target.path.name}, rho={cfg.rho}, selector={cfg.selector}, "
+          f"{args.dtype}] {phases}", file=sys.stderr)
+    return 0
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    """Share of positions where two generations agree, up to the longer one's length."""
+    n = max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
+
+
+def _load_pair(args):
+    from .engine.llm import DTYPES
+    from .engine.runner import Runner
+    from .models.store import resolve_model
+    from .models.tokenizer import Tokenizer
+    from .transfer.mapper import Mapper
+
+    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
+    source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
+    mapper = Mapper.load(args.map)
+    mapper.check_pair(source, target)
+    return source, target, mapper, Tokenizer.from_dir(paths[0])
+
+
+def cmd_ppl(args) -> int:
+    from .eval.perplexity import ARMS, heldout_passages, prefix_perplexity
+    from .transfer.corpus import load_corpus
+
+    source, target, mapper, tokenizer = _load_pair(args)
+    corpus = load_corpus(args.corpus, cache_dir=args.cache_dir)
+    passages, first = heldout_passages(corpus, tokenizer, mapper, args.passages, args.prefix + args.continuation,
+                                       args.first_document)
+    res = prefix_perplexity(source, target, mapper, passages, args.prefix, first)
+    labels = {"target": "target, own prefix prefill", "mapped": "target, mapped prefix cache",
+              "source": "source alone"}
+    print(f"prefix-conditioned perplexity: {res.passages} passages of {corpus.name} from document {first} on, "
+          f"prefix {res.prefix} + continuation {res.continuation} tokens, {args.dtype}")
+    for arm in ARMS:
+        print(f"  {labels[arm]:30s} ppl {res.ppl(arm):8.3f}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"map": str(args.map), "corpus": corpus.describe(), "first_document": first,
+                                        "prefix": res.prefix, "continuation": res.continuation,
+                                        "dtype": args.dtype, "ppl": {a: res.ppl(a) for a in ARMS},
+                                        "nll_per_passage": res.nll}, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_map(args) -> int:
+    from .bench.mapbench import time_map
+
+    source, target, mapper, _ = _load_pair(args)
+    rows = []
+    print(f"map vs target prefill, {source.path.name} -> {target.path.name}, {args.dtype}, batch 1, "
+          f"median of {args.repeats} after a warm-up")
+    print(f"{'T':>6} {'prefill ms':>11} {'map ms':>9} {'score ms':>9} {'map/prefill':>12} {'(map+score)/prefill':>20}")
+    for length in args.lengths:
+        r = time_map(source, target, mapper, length, args.repeats).row()
+        rows.append(r)
+        print(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
+              f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
+    print(json.dumps({"bench": "map", "source": source.path.name, "target": target.path.name,
+                      "dtype": args.dtype, "rows": rows}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -166,7 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate from a model given by bundled name (pulled on first use), "
                                    "local HF directory or GGUF file. Several prompts run as one batch.")
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (default: read stdin)")
-    p.add_argument("--model", required=True, help="bundled model name, HF directory or .gguf file")
+    p.add_argument("--model", "--target", dest="model", required=True,
+                   help="the model that answers: bundled name, HF directory or .gguf file")
+    p.add_argument("--source", default=None, help="hand off from this model's cache (needs --map)")
+    p.add_argument("--map", type=Path, default=None, help="map file fitted for source -> target")
+    p.add_argument("--rho", type=float, default=0.3, help="share of prompt positions the target recomputes "
+                                                         "(default: 0.3; 0 = plain transfer, 1 = full prefill)")
+    p.add_argument("--selector", default="rank", help="which positions to recompute: rank (default) or random")
+    p.add_argument("--compare", action="store_true",
+                   help="also print the target-alone and source-alone answers and the token agreement")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -204,6 +315,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="also draw R2 per target layer to this PNG")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("ppl", help="prefix-conditioned perplexity: own prefix vs mapped prefix vs source alone",
+                       description="Score each held-out passage's continuation with the target conditioned on its "
+                                   "own prefix cache, on the mapped source cache, and with the source alone. "
+                                   "Passages come from documents the map was not fitted on.")
+    p.add_argument("--source", required=True)
+    p.add_argument("--target", required=True)
+    p.add_argument("--map", type=Path, required=True)
+    p.add_argument("--corpus", default="wiki", help="corpus to cut passages from (default: wiki)")
+    p.add_argument("--passages", type=int, default=20, help="number of passages (default: 20)")
+    p.add_argument("--prefix", type=int, default=512, help="prefix tokens (default: 512)")
+    p.add_argument("--continuation", type=int, default=512, help="scored continuation tokens (default: 512)")
+    p.add_argument("--first-document", type=int, default=None,
+                   help="start at this document (default: the first one the map did not see)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    b = bench.add_parser("map", help="time to map a prompt's cache vs the target's own prefill")
+    b.add_argument("--source", required=True)
+    b.add_argument("--target", required=True)
+    b.add_argument("--map", type=Path, required=True)
+    b.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default: 512 2048)")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (default: 3)")
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench_map)
     return parser
 
 

@@ -182,3 +182,8 @@ def test_self_map_reproduces_own_cache(pair, tmp_path):
     assert mapped.filled[0, :40].all()
     torch.testing.assert_close(mapped.k, own.k, atol=2e-3, rtol=0)
     torch.testing.assert_close(mapped.v, own.v, atol=2e-3, rtol=0)
+    # and the perplexity protocol's mapped arm then scores like the model's own prefix
+    from rarecache.eval.perplexity import passage_nll
+
+    nll = passage_nll(source, source, mapper, ids, prefix=20)
+    assert abs(nll["mapped"] - nll["target"]) < 1e-3 and nll["source"] == pytest.approx(nll["target"], abs=1e-5)

@@ -1,0 +1,1 @@
+"""Speed harness: every figure is a ratio to a baseline timed in the same run."""

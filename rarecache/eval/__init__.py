@@ -1,0 +1,1 @@
+"""Evaluation: accuracy and perplexity kept by a handoff, against the models alone."""

@@ -1,0 +1,70 @@
+"""calibrate / inspect / generate --map / ppl / bench map, end to end on a tiny pair."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rarecache.cli import main
+
+from .test_transfer import pair, tok_dir  # noqa: F401  (fixtures)
+
+
+@pytest.fixture()
+def mapped(pair, tmp_path):  # noqa: F811
+    args = ["calibrate", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--corpus",
+            str(tmp_path / "corpus.txt"), "--tokens", "400", "--heldout-tokens", "100", "--seq-len", "48",
+            "--k", "2", "--rank", "4", "--dtype", "float32", "--out", str(tmp_path / "m.safetensors")]
+    assert main(args) == 0
+    return tmp_path
+
+
+def test_calibrate_writes_a_map_and_inspect_reads_it(mapped, capsys):
+    assert (mapped / "m.safetensors").is_file() and not (mapped / "m.safetensors.state").exists()
+    capsys.readouterr()
+    assert main(["inspect", str(mapped / "m.safetensors"), "--json", "--plot", str(mapped / "r2.png")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert len(info["r2"]["k"]) == 4 and info["info"]["k"] == 2 and info["info"]["tokens"] == 400
+    assert len(info["info"]["r2_heldout"]["v"]) == 4
+    assert (mapped / "r2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_generate_with_handoff(mapped, capsys):
+    base = ["generate", "--model", str(mapped / "tgt"), "--source", str(mapped / "src"), "--map",
+            str(mapped / "m.safetensors"), "--dtype", "float32", "--max-new-tokens", "6", "--json", "the quick fox"]
+    capsys.readouterr()
+    assert main(base + ["--rho", "1", "--compare"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == out["target_alone"] and out["agreement_with_target"] == 1.0
+    assert out["recomputed"] == out["prompt_tokens"]
+    assert set(out["timings"]) == {"source_prefill", "map", "score", "recompute", "decode"}
+    assert main(base + ["--rho", "0.3", "--selector", "random"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recomputed"] == -(-3 * out["prompt_tokens"] // 10)
+
+
+def test_wrong_direction_is_refused(mapped, capsys):
+    code = main(["generate", "--model", str(mapped / "src"), "--source", str(mapped / "tgt"), "--map",
+                 str(mapped / "m.safetensors"), "hi"])
+    assert code == 2 and "fit a map in that direction" in capsys.readouterr().err
+
+
+def test_ppl_and_its_disjointness_check(mapped, capsys):
+    base = ["ppl", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+            str(mapped / "m.safetensors"), "--corpus", str(mapped / "corpus.txt"), "--passages", "2",
+            "--prefix", "16", "--continuation", "16", "--dtype", "float32"]
+    assert main(base + ["--out", str(mapped / "ppl.json")]) == 0
+    res = json.loads((mapped / "ppl.json").read_text())
+    assert set(res["ppl"]) == {"target", "mapped", "source"} and res["first_document"] > 0
+    assert all(v > 1 for v in res["ppl"].values())
+    capsys.readouterr()
+    assert main(base + ["--first-document", "0"]) == 2
+    assert "were used to fit the map" in capsys.readouterr().err
+
+
+def test_bench_map_prints_table_then_json(mapped, capsys):
+    assert main(["bench", "map", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+                 str(mapped / "m.safetensors"), "--lengths", "32", "--repeats", "1", "--dtype", "float32"]) == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["bench"] == "map" and last["rows"][0]["T"] == 32 and last["rows"][0]["map_over_prefill"] > 0
