@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,3 +48,49 @@ def tiny(request, tmp_path):
     """(family, path, transformers model) for each family."""
     hf = make_tiny(request.param, tmp_path)
     return request.param, tmp_path, hf
+
+
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEXTS = ["def add(a, b):\n    return a + b", "Héllo wörld, 12345 tokens!", "  spaces\tand\ttabs  "]
+
+
+def build_tokenizer(path):
+    """A small byte-level BPE with a chat template, written to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}))
+    return path
+
+
+@pytest.fixture()
+def tok_dir(tmp_path):
+    return build_tokenizer(tmp_path)
+
+
+
+@pytest.fixture(scope="session")
+def pair_dir(tmp_path_factory):
+    """Two tiny Qwen2 models sharing a tokenizer (src: 3 layers, tgt: 4 layers, head_dim 24) and a corpus."""
+    root = tmp_path_factory.mktemp("pair")
+    for name, seed, kw in (("src", 1, {}), ("tgt", 2, dict(num_hidden_layers=4, head_dim=24))):
+        build_tokenizer(root / name)
+        make_tiny("qwen2", root / name, seed=seed, vocab_size=400, **kw)
+    words = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g)) for _ in range(12)]
+    (root / "corpus.txt").write_text("\n\n\n".join(docs))
+    return root

@@ -11,11 +11,10 @@ from rarecache import LLM, SamplingConfig
 from rarecache.cli import main
 
 from .conftest import make_tiny
-from .test_tokenizer import tok_dir  # noqa: F401  (fixture)
 
 
 @pytest.fixture()
-def model_dir(tok_dir):  # noqa: F811
+def model_dir(tok_dir):
     make_tiny("qwen2", tok_dir, vocab_size=400)
     return tok_dir
 

@@ -8,16 +8,18 @@ import pytest
 
 from rarecache.cli import main
 
-from .test_transfer import pair, tok_dir  # noqa: F401  (fixtures)
 
-
-@pytest.fixture()
-def mapped(pair, tmp_path):  # noqa: F811
-    args = ["calibrate", "--source", str(tmp_path / "src"), "--target", str(tmp_path / "tgt"), "--corpus",
-            str(tmp_path / "corpus.txt"), "--tokens", "400", "--heldout-tokens", "100", "--seq-len", "48",
-            "--k", "2", "--rank", "4", "--dtype", "float32", "--out", str(tmp_path / "m.safetensors")]
+@pytest.fixture(scope="module")
+def mapped(pair_dir, tmp_path_factory):
+    """The tiny pair's directory with a map m.safetensors fitted by the CLI."""
+    root = tmp_path_factory.mktemp("mapped")
+    for name in ("src", "tgt", "corpus.txt"):
+        (root / name).symlink_to(pair_dir / name)
+    args = ["calibrate", "--source", str(root / "src"), "--target", str(root / "tgt"), "--corpus",
+            str(root / "corpus.txt"), "--tokens", "400", "--heldout-tokens", "100", "--seq-len", "48",
+            "--k", "2", "--rank", "4", "--dtype", "float32", "--out", str(root / "m.safetensors")]
     assert main(args) == 0
-    return tmp_path
+    return root
 
 
 def test_calibrate_writes_a_map_and_inspect_reads_it(mapped, capsys):

@@ -7,20 +7,24 @@ import math
 import pytest
 import torch
 
+from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
+from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.corpus import load_corpus
 from rarecache.transfer.features import rows
-from rarecache.transfer.handoff import HandoffConfig, budget, handoff, rank_scores
+from rarecache.transfer.handoff import HandoffConfig, budget, handoff, prefix_layers
+from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, rank_scores
 from rarecache.transfer.mapper import SIDES
 
-from .test_transfer import pair, tok_dir  # noqa: F401  (fixtures)
 
 
-@pytest.fixture()
-def fitted(pair, tmp_path):  # noqa: F811
-    source, target, tok, corpus = pair
+@pytest.fixture(scope="module")
+def fitted(pair_dir, tmp_path_factory):
+    source, target = Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt")
+    tok, corpus = Tokenizer.from_dir(pair_dir / "src"), load_corpus(str(pair_dir / "corpus.txt"))
     cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
-    mapper = Calibration(source, target, tok, corpus, cfg, tmp_path / "m").run(progress=False)
+    mapper = Calibration(source, target, tok, corpus, cfg, tmp_path_factory.mktemp("fit") / "m").run(progress=False)
     prompts = [tok.encode(corpus.documents[-1])[:37], tok.encode(corpus.documents[-2])[:23]]
     return source, target, mapper, prompts
 
@@ -99,13 +103,17 @@ def test_score_limits_in_rank(fitted):
             mapper.sides[s].basis = saved[s]
 
 
-@pytest.mark.parametrize("selector", ["rank", "random"])
+@pytest.mark.parametrize("selector", [*SELECTORS, "layer-prefix"])
 @pytest.mark.parametrize("rho", [0.0, 0.1, 0.3, 0.5, 0.99])
 def test_selection_honours_budget_and_keeps_last(fitted, selector, rho):
     source, target, mapper, prompts = fitted
     _, _, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=rho, selector=selector))
     for chosen, prompt in zip(res.positions, prompts):
         n = len(prompt)
+        if selector == "layer-prefix":  # FLOP-matched: n·m + (L − m) ≈ ⌈ρn⌉·L token-layers
+            L, m = target.num_layers, res.prefix_layers
+            assert chosen == [n - 1] and abs(n * m + (L - m) - budget(rho, n) * L) <= n * 1.5
+            continue
         assert len(chosen) == budget(rho, n) == max(1, math.ceil(round(rho * n, 6)))
         assert chosen == sorted(set(chosen)) and chosen[-1] == n - 1 and chosen[0] >= 0
 
@@ -125,3 +133,54 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(rho=1.5)
     with pytest.raises(RarecacheError, match="unknown selector"):
         HandoffConfig(selector="magic")
+
+
+def test_layer_prefix_limits(fitted):
+    """All layers for every position is the target's own prefill; none is plain transfer."""
+    source, target, mapper, prompts = fitted
+    assert prefix_layers(1.0, 37, 4) == 4 and prefix_layers(0.0, 37, 4) == 0
+    _, full, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0, selector="layer-prefix"))
+    _, own = target.prefill(prompts)
+    assert res.prefix_layers == 4
+    torch.testing.assert_close(full, own.logits, atol=1e-5, rtol=0)
+    _, plain, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, selector="rank"))
+    _, none, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, selector="layer-prefix"))
+    assert res.prefix_layers == 0
+    torch.testing.assert_close(none, plain, atol=1e-5, rtol=0)
+
+
+def test_oracles_are_labelled():
+    assert {n for n, s in SELECTORS.items() if s.oracle} == {"attn-target", "l2-oracle"}
+    assert SELECTORS["l2-oracle"].label == "l2-oracle (oracle)" and SELECTORS["rank"].label == "rank"
+
+
+def test_l2_oracle_ranks_the_corrupted_rows_first(fitted):
+    source, target, mapper, prompts = fitted
+    ids = prompts[:1]
+    own, _ = target.prefill(ids)
+    mapped = target.new_cache(1, 37)
+    for name in ("k", "v", "filled"):
+        getattr(mapped, name).copy_(getattr(own, name))
+    bad = [3, 17, 30]
+    mapped.k[:, :, :, bad] *= 1.5
+    mapped.v[:, :, :, bad] += 0.3
+    ctx = SelectionContext(source, target, mapper, torch.tensor(ids), torch.arange(37)[None], mapped, {})
+    scores = L2Oracle().scores(ctx)[0]
+    assert sorted(scores.topk(3).indices.tolist()) == bad
+    assert scores[[i for i in range(37) if i not in bad]].abs().max() < 1e-5
+
+
+def test_attention_received_matches_a_manual_sum(fitted):
+    from rarecache.engine.runner import AttnCapture
+    from rarecache.transfer.selectors import attention_capture, received
+
+    source, _, _, prompts = fitted
+    ids = torch.tensor(prompts[:1])
+    cap = attention_capture(source, torch.tensor([37]))
+    out = source.forward(ids, torch.arange(37)[None], source.new_cache(1, 37), capture=cap)
+    got = received(out.attn, 37)[0]
+    every = AttnCapture(frozenset(range(source.num_layers)), torch.arange(37)[None])
+    full = source.forward(ids, torch.arange(37)[None], source.new_cache(1, 37), capture=every).attn
+    want = sum(full[l][0, :, 5:37].sum(dim=(0, 1)) for l in range(source.num_layers - 1, source.num_layers))
+    assert cap.layers == frozenset({source.num_layers - 1})
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -5,38 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
 
+from .conftest import TEXTS
+
 transformers = pytest.importorskip("transformers")
-
-TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-TEXTS = ["def add(a, b):\n    return a + b", "Héllo wörld, 12345 tokens!", "  spaces\tand\ttabs  "]
-
-
-@pytest.fixture()
-def tok_dir(tmp_path):
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXTS * 20 + ["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}))
-    return tmp_path
-
 
 def test_ids_and_chat_match_transformers(tok_dir):
     ours = Tokenizer.from_dir(tok_dir)

@@ -16,8 +16,6 @@ from rarecache.transfer.fit import Layout, fit_side, heldout_r2
 from rarecache.transfer.mapper import Mapper
 from rarecache.transfer.stats import RegressionStats
 
-from .conftest import make_tiny
-from .test_tokenizer import tok_dir  # noqa: F401  (fixture)
 
 
 def test_rope_strip_then_apply_is_identity(tiny):
@@ -98,23 +96,10 @@ def test_streamed_statistics_equal_one_shot():
 # -- end to end on tiny models ---------------------------------------------------------------
 
 @pytest.fixture()
-def pair(tok_dir, tmp_path):  # noqa: F811
-    """(source, target, tokenizer, corpus): two tiny Qwen2 models sharing a tokenizer."""
-    dirs = {}
-    for name, seed, kw in (("src", 1, {}), ("tgt", 2, dict(num_hidden_layers=4, head_dim=24))):
-        d = tmp_path / name
-        d.mkdir()
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            (d / f).write_bytes((tok_dir / f).read_bytes())
-        make_tiny("qwen2", d, seed=seed, vocab_size=400, **kw)
-        dirs[name] = d
-    text = tmp_path / "corpus.txt"
-    words = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
-    g = torch.Generator().manual_seed(0)
-    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g)) for _ in range(12)]
-    text.write_text("\n\n\n".join(docs))
-    return (Runner.load(dirs["src"]), Runner.load(dirs["tgt"]), Tokenizer.from_dir(dirs["src"]),
-            load_corpus(str(text)))
+def pair(pair_dir):
+    """(source, target, tokenizer, corpus) of the tiny pair."""
+    return (Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt"), Tokenizer.from_dir(pair_dir / "src"),
+            load_corpus(str(pair_dir / "corpus.txt")))
 
 
 CFG = CalibrationConfig(tokens=600, heldout_tokens=150, seq_len=48, k=2, rank=4, checkpoint_every=1)

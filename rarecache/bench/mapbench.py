@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.runner import Runner
-from ..transfer.handoff import rank_scores
+from ..transfer.selectors import rank_scores
 from ..transfer.mapper import Mapper
 
 

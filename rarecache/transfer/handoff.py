@@ -1,11 +1,16 @@
 """The handoff pipeline: source cache -> map -> score -> selective recompute -> target cache.
 
-The target cache starts as the mapped cache at every prompt position. The target
-then runs its layers over the selected positions only, at their true positions:
-each layer overwrites those rows with its own k, v and attends over the whole
-mixed cache by the exact causal rule. The last prompt position is always
-selected (it yields the first token's logits) and counts inside the budget.
-ρ = 1 reproduces the target's own prefill; ρ = 0 is plain transfer.
+The target cache starts as the mapped cache at every handed-off position. The
+target then runs its layers over the selected positions only, at their true
+positions: each layer overwrites those rows with its own k, v and attends over
+the whole mixed cache by the exact causal rule. The last prompt position is
+always selected (it yields the first token's logits) and counts inside the
+budget. ρ = 1 reproduces the target's own prefill; ρ = 0 is plain transfer.
+
+A handoff can start mid-conversation: the source cache may already hold the
+first `source_from` positions (only the rest is prefilled), and the target cache
+may already hold its own rows for the first `start` positions (only the rest is
+mapped, scored and selected from).
 """
 
 from __future__ import annotations
@@ -17,32 +22,34 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.runner import Runner, pad_batch
+from ..engine.runner import Runner
 from ..errors import RarecacheError
 from .mapper import Mapper
-
-SELECTORS = ("rank", "random")
+from .selectors import SCHEDULES, SELECTORS, SelectionContext, attention_capture, received
 
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    rho: float = 0.0  # share of prompt positions the target recomputes
+    rho: float = 0.0  # share of handed-off positions the target recomputes
     selector: str = "rank"
     seed: int = 0  # for the random selector
 
     def __post_init__(self):
         if not 0 <= self.rho <= 1:
             raise RarecacheError(f"rho must be in [0, 1], got {self.rho}")
-        if self.selector not in SELECTORS:
-            raise RarecacheError(f"unknown selector {self.selector!r}; choose from {', '.join(SELECTORS)}")
+        if self.selector not in SELECTORS and self.selector not in SCHEDULES:
+            names = ", ".join([*SELECTORS, *SCHEDULES])
+            raise RarecacheError(f"unknown selector {self.selector!r}; choose from {names}")
 
 
 @dataclass
 class HandoffResult:
     """What one handoff did, per request."""
 
-    positions: list[list[int]]  # recomputed positions, ascending, per request
-    scores: list[torch.Tensor] | None  # per-position selector scores (T,), if the selector has any
+    positions: list[list[int]]  # positions the target recomputed through all its layers, ascending
+    scores: list[torch.Tensor] | None  # selector score per handed-off position, if the selector has one
+    handed_off: list[tuple[int, int]]  # [start, end) of the positions that came from the map
+    prefix_layers: int | None = None  # layer-prefix: layers the target ran for every position
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
 
@@ -52,71 +59,122 @@ def budget(rho: float, length: int) -> int:
 
 
 def select_top(scores: torch.Tensor, k: int) -> list[int]:
-    """The k highest-scoring positions of scores (T,), the last one forced in; ascending."""
+    """Indices of the k highest of scores (W,), the last one forced in; ascending."""
     s = scores.clone().float()
     s[-1] = float("inf")
     return sorted(s.topk(k).indices.tolist())
 
 
-def rank_scores(mapper: Mapper, z: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, T)."""
-    total = 0
-    for side, zs in z.items():  # zs (Lt, B, T, dt)
-        basis = mapper.sides[side].basis.to(zs.device, torch.float32)  # (Lt, dt, r)
-        zf = zs.float()
-        proj = torch.einsum("lbtd,ldr->lbtr", zf, basis)
-        total = total + (zf.square().sum(-1) - proj.square().sum(-1)).sum(0)
-    return total  # (B, T)
+def spans(prompts: list[list[int]], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and positions (B, W) of each prompt's [start, end), -1 padded."""
+    width = max(len(p) - s for p, s in zip(prompts, starts))
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    positions = torch.full((len(prompts), width), -1, dtype=torch.long)
+    for b, (p, s) in enumerate(zip(prompts, starts)):
+        tokens[b, : len(p) - s] = torch.tensor(p[s:])
+        positions[b, : len(p) - s] = torch.arange(s, len(p))
+    return tokens.to(device), positions.to(device)
 
 
-def subset(tokens: torch.Tensor, chosen: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens (B, T) and ascending positions per row -> their tokens and positions (B, K), -1 padded."""
+def subset(prompts: list[list[int]], chosen: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and positions (B, K) of the chosen positions, -1 padded."""
     width = max(len(c) for c in chosen)
-    sel_tokens = torch.zeros(len(chosen), width, dtype=torch.long, device=tokens.device)
-    sel_pos = torch.full((len(chosen), width), -1, dtype=torch.long, device=tokens.device)
+    tokens = torch.zeros(len(chosen), width, dtype=torch.long)
+    positions = torch.full((len(chosen), width), -1, dtype=torch.long)
     for b, c in enumerate(chosen):
-        idx = torch.tensor(c, device=tokens.device)
-        sel_tokens[b, : len(c)], sel_pos[b, : len(c)] = tokens[b, idx], idx
-    return sel_tokens, sel_pos
+        tokens[b, : len(c)] = torch.tensor([prompts[b][p] for p in c])
+        positions[b, : len(c)] = torch.tensor(c)
+    return tokens.to(device), positions.to(device)
+
+
+def prefix_layers(rho: float, length: int, layers: int) -> int:
+    """Layers to run for every position so layer-prefix costs what ⌈ρT⌉ positions x all layers cost."""
+    if length <= 1:
+        return layers
+    k = budget(rho, length)
+    return min(layers, max(0, round((k - 1) * layers / (length - 1))))
 
 
 @torch.inference_mode()
 def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]],
             cfg: HandoffConfig = HandoffConfig(), max_len: int | None = None,
-            source_cache: KVCache | None = None) -> tuple[KVCache, torch.Tensor, HandoffResult]:
+            source_cache: KVCache | None = None, source_from: list[int] | None = None,
+            target_cache: KVCache | None = None, start: list[int] | None = None,
+            ) -> tuple[KVCache, torch.Tensor, HandoffResult]:
     """Hand a batch of prompts from source to target.
 
-    Returns the target cache (prompt positions filled), the target's logits at each
-    prompt's last position (B, V), and the record of what was done.
+    Returns the target cache (every prompt position filled), the target's logits at
+    each prompt's last position (B, V), and the record of what was done.
     """
+    B, lengths = len(prompts), [len(p) for p in prompts]
+    source_from = source_from or [0] * B
+    start = start or [0] * B
+    if any(not 0 <= s < n for s, n in zip(start, lengths)) or any(not 0 <= s <= n for s, n in zip(source_from, lengths)):
+        raise RarecacheError("handoff spans must lie inside the prompts and leave at least one position")
+    selector = SELECTORS.get(cfg.selector)
     timings: dict[str, float] = {}
-    tokens, positions = pad_batch(prompts, source.device)
-    lengths = [len(p) for p in prompts]
+    device = target.device
+
     t = time.perf_counter()
     if source_cache is None:
-        source_cache, _ = source.prefill(prompts)
+        source_cache = source.new_cache(B, max_len or max(lengths))
+    src_attn = None
+    if any(f < n for f, n in zip(source_from, lengths)):
+        toks, pos = spans(prompts, [min(f, n - 1) for f, n in zip(source_from, lengths)], source.device)
+        cap = attention_capture(source, (pos >= 0).sum(1)) if selector and selector.needs_source_attention else None
+        out = source.forward(toks, pos, source_cache, logits_at=None, capture=cap)
+        if cap is not None:
+            src_attn = received(out.attn, max(lengths))
+    elif selector and selector.needs_source_attention:
+        raise RarecacheError("attn-source needs the source to prefill at least the last position")
     timings["source_prefill"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    cache = target.new_cache(len(prompts), max_len or max(lengths))
+    cache = target_cache or target.new_cache(B, max_len or max(lengths))
+    toks, positions = spans(prompts, start, device)
     z = mapper.apply(source, source_cache, target, cache, positions)
     timings["map"] = time.perf_counter() - t
 
+    if cfg.selector == "layer-prefix":
+        return _layer_prefix(target, prompts, cfg, cache, toks, positions, start, timings)
+
     t = time.perf_counter()
-    scores = rank_scores(mapper, z) if cfg.selector == "rank" else None
+    ctx = SelectionContext(source, target, mapper, spans(prompts, [0] * B, device)[0], positions, cache, z,
+                           src_attn, cfg.seed)
+    scores = selector.scores(ctx)  # (B, W)
     chosen = []
-    for b, n in enumerate(lengths):
-        k = budget(cfg.rho, n)
-        if cfg.selector == "rank":
-            chosen.append(select_top(scores[b, :n], k))
-        else:
-            g = torch.Generator().manual_seed(cfg.seed + b)
-            chosen.append(select_top(torch.rand(n, generator=g), k))
+    for b, (s, n) in enumerate(zip(start, lengths)):
+        picked = select_top(scores[b, : n - s], budget(cfg.rho, n - s))
+        chosen.append([s + i for i in picked])
     timings["score"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    sel_tokens, sel_pos = subset(tokens, chosen)
-    out = target.forward(sel_tokens, sel_pos, cache)
+    sel_tokens, sel_pos = subset(prompts, chosen, device)
+    logits = target.forward(sel_tokens, sel_pos, cache).logits
     timings["recompute"] = time.perf_counter() - t
-    per_request = [scores[b, :n].cpu() for b, n in enumerate(lengths)] if scores is not None else None
-    return cache, out.logits, HandoffResult(chosen, per_request, timings)
+    per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(start, lengths))]
+    return cache, logits, HandoffResult(chosen, per_request, list(zip(start, lengths)), timings=timings)
+
+
+def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, timings):
+    """DroidSpeak-style: the target's first m layers for every handed-off position (FLOP-matched
+    to ρ), mapped KV above; the last position runs through all layers."""
+    t = time.perf_counter()
+    lengths = [len(p) for p in prompts]
+    m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(start, lengths))
+    cache.mark(positions)
+    h = target.embed(toks)
+    cos_sin = target.cos_sin(positions)
+    for i in range(m):
+        h, _ = target.layer(i, h, positions, cache, cos_sin)
+    last = (positions >= 0).sum(1) - 1  # (B,)
+    h = h[torch.arange(len(prompts)), last][:, None]  # (B, 1, C)
+    pos = positions[torch.arange(len(prompts)), last][:, None]  # (B, 1)
+    cos_sin = target.cos_sin(pos)
+    for i in range(m, target.num_layers):
+        h, _ = target.layer(i, h, pos, cache, cos_sin)
+    logits = target.logits(h, pos)
+    timings["score"] = 0.0
+    timings["recompute"] = time.perf_counter() - t
+    chosen = [[n - 1] for n in lengths]
+    return cache, logits, HandoffResult(chosen, None, list(zip(start, lengths)), prefix_layers=m, timings=timings)

@@ -1,0 +1,151 @@
+"""Which positions the target recomputes: rank disagreement and the baselines, one interface.
+
+A selector scores every handed-off position (higher = recompute first); the
+handoff takes the top ⌈ρ·T⌉ with the last position forced in. Oracles look at the
+target's own prefill, which a deployment never has: they are marked `oracle` and
+labelled so wherever results are printed, and are never a default.
+`layer-prefix` (DroidSpeak-style) is not a position score; the handoff runs it
+as its own schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.runner import AttnCapture, Runner
+from .mapper import Mapper
+
+ATTN_QUERIES = 32  # last queries whose attention is summed (seed 000 §4.3)
+
+
+@dataclass
+class SelectionContext:
+    """What a selector may look at for one batch. Positions are (B, W), -1 padded."""
+
+    source: Runner
+    target: Runner
+    mapper: Mapper
+    tokens: torch.Tensor  # (B, n) whole prompts
+    positions: torch.Tensor  # (B, W) the handed-off positions
+    mapped: KVCache  # target cache after the map, before any recompute
+    z: dict[str, torch.Tensor]  # centred map outputs per side, (Lt, B, W, dt)
+    source_attn: torch.Tensor | None = None  # (B, S) attention received in the source, if captured
+    seed: int = 0
+    _own: tuple[KVCache, torch.Tensor] | None = field(default=None, repr=False)
+
+    def target_prefill(self) -> tuple[KVCache, torch.Tensor]:
+        """The target's own prefill (oracles only): its cache and attention received (B, S)."""
+        if self._own is None:
+            n = self.tokens.shape[1]
+            pos = torch.arange(n, device=self.tokens.device).expand_as(self.tokens)
+            last = self.positions.max(1).values  # each row's last handed-off position
+            pos = torch.where(pos <= last[:, None], pos, -1)
+            cache = self.target.new_cache(self.tokens.shape[0], n)
+            cap = attention_capture(self.target, last + 1)
+            out = self.target.forward(self.tokens, pos, cache, logits_at=None, capture=cap)
+            self._own = (cache, received(out.attn, n))
+        return self._own
+
+
+def attention_capture(runner: Runner, ends: torch.Tensor) -> AttnCapture:
+    """Capture the last ATTN_QUERIES queries (rows ending at `ends`, exclusive) in the last quarter of layers."""
+    L = runner.num_layers
+    layers = frozenset(range(L - max(1, L // 4), L))
+    offsets = torch.arange(-ATTN_QUERIES, 0, device=ends.device)
+    rows = (ends[:, None] + offsets).clamp(min=0)  # (B, R); short rows repeat their first query
+    return AttnCapture(layers, rows)
+
+
+def received(attn: dict[int, torch.Tensor], width: int) -> torch.Tensor:
+    """Attention each key slot receives, summed over captured layers, heads and queries -> (B, width)."""
+    total = sum(p.sum(dim=(1, 2)) for p in attn.values())  # (B, S)
+    out = torch.zeros(total.shape[0], width, device=total.device)
+    out[:, : min(width, total.shape[1])] = total[:, :width]
+    return out
+
+
+def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """values (B, S) read at positions (B, W) (padding reads 0)."""
+    return values.gather(1, positions.clamp(min=0)) * (positions >= 0)
+
+
+class Selector:
+    name = ""
+    oracle = False
+    needs_source_attention = False
+
+    def scores(self, ctx: SelectionContext) -> torch.Tensor:  # (B, W)
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (oracle)" if self.oracle else self.name
+
+
+class RankDisagreement(Selector):
+    name = "rank"
+
+    def scores(self, ctx):
+        return rank_scores(ctx.mapper, ctx.z)
+
+
+class Random(Selector):
+    name = "random"
+
+    def scores(self, ctx):
+        g = torch.Generator().manual_seed(ctx.seed)
+        return torch.rand(ctx.positions.shape, generator=g).to(ctx.positions.device)
+
+
+class SourceAttention(Selector):
+    name = "attn-source"
+    needs_source_attention = True
+
+    def scores(self, ctx):
+        return _at(ctx.source_attn, ctx.positions)
+
+
+class TargetAttention(Selector):
+    name = "attn-target"
+    oracle = True
+
+    def scores(self, ctx):
+        return _at(ctx.target_prefill()[1], ctx.positions)
+
+
+class L2Oracle(Selector):
+    """Relative ℓ2 error of mapped vs true K and V, averaged over layers (CacheBlend-style)."""
+
+    name = "l2-oracle"
+    oracle = True
+
+    def scores(self, ctx):
+        own, _ = ctx.target_prefill()
+        slots = ctx.mapped.slots(ctx.positions)  # (B, W)
+        err = 0
+        for mapped, true in ((ctx.mapped.k, own.k), (ctx.mapped.v, own.v)):
+            L, B, H, _, D = true.shape
+            idx = slots[None, :, None, :, None].expand(L, B, H, slots.shape[1], D)
+            m = mapped.gather(3, idx).float().transpose(2, 3).flatten(3)  # (L, B, W, H·D)
+            t = true.gather(3, idx).float().transpose(2, 3).flatten(3)
+            err = err + ((m - t).norm(dim=-1) / t.norm(dim=-1).clamp(min=1e-6)).mean(0)
+        return err / 2
+
+
+def rank_scores(mapper: Mapper, z: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W)."""
+    total = 0
+    for side, zs in z.items():  # zs (Lt, B, W, dt)
+        basis = mapper.sides[side].basis.to(zs.device, torch.float32)  # (Lt, dt, r)
+        zf = zs.float()
+        proj = torch.einsum("lbtd,ldr->lbtr", zf, basis)
+        total = total + (zf.square().sum(-1) - proj.square().sum(-1)).sum(0)
+    return total
+
+
+SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(),
+                                                       TargetAttention(), L2Oracle())}
+SCHEDULES = ("layer-prefix",)  # not position scores; run by the handoff itself
