@@ -140,7 +140,40 @@ def cmd_inspect(args) -> int:
 
         plot_r2(mapper, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
+    if args.strip:
+        _strip(args, mapper)
     return 0
+
+
+def _strip(args, mapper) -> None:
+    from .engine.llm import LLM
+    from .transfer.handoff import HandoffConfig
+    from .transfer.pipeline import Pipeline
+    from .transfer.plots import plot_strip
+    from .transfer.selectors import SELECTORS
+
+    if not (args.source and args.target and args.prompt):
+        raise RarecacheError("--strip needs --source, --target and --prompt")
+    pipe = Pipeline(LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+                    LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir), mapper)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    ids = pipe.source.encode(prompt)
+    picks, scores = {}, None
+    from .transfer.handoff import handoff
+
+    for name in args.selectors:
+        sel = SELECTORS.get(name)
+        if sel is None:
+            raise RarecacheError(f"unknown selector {name!r}; choose from {', '.join(SELECTORS)}")
+        _, _, res = handoff(pipe.source.runner, pipe.target.runner, mapper, [ids],
+                            HandoffConfig(rho=args.rho, selector=name))
+        picks[sel.label] = res.positions[0]
+        if name == "rank":
+            scores = res.scores[0].tolist()
+    tokens = [pipe.source.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    plot_strip(tokens, picks, scores, args.rho, args.strip)
+    print(json.dumps({"tokens": tokens, "rho": args.rho, "picks": picks, "rank_scores": scores}))
+    print(f"wrote {args.strip}", file=sys.stderr)
 
 
 def _generate_handoff(args, prompts, sampling) -> int:
@@ -244,6 +277,13 @@ def cmd_bench_map(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from .demo import DemoConfig, run_demo
+
+    return run_demo(DemoConfig(rhos=tuple(args.rhos), selector=args.selector, tokens=args.tokens,
+                               max_new_tokens=args.max_new_tokens, dtype=args.dtype, cache_dir=args.cache_dir))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -251,6 +291,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "recompute only the positions the map gets wrong, decode.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the bundled pair end to end: pull, calibrate (cached), hand off, time",
+                       description="Pull Qwen2.5-Coder 0.5B and 1.5B if needed, calibrate a small map or load the "
+                                   "cached one, hand fixed prompts from 0.5B to 1.5B at several rho, and print the "
+                                   "answers, phase timings and speed-up over the 1.5B's own prefill.")
+    p.add_argument("--rhos", type=float, nargs="+", default=[0.0, 0.3, 1.0], help="default: 0 0.3 1")
+    p.add_argument("--selector", default="rank", help="default: rank")
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens for the demo map (default: 16384)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="default: 64")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("models", help="list the bundled models and whether they are pulled")
     p.add_argument("--cache-dir", type=Path, default=None)
@@ -275,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--map", type=Path, default=None, help="map file fitted for source -> target")
     p.add_argument("--rho", type=float, default=0.3, help="share of prompt positions the target recomputes "
                                                          "(default: 0.3; 0 = plain transfer, 1 = full prefill)")
-    p.add_argument("--selector", default="rank", help="which positions to recompute: rank (default) or random")
+    p.add_argument("--selector", default="rank",
+                   help="which positions to recompute: rank (default), random, attn-source, layer-prefix, "
+                        "or the oracles attn-target and l2-oracle")
     p.add_argument("--compare", action="store_true",
                    help="also print the target-alone and source-alone answers and the token agreement")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
@@ -314,6 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("map", type=Path)
     p.add_argument("--plot", type=Path, default=None, help="also draw R2 per target layer to this PNG")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--strip", type=Path, default=None,
+                   help="draw the token strip of --prompt to this PNG: positions each selector picks, rank scores")
+    p.add_argument("--source", help="source model (for --strip)")
+    p.add_argument("--target", help="target model (for --strip)")
+    p.add_argument("--prompt", help="prompt text (for --strip)")
+    p.add_argument("--chat", action="store_true", help="render --prompt as a user turn")
+    p.add_argument("--rho", type=float, default=0.3, help="budget for --strip (default: 0.3)")
+    p.add_argument("--selectors", nargs="+", default=["rank", "random", "attn-source"],
+                   help="selectors to draw (default: rank random attn-source; add attn-target l2-oracle for oracles)")
+    _add_model_options(p)
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("ppl", help="prefix-conditioned perplexity: own prefix vs mapped prefix vs source alone",

@@ -70,3 +70,15 @@ def test_bench_map_prints_table_then_json(mapped, capsys):
                  str(mapped / "m.safetensors"), "--lengths", "32", "--repeats", "1", "--dtype", "float32"]) == 0
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["bench"] == "map" and last["rows"][0]["T"] == 32 and last["rows"][0]["map_over_prefill"] > 0
+
+
+def test_inspect_strip(mapped, capsys):
+    out = mapped / "strip.png"
+    assert main(["inspect", str(mapped / "m.safetensors"), "--strip", str(out), "--source", str(mapped / "src"),
+                 "--target", str(mapped / "tgt"), "--prompt", "the quick brown fox jumps over the lazy dog",
+                 "--chat", "--rho", "0.3", "--dtype", "float32", "--selectors", "rank", "random", "l2-oracle"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    n = len(data["tokens"])
+    assert set(data["picks"]) == {"rank", "random", "l2-oracle (oracle)"} and len(data["rank_scores"]) == n
+    assert all(len(p) == -(-3 * n // 10) and p[-1] == n - 1 for p in data["picks"].values())
+    assert out.read_bytes()[:4] == b"\x89PNG"

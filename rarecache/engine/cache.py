@@ -65,3 +65,18 @@ class KVCache:
     def layer(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, Hkv, length, D) of the first `length` slots of `layer`."""
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+
+    def clear(self, start: int) -> None:
+        """Forget every slot at positions >= start (their rows will be rewritten before use)."""
+        self.filled[:, start:] = False
+
+    def grown(self, max_len: int) -> "KVCache":
+        """A copy with room for `max_len` positions (the same one if it already fits)."""
+        if max_len <= self.max_len:
+            return self
+        L, B, H, _, D = self.k.shape
+        new = KVCache(L, B, H, D, max_len, self.k.dtype, self.k.device)
+        n = self.max_len
+        new.k[:, :, :, :n], new.v[:, :, :, :n] = self.k[:, :, :, :n], self.v[:, :, :, :n]
+        new.filled[:, :n] = self.filled[:, :n]
+        return new

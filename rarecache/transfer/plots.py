@@ -6,13 +6,7 @@ from pathlib import Path
 
 
 def plot_r2(mapper, out: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        from ..errors import RarecacheError
-
-        raise RarecacheError("plots need matplotlib: pip install 'rarecache[plot]'") from None
-    matplotlib.use("Agg")
+    _mpl()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -31,3 +25,44 @@ def plot_r2(mapper, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+def plot_strip(tokens: list[str], picks: dict[str, list[int]], scores: list[float] | None, rho: float,
+               out: Path, title: str = "") -> None:
+    """Token strip (seed 000, fig. 13): which positions each selector recomputes, and rank scores."""
+    matplotlib = _mpl()
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    n = len(tokens)
+    rows = list(picks) + (["rank score"] if scores is not None else [])
+    fig, ax = plt.subplots(figsize=(min(2 + 0.12 * n, 60), 1.2 + 0.45 * len(rows) + 1.2))
+    grid = np.full((len(rows), n), np.nan)
+    for r, name in enumerate(picks):
+        grid[r, picks[name]] = 1.0
+    cmap = matplotlib.colormaps["Blues"].with_extremes(bad="white")
+    ax.imshow(grid, aspect="auto", cmap=cmap, vmin=0, vmax=1.2, interpolation="nearest")
+    if scores is not None:
+        s = np.asarray(scores, dtype=float)
+        s = (s - s.min()) / max(s.max() - s.min(), 1e-12)
+        ax.imshow(np.ma.masked_invalid(np.vstack([np.full((len(rows) - 1, n), np.nan), s[None]])),
+                  aspect="auto", cmap="magma_r", vmin=0, vmax=1, interpolation="nearest")
+    ax.set_yticks(range(len(rows)), rows)
+    step = max(1, n // 150)
+    ax.set_xticks(range(0, n, step), [tokens[i] for i in range(0, n, step)], rotation=90, fontsize=6)
+    ax.set_xlabel("prompt position")
+    ax.set_title(title or f"positions recomputed at rho = {rho:g}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _mpl():
+    try:
+        import matplotlib
+    except ImportError:
+        from ..errors import RarecacheError
+
+        raise RarecacheError("plots need matplotlib: pip install 'rarecache[plot]'") from None
+    matplotlib.use("Agg")
+    return matplotlib

@@ -1,0 +1,118 @@
+"""Multi-turn chat in which any turn may be answered by a different model.
+
+Each model keeps its own cache and the token ids that cache holds. When a turn
+goes to a model, the conversation is rendered again; the model keeps its rows for
+the longest prefix it already holds, and the rest is either prefilled by itself
+(it was the last to speak) or handed off: the model that spoke last prefills what
+it has not seen, the map translates everything the receiving model has not seen,
+and the receiving model recomputes the selected positions of that span. Switching
+back works the same way.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.generate import SamplingConfig, decode
+from ..engine.llm import LLM
+from ..errors import RarecacheError
+from .handoff import HandoffConfig, HandoffResult, handoff, spans
+from .mapper import Mapper
+
+
+@dataclass
+class _ModelState:
+    cache: KVCache | None = None
+    ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
+
+
+@dataclass
+class Turn:
+    model: str
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    reused: int  # positions the answering model already held
+    handoff: HandoffResult | None  # set when the turn was handed off from another model
+    seconds: dict[str, float]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Conversation:
+    def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
+                 cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
+                 system: str | None = None):
+        self.models, self.maps, self.cfg, self.sampling = models, maps, cfg, sampling
+        for (a, b), mapper in maps.items():
+            if a not in models or b not in models:
+                raise RarecacheError(f"map {a} -> {b} names a model the conversation does not have")
+            mapper.check_pair(models[a].runner, models[b].runner)
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.state = {name: _ModelState() for name in models}
+        self.last: str | None = None  # the model that spoke last
+        self.turns: list[Turn] = []
+
+    def _room(self, name: str, length: int) -> KVCache:
+        st, llm = self.state[name], self.models[name]
+        if st.cache is None:
+            st.cache = llm.runner.new_cache(1, length)
+        st.cache = st.cache.grown(length)
+        return st.cache
+
+    @torch.inference_mode()
+    def say(self, content: str, model: str) -> Turn:
+        """Add a user message and let `model` answer it."""
+        if model not in self.models:
+            raise RarecacheError(f"unknown model {model!r}; this conversation has {', '.join(self.models)}")
+        llm = self.models[model]
+        self.messages.append({"role": "user", "content": content})
+        ids = llm.encode(self.messages)
+        need = len(ids) + self.sampling.max_new_tokens
+        if need > llm.config.max_position_embeddings:
+            raise RarecacheError(f"the conversation needs {need} positions, {model} has "
+                                 f"{llm.config.max_position_embeddings}")
+        st = self.state[model]
+        keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
+        cache = self._room(model, need)
+        cache.clear(keep)
+        t0 = time.perf_counter()
+        result = None
+        prev = self.last
+        if prev is not None and prev != model and (prev, model) in self.maps:
+            src = self.state[prev]
+            src_keep = min(common_prefix(src.ids, ids), len(ids))
+            src_cache = self._room(prev, need)
+            src_cache.clear(src_keep)
+            _, logits, result = handoff(self.models[prev].runner, llm.runner, self.maps[(prev, model)], [ids],
+                                        self.cfg, source_cache=src_cache, source_from=[src_keep],
+                                        target_cache=cache, start=[keep])
+            src.ids = list(ids)  # the source prefilled the whole prompt
+        else:
+            toks, pos = spans([ids], [keep], llm.runner.device)
+            logits = llm.runner.forward(toks, pos, cache).logits
+        t1 = time.perf_counter()
+        sampling = self.sampling
+        if not sampling.stop_token_ids:
+            sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
+        gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling)[0]
+        written = gen.tokens if gen.finish_reason == "stop" else gen.tokens[:-1]
+        st.ids = ids + written
+        text = llm.tokenizer.decode(gen.tokens)
+        self.messages.append({"role": "assistant", "content": text})
+        self.last = model
+        turn = Turn(model, text, gen.tokens, len(ids), keep, result,
+                    {"prefill_or_handoff": t1 - t0, "decode": time.perf_counter() - t1})
+        self.turns.append(turn)
+        return turn
