@@ -97,7 +97,14 @@ def cmd_calibrate(args) -> int:
     paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
     source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
     tokenizer = Tokenizer.from_dir(paths[0])
-    corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+    if args.task:
+        from .eval.tasks import TASKS
+
+        if args.task not in TASKS:
+            raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+        corpus = TASKS[args.task](args.cache_dir).calibration_corpus()
+    else:
+        corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     mapper = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device).run(restart=args.restart)
     mapper.save(args.out)
@@ -284,6 +291,39 @@ def cmd_demo(args) -> int:
                                max_new_tokens=args.max_new_tokens, dtype=args.dtype, cache_dir=args.cache_dir))
 
 
+def cmd_eval_run(args) -> int:
+    from .engine.generate import SamplingConfig
+    from .engine.llm import LLM
+    from .eval.report import markdown, summarise
+    from .eval.run import Arm, load_results, run_generation
+    from .eval.tasks import TASKS
+    from .transfer.mapper import Mapper
+
+    if args.task not in TASKS:
+        raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+    task = TASKS[args.task](args.cache_dir)
+    arms = [Arm.parse(a) for a in args.arms]
+    items = task.items()[args.start : args.start + args.limit]
+    source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
+    mapper = Mapper.load(args.map)
+    mapper.check_pair(source.runner, target.runner)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    out = run_generation(task, items, source, target, mapper, arms, sampling, args.out)
+    table = markdown(summarise(load_results(out)), f"{task.name}: {len(items)} items from {args.start}, "
+                                                   f"{source.path.name} -> {target.path.name}, map {args.map.name}")
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def cmd_eval_report(args) -> int:
+    from .eval.report import markdown, summarise
+    from .eval.run import load_results
+
+    print(markdown(summarise(load_results(args.results)), str(args.results)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -348,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="built-in (wiki, c4, tiny, technical, code, multilingual, hotpotqa), a text file or "
                         "folder, or file.jsonl:field (default: wiki)")
     p.add_argument("--chat", action="store_true", help="render each document as a user turn with the chat template")
+    p.add_argument("--task", default=None,
+                   help="calibrate on a task's held-apart prompts instead of --corpus (e.g. gsm8k)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
@@ -395,6 +437,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     _add_model_options(p)
     p.set_defaults(func=cmd_ppl)
+
+    p = sub.add_parser("eval", help="evaluation harness: accuracy kept by the handoff, resumable")
+    ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
+    e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)")
+    e.add_argument("--task", required=True, help="e.g. gsm8k")
+    e.add_argument("--source", required=True)
+    e.add_argument("--target", required=True)
+    e.add_argument("--map", type=Path, required=True)
+    e.add_argument("--arms", nargs="+", default=["target", "source", "0:rank", "0.3:rank", "0.3:random"],
+                   help="target, source, or RHO:SELECTOR (default: target source 0:rank 0.3:rank 0.3:random)")
+    e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
+    e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
+    e.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
+    e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
+    _add_model_options(e)
+    e.set_defaults(func=cmd_eval_run)
+    e = ev.add_parser("report", help="summarise a results JSONL")
+    e.add_argument("results", type=Path)
+    e.set_defaults(func=cmd_eval_report)
 
     p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")

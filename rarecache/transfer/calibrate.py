@@ -180,7 +180,8 @@ class Calibration:
                 r2_held[s] = heldout_r2(sides[s], self.stats[f"heldout.{s}"], self.src, self.tgt).tolist()
         calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
-                 "sequences": self.sequences_done, "heldout_tokens": self.stats["heldout.k"].n}
+                 "sequences": self.sequences_done, "heldout_tokens": self.stats["heldout.k"].n,
+                 "document_ids": list(self.corpus.ids[: self.documents_used])}
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
                        lam=cfg.lam, rank=self.rank, tokens=self.stats["fit.k"].n, corpus=self.corpus.describe(),
                        calibration=calib, r2_heldout=r2_held)

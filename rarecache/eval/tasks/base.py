@@ -1,0 +1,51 @@
+"""What a task provides: evaluation items, a disjoint calibration pool, scoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import RarecacheError
+from ...transfer.corpus import Corpus
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str
+    messages: tuple[dict[str, str], ...]  # chat prompt
+    gold: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    name = ""
+    metric = ""
+
+    def __init__(self, cache_dir: Path | None = None):
+        self.cache_dir = cache_dir
+
+    def items(self) -> list[Item]:
+        """Evaluation items, in a fixed order."""
+        raise NotImplementedError
+
+    def calibration_items(self) -> list[Item]:
+        """Items kept apart from evaluation for task-shaped calibration."""
+        raise NotImplementedError
+
+    def score(self, item: Item, text: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def calibration_corpus(self) -> Corpus:
+        pool = self.calibration_items()
+        check_disjoint([i.id for i in pool], [i.id for i in self.items()], self.name)
+        return Corpus(f"task:{self.name}", tuple(i.messages[-1]["content"] for i in pool), chat=True,
+                      ids=tuple(i.id for i in pool))
+
+
+def check_disjoint(calibration_ids, evaluated_ids, what: str) -> None:
+    """Refuse an evaluation whose items were used to calibrate the map."""
+    overlap = set(calibration_ids) & set(evaluated_ids)
+    if overlap:
+        some = ", ".join(sorted(overlap)[:5])
+        raise RarecacheError(f"{what}: {len(overlap)} evaluated item(s) were used for calibration ({some} ...)")
