@@ -162,3 +162,32 @@ def test_bf16_close_to_fp32(tiny):
     _, low = full_forward(Runner.load(path, dtype=torch.bfloat16), tokens)
     assert low.dtype == torch.float32
     assert (low - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_fast_attention_paths_equal_the_dense_reference():
+    """Plain prefill (causal kernel) and scattered queries (sparse-causal blocks) vs the dense mask."""
+    from rarecache.engine import attention
+
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, S, D = 2, 4, 2, 600, 16
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    filled = torch.ones(B, S, dtype=torch.bool)
+    pos = torch.arange(S).expand(B, S)
+    q = torch.randn(B, H, S, D, generator=g)
+    out, _ = attention.attend(q, pos, k, v, filled)
+    torch.testing.assert_close(out, attention.attend_dense(q, pos, k, v, filled), atol=1e-5, rtol=0)
+    for trial in range(4):
+        n = [300, 260]
+        q_pos = torch.full((B, max(n)), -1)
+        for b in range(B):
+            q_pos[b, : n[b]] = torch.randperm(S, generator=g)[: n[b]].sort().values
+        if trial == 3:  # unsorted queries are still exact
+            q_pos[:, : min(n)] = q_pos[:, : min(n)].flip(1)
+        holes = torch.rand(B, S, generator=g) < 0.1  # some slots never filled
+        f = filled & ~holes
+        f[torch.arange(B)[:, None], q_pos.clamp(min=0)] = True
+        qq = torch.randn(B, H, max(n), D, generator=g)
+        fast, _ = attention.attend(qq, q_pos, k, v, f)
+        ref = attention.attend_dense(qq, q_pos, k, v, f)
+        valid = (q_pos >= 0)[:, None, :, None]
+        torch.testing.assert_close(fast * valid, ref * valid, atol=1e-5, rtol=0)

@@ -3,12 +3,20 @@
 A query at position p sees the cached keys at positions <= p whose slots are
 filled, and nothing else. This single rule covers prefill, decode, padded batches
 and a recompute over scattered positions against a cache filled by someone else.
+
+`attend` is the fast path: a plain prefill uses the causal kernel, and any other
+query set is cut into blocks, each attending only to keys up to its highest
+position, so causally invalid query-key pairs are mostly never computed (a dense
+ρT x T mask would evaluate all of them). `attend_dense` is the reference it is
+tested against.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+QUERY_BLOCK = 128  # queries per block on the sparse-causal path
 
 
 def causal_mask(q_pos: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
@@ -17,6 +25,20 @@ def causal_mask(q_pos: torch.Tensor, filled: torch.Tensor) -> torch.Tensor:
     allowed = (key_pos <= q_pos[..., None]) & filled[:, None, :]
     # padding queries (position -1) see everything: never an all-masked row; their output is discarded
     return allowed | (q_pos < 0)[..., None]
+
+
+def attend_dense(q, q_pos, k, v, filled):
+    """Reference: every query against every key through a dense mask. -> (B, H, T, D)."""
+    mask = causal_mask(q_pos, filled)  # (B, T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+
+
+def _is_plain_prefill(q_pos: torch.Tensor, filled: torch.Tensor) -> bool:
+    """Queries are exactly positions 0..T-1 in every row and those are the only keys."""
+    T = q_pos.shape[1]
+    if filled.shape[1] != T:
+        return False
+    return bool((q_pos == torch.arange(T, device=q_pos.device)).all()) and bool(filled.all())
 
 
 def attend(
@@ -32,15 +54,31 @@ def attend(
     Returns the output (B, H, T, D) and, if `capture_rows` (B, R) indexes query rows,
     their attention probabilities (B, H, R, S) in float32.
     """
-    mask = causal_mask(q_pos, filled)  # (B, T, S)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
+    T = q.shape[2]
+    if _is_plain_prefill(q_pos, filled):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    elif T <= QUERY_BLOCK:
+        out = attend_dense(q, q_pos, k, v, filled)
+    else:
+        blocks = []
+        for start in range(0, T, QUERY_BLOCK):
+            qp = q_pos[:, start : start + QUERY_BLOCK]
+            length = int(qp.max()) + 1 if bool((qp >= 0).any()) else 1  # keys past this are never visible
+            blocks.append(attend_dense(q[:, :, start : start + QUERY_BLOCK], qp, k[:, :, :length],
+                                       v[:, :, :length], filled[:, :length]))
+        out = torch.cat(blocks, dim=2)
     probs = None
     if capture_rows is not None:
-        B, H, _, D = q.shape
-        idx = capture_rows[:, None, :, None].expand(B, H, capture_rows.shape[1], D)
-        q_sel = q.gather(2, idx).float()  # (B, H, R, D)
-        k_all = k.float().repeat_interleave(H // k.shape[1], dim=1)  # (B, H, S, D)
-        scores = q_sel @ k_all.transpose(-1, -2) * D**-0.5  # (B, H, R, S)
-        row_mask = mask.gather(1, capture_rows[..., None].expand(-1, -1, mask.shape[2]))  # (B, R, S)
-        probs = scores.masked_fill(~row_mask[:, None], float("-inf")).softmax(-1)
+        probs = attention_probs(q, q_pos, k, filled, capture_rows)
     return out, probs
+
+
+def attention_probs(q, q_pos, k, filled, rows: torch.Tensor) -> torch.Tensor:
+    """Attention probabilities (B, H, R, S), float32, of query rows `rows` (B, R)."""
+    B, H, _, D = q.shape
+    idx = rows[:, None, :, None].expand(B, H, rows.shape[1], D)
+    q_sel = q.gather(2, idx).float()  # (B, H, R, D)
+    k_all = k.float().repeat_interleave(H // k.shape[1], dim=1)  # (B, H, S, D)
+    scores = q_sel @ k_all.transpose(-1, -2) * D**-0.5  # (B, H, R, S)
+    mask = causal_mask(q_pos.gather(1, rows), filled)  # (B, R, S)
+    return scores.masked_fill(~mask[:, None], float("-inf")).softmax(-1)
