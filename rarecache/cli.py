@@ -324,6 +324,50 @@ def cmd_eval_report(args) -> int:
     return 0
 
 
+def cmd_bench_handoff(args) -> int:
+    import torch
+
+    from .bench.handoff import time_cell
+    from .engine.llm import DTYPES
+
+    if args.shapes:
+        from .bench.shapes import random_mapper, random_runner
+
+        names = args.shapes.split(":")
+        if len(names) != 2:
+            raise RarecacheError("--shapes takes SOURCE:TARGET, e.g. qwen3-0.6b:qwen3-14b")
+        source, target = (random_runner(n, DTYPES[args.dtype], args.device, args.max_layers) for n in names)
+        mapper = random_mapper(source, target, rank=args.rank)
+        pair = f"{args.shapes} (random weights{f', {args.max_layers} layers' if args.max_layers else ''})"
+    else:
+        if not (args.source and args.target and args.map):
+            raise RarecacheError("give --source, --target and --map, or --shapes SOURCE:TARGET")
+        source, target, mapper, _ = _load_pair(args)
+        pair = f"{source.path.name} -> {target.path.name}"
+    torch.manual_seed(0)
+    print(f"handoff vs target prefill: {pair}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} after a warm-up; source prefill not counted")
+    head = (f"{'T':>5} {'rho':>4} {'B':>3} {'prefill ms':>10} {'map':>7} {'score':>6} {'recomp':>8} "
+            f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9}")
+    print(head)
+    rows = []
+    for T in args.lengths:
+        for batch in args.batches:
+            for rho in args.rhos:
+                r = time_cell(source, target, mapper, T, rho, batch, args.repeats).row(target, mapper)
+                rows.append(r)
+                print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
+                      f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
+                      f"{r['ceiling_dense']:>9.2f}x {r['ceiling_sparse']:>10.2f}x {r['of_sparse_ceiling']:>9.2f} "
+                      f"{r['map_score_share_of_prefill']:>8.1%}", flush=True)
+    result = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "device": args.device, "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -467,6 +511,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (default: 3)")
     _add_model_options(b)
     b.set_defaults(func=cmd_bench_map)
+    b = bench.add_parser("handoff", help="phase times vs the target's prefill, with the eq. 11 FLOP ceilings",
+                         description="Time map, score and recompute against the target's own prefill of the same "
+                                     "prompts in the same run, for every length x batch x rho; print a table, then "
+                                     "one JSON line.")
+    b.add_argument("--source")
+    b.add_argument("--target")
+    b.add_argument("--map", type=Path)
+    b.add_argument("--shapes", default=None,
+                   help="random weights at real shapes instead: qwen3-0.6b:qwen3-14b or llama-3.1-8b:llama-3.3-70b "
+                        "(needs a GPU's memory at full depth)")
+    b.add_argument("--max-layers", type=int, default=None, help="with --shapes: cut both models to N layers")
+    b.add_argument("--rank", type=int, default=128, help="with --shapes: probe rank (default: 128)")
+    b.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
+    b.add_argument("--rhos", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench_handoff)
     return parser
 
 

@@ -82,3 +82,24 @@ def test_inspect_strip(mapped, capsys):
     assert set(data["picks"]) == {"rank", "random", "l2-oracle (oracle)"} and len(data["rank_scores"]) == n
     assert all(len(p) == -(-3 * n // 10) and p[-1] == n - 1 for p in data["picks"].values())
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_handoff_table_and_ceilings(mapped, capsys):
+    assert main(["bench", "handoff", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+                 str(mapped / "m.safetensors"), "--lengths", "40", "--rhos", "0.3", "1", "--batches", "1", "2",
+                 "--repeats", "1", "--dtype", "float32"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["batch"], r["rho"]) for r in res["rows"]] == [(1, 0.3), (1, 1.0), (2, 0.3), (2, 1.0)]
+    assert all(r["handoff_ms"] > 0 and r["ceiling_sparse"] >= r["ceiling_dense"] for r in res["rows"])
+
+
+def test_eq11_ceilings_limits(mapped):
+    from rarecache.bench.handoff import ceilings
+    from rarecache.engine.runner import Runner
+    from rarecache.transfer.mapper import Mapper
+
+    target, mapper = Runner.load(mapped / "tgt"), Mapper.load(mapped / "m.safetensors")
+    dense, sparse = ceilings(target, mapper, 10**9, 0.3)  # attention dominates: 1/(2ρ) and 1/ρ
+    assert dense == pytest.approx(1 / 0.6, rel=1e-3) and sparse == pytest.approx(1 / 0.3, rel=1e-3)
+    dense, sparse = ceilings(target, mapper, 1, 1.0)  # ρ = 1 costs more than a prefill: below 1
+    assert dense < 1 and sparse < 1

@@ -53,6 +53,12 @@ class HandoffResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
 
+def _now(runner: Runner) -> float:
+    if runner.device.type == "cuda":  # phases are timed to completion, not to kernel launch
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 def budget(rho: float, length: int) -> int:
     """⌈ρ·T⌉ positions, at least the last one."""
     return max(1, math.ceil(rho * length - 1e-9))
@@ -115,7 +121,7 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     timings: dict[str, float] = {}
     device = target.device
 
-    t = time.perf_counter()
+    t = _now(target)
     if source_cache is None:
         source_cache = source.new_cache(B, max_len or max(lengths))
     src_attn = None
@@ -127,18 +133,18 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
             src_attn = received(out.attn, max(lengths))
     elif selector and selector.needs_source_attention:
         raise RarecacheError("attn-source needs the source to prefill at least the last position")
-    timings["source_prefill"] = time.perf_counter() - t
+    timings["source_prefill"] = _now(target) - t
 
-    t = time.perf_counter()
+    t = _now(target)
     cache = target_cache or target.new_cache(B, max_len or max(lengths))
     toks, positions = spans(prompts, start, device)
     z = mapper.apply(source, source_cache, target, cache, positions)
-    timings["map"] = time.perf_counter() - t
+    timings["map"] = _now(target) - t
 
     if cfg.selector == "layer-prefix":
         return _layer_prefix(target, prompts, cfg, cache, toks, positions, start, timings)
 
-    t = time.perf_counter()
+    t = _now(target)
     ctx = SelectionContext(source, target, mapper, spans(prompts, [0] * B, device)[0], positions, cache, z,
                            src_attn, cfg.seed)
     scores = selector.scores(ctx)  # (B, W)
@@ -146,12 +152,12 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     for b, (s, n) in enumerate(zip(start, lengths)):
         picked = select_top(scores[b, : n - s], budget(cfg.rho, n - s))
         chosen.append([s + i for i in picked])
-    timings["score"] = time.perf_counter() - t
+    timings["score"] = _now(target) - t
 
-    t = time.perf_counter()
+    t = _now(target)
     sel_tokens, sel_pos = subset(prompts, chosen, device)
     logits = target.forward(sel_tokens, sel_pos, cache).logits
-    timings["recompute"] = time.perf_counter() - t
+    timings["recompute"] = _now(target) - t
     per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(start, lengths))]
     return cache, logits, HandoffResult(chosen, per_request, list(zip(start, lengths)), timings=timings)
 
@@ -159,7 +165,7 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
 def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, timings):
     """DroidSpeak-style: the target's first m layers for every handed-off position (FLOP-matched
     to ρ), mapped KV above; the last position runs through all layers."""
-    t = time.perf_counter()
+    t = _now(target)
     lengths = [len(p) for p in prompts]
     m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(start, lengths))
     cache.mark(positions)
@@ -175,6 +181,6 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, t
         h, _ = target.layer(i, h, pos, cache, cos_sin)
     logits = target.logits(h, pos)
     timings["score"] = 0.0
-    timings["recompute"] = time.perf_counter() - t
+    timings["recompute"] = _now(target) - t
     chosen = [[n - 1] for n in lengths]
     return cache, logits, HandoffResult(chosen, None, list(zip(start, lengths)), prefix_layers=m, timings=timings)

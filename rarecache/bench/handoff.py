@@ -1,0 +1,96 @@
+"""`rarecache bench handoff`: phase times of the handoff against the target's own prefill.
+
+For each prompt length T, budget ρ and batch size: the target's prefill of the
+prompts and the handoff's map, score and recompute phases are timed in the same
+run (one warm-up, then repeats; median and spread). The source prefill is not
+counted: in a cascade the source has already paid it. The FLOP ceiling of seed
+000 eq. 11 is printed in its dense-mask form (ρT x T attention) and its
+sparse-causal form (½ρT x T), with the fraction of the sparse ceiling reached.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.runner import Runner
+from ..transfer.handoff import HandoffConfig, handoff
+from ..transfer.mapper import Mapper
+
+
+def layer_params(runner: Runner) -> int:
+    """Parameters touched per token by the decoder layers (embeddings and head excluded)."""
+    return sum(p.numel() for p in runner.model.model.layers.parameters())
+
+
+def map_params(mapper: Mapper) -> tuple[int, int]:
+    """(map weights, rank-disagreement probe weights) over all target layers and sides."""
+    return (sum(f.weight.numel() for f in mapper.sides.values()),
+            sum(f.basis.numel() for f in mapper.sides.values()))
+
+
+def ceilings(target: Runner, mapper: Mapper, T: int, rho: float) -> tuple[float, float]:
+    """Eq. 11 speed-up ceilings (dense-mask, sparse-causal) at length T and budget ρ."""
+    c = target.config
+    p_t = layer_params(target)
+    p_map, p_probe = map_params(mapper)
+    alpha = 4 * c.num_layers * c.num_heads * c.head_dim
+    full = 2 * p_t * T + 0.5 * alpha * T * T
+    linear = (2 * p_map + 2 * p_probe + 2 * rho * p_t) * T
+    return full / (linear + rho * alpha * T * T), full / (linear + 0.5 * rho * alpha * T * T)
+
+
+@dataclass
+class Cell:
+    T: int
+    rho: float
+    batch: int
+    prefill: list[float]
+    phases: dict[str, list[float]]
+
+    def row(self, target: Runner, mapper: Mapper) -> dict:
+        med = {k: statistics.median(v) for k, v in self.phases.items()}
+        pre = statistics.median(self.prefill)
+        total = med["map"] + med["score"] + med["recompute"]
+        dense, sparse = ceilings(target, mapper, self.T, self.rho)
+        return {"T": self.T, "rho": self.rho, "batch": self.batch, "prefill_ms": pre * 1e3,
+                "prefill_spread_ms": (max(self.prefill) - min(self.prefill)) * 1e3,
+                **{f"{k}_ms": v * 1e3 for k, v in med.items()}, "handoff_ms": total * 1e3,
+                "handoff_spread_ms": (max(map(sum, zip(*(self.phases[k] for k in ("map", "score", "recompute")))))
+                                      - min(map(sum, zip(*(self.phases[k] for k in ("map", "score", "recompute"))))))
+                * 1e3,
+                "speedup": pre / total, "ceiling_dense": dense, "ceiling_sparse": sparse,
+                "of_sparse_ceiling": pre / total / sparse, "map_score_share_of_prefill": (med["map"] + med["score"]) / pre}
+
+
+@torch.inference_mode()
+def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,
+              repeats: int, seed: int = 0) -> Cell:
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(source.config.vocab_size, target.config.vocab_size)
+    prompts = torch.randint(0, vocab, (batch, T), generator=g).tolist()
+    src_cache, _ = source.prefill(prompts)
+    tokens = torch.tensor(prompts, device=target.device)
+    pos = torch.arange(T, device=target.device).expand(batch, T)
+    cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []})
+    cfg = HandoffConfig(rho=rho, selector="rank")
+    for i in range(repeats + 1):  # the first round warms up
+        t = time.perf_counter()
+        target.forward(tokens, pos, target.new_cache(batch, T))
+        _sync(target)
+        prefill = time.perf_counter() - t
+        _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache, source_from=[T] * batch)
+        _sync(target)
+        if i:
+            cell.prefill.append(prefill)
+            for k in cell.phases:
+                cell.phases[k].append(res.timings[k])
+    return cell
+
+
+def _sync(runner: Runner) -> None:
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
