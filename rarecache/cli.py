@@ -21,6 +21,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="model cache directory (default: $RARECACHE_HOME or ~/.cache/rarecache)")
 
 
+def _add_pair_options(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--source", required=required, help="model whose cache is mapped (name, HF dir or .gguf)")
+    p.add_argument("--target", required=required, help="model that receives the mapped cache")
+    p.add_argument("--map", type=Path, required=required, help="map file fitted for source -> target")
+
+
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -469,9 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Score each held-out passage's continuation with the target conditioned on its "
                                    "own prefix cache, on the mapped source cache, and with the source alone. "
                                    "Passages come from documents the map was not fitted on.")
-    p.add_argument("--source", required=True)
-    p.add_argument("--target", required=True)
-    p.add_argument("--map", type=Path, required=True)
+    _add_pair_options(p)
     p.add_argument("--corpus", default="wiki", help="corpus to cut passages from (default: wiki)")
     p.add_argument("--passages", type=int, default=20, help="number of passages (default: 20)")
     p.add_argument("--prefix", type=int, default=512, help="prefix tokens (default: 512)")
@@ -486,9 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
     e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)")
     e.add_argument("--task", required=True, help="e.g. gsm8k")
-    e.add_argument("--source", required=True)
-    e.add_argument("--target", required=True)
-    e.add_argument("--map", type=Path, required=True)
+    _add_pair_options(e)
     e.add_argument("--arms", nargs="+", default=["target", "source", "0:rank", "0.3:rank", "0.3:random"],
                    help="target, source, or RHO:SELECTOR (default: target source 0:rank 0.3:rank 0.3:random)")
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
@@ -504,9 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = bench.add_parser("map", help="time to map a prompt's cache vs the target's own prefill")
-    b.add_argument("--source", required=True)
-    b.add_argument("--target", required=True)
-    b.add_argument("--map", type=Path, required=True)
+    _add_pair_options(b)
     b.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default: 512 2048)")
     b.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (default: 3)")
     _add_model_options(b)
@@ -515,9 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Time map, score and recompute against the target's own prefill of the same "
                                      "prompts in the same run, for every length x batch x rho; print a table, then "
                                      "one JSON line.")
-    b.add_argument("--source")
-    b.add_argument("--target")
-    b.add_argument("--map", type=Path)
+    _add_pair_options(b, required=False)
     b.add_argument("--shapes", default=None,
                    help="random weights at real shapes instead: qwen3-0.6b:qwen3-14b or llama-3.1-8b:llama-3.3-70b "
                         "(needs a GPU's memory at full depth)")
