@@ -301,7 +301,7 @@ def cmd_eval_run(args) -> int:
     from .engine.generate import SamplingConfig
     from .engine.llm import LLM
     from .eval.report import markdown, summarise
-    from .eval.run import Arm, load_results, run_generation
+    from .eval.run import Arm, load_results, run_task
     from .eval.tasks import TASKS
     from .transfer.mapper import Mapper
 
@@ -314,7 +314,7 @@ def cmd_eval_run(args) -> int:
     mapper = Mapper.load(args.map)
     mapper.check_pair(source.runner, target.runner)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    out = run_generation(task, items, source, target, mapper, arms, sampling, args.out)
+    out = run_task(task, items, source, target, mapper, arms, args.out, sampling)
     table = markdown(summarise(load_results(out)), f"{task.name}: {len(items)} items from {args.start}, "
                                                    f"{source.path.name} -> {target.path.name}, map {args.map.name}")
     out.with_suffix(".md").write_text(table + "\n")

@@ -10,7 +10,7 @@ from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.eval.metrics import mean_ci, paired_diff_ci
 from rarecache.eval.report import summarise
-from rarecache.eval.run import Arm, load_results, run_generation
+from rarecache.eval.run import Arm, load_results, run_task
 from rarecache.eval.tasks.base import Item, Task
 from rarecache.eval.tasks.gsm8k import extract_answer, normalise
 
@@ -49,7 +49,7 @@ def models(pair_dir, fitted):  # noqa: F811
 def test_resumed_run_gives_the_same_file(models, tmp_path, monkeypatch):
     source, target, mapper = models
     task = Toy()
-    whole = run_generation(task, task.items(), source, target, mapper, ARMS, SAMPLING, tmp_path / "a.jsonl", False)
+    whole = run_task(task, task.items(), source, target, mapper, ARMS, tmp_path / "a.jsonl", SAMPLING, False)
     calls = {"n": 0}
     real = Toy.score
 
@@ -61,11 +61,11 @@ def test_resumed_run_gives_the_same_file(models, tmp_path, monkeypatch):
 
     monkeypatch.setattr(Toy, "score", dying)
     with pytest.raises(KeyboardInterrupt):
-        run_generation(task, task.items(), source, target, mapper, ARMS, SAMPLING, tmp_path / "b.jsonl", False)
+        run_task(task, task.items(), source, target, mapper, ARMS, tmp_path / "b.jsonl", SAMPLING, False)
     with open(tmp_path / "b.jsonl", "a") as f:
         f.write('{"task": "toy", "item": "toy-2", "ar')  # a line cut short by the kill
     monkeypatch.setattr(Toy, "score", real)
-    run_generation(task, task.items(), source, target, mapper, ARMS, SAMPLING, tmp_path / "b.jsonl", False)
+    run_task(task, task.items(), source, target, mapper, ARMS, tmp_path / "b.jsonl", SAMPLING, False)
     assert whole.read_text() == (tmp_path / "b.jsonl").read_text()
     rows = load_results(whole)
     assert len(rows) == 5 * len(ARMS)
@@ -84,7 +84,7 @@ def test_overlapping_calibration_is_rejected(models, tmp_path):
                                calibration={**mapper.info.calibration, "document_ids": ["toy-6", "toy-1"]})
     bad = type(mapper)(info, mapper.sides)
     with pytest.raises(RarecacheError, match="1 evaluated item"):
-        run_generation(task, task.items(), source, target, bad, ARMS[:1], SAMPLING, tmp_path / "c.jsonl", False)
+        run_task(task, task.items(), source, target, bad, ARMS[:1], tmp_path / "c.jsonl", SAMPLING, False)
 
     class Overlapping(Toy):
         def calibration_items(self):

