@@ -124,3 +124,54 @@ def test_metrics_by_hand():
     s = {r["arm"]: r for r in summarise(rows)}
     assert s["target"]["acc"] == 0.75 and s["rho=0/rank"]["acc"] == 0.5
     assert s["rho=0/rank"]["retention"] == pytest.approx(2 / 3) and s["rho=0/rank"]["diff"] == -0.25
+
+
+class ToyChoice(Toy):
+    name = "toychoice"
+    kind = "likelihood"
+
+    def _all(self):
+        return [dataclasses.replace(i, continuations=("the quick fox", "lazy dog jumps over", "add"), gold=i.extra["index"] % 3)
+                for i in super()._all()]
+
+    def score_likelihood(self, item, logprobs):
+        from rarecache.eval.tasks.choice import OlmesChoice
+
+        return OlmesChoice.score_likelihood(self, item, logprobs)
+
+
+def test_choice_scoring_over_a_shared_cache_equals_separate_full_passes(models, tmp_path):
+    import torch
+
+    source, target, mapper = models
+    task = ToyChoice()
+    arms = [Arm.parse(a) for a in ("target", "source", "1:rank", "0.3:rank")]
+    rows = load_results(run_task(task, task.items(), source, target, mapper, arms, tmp_path / "c.jsonl", progress=False))
+    by = {(r["item"], r["arm"]): r for r in rows}
+    for item in task.items():
+        prompt = target.encode(list(item.messages))
+        for arm, llm in (("target", target), ("source", source)):
+            want = []
+            for c in item.continuations:
+                cont = target.tokenizer.encode(c, add_special_tokens=False)
+                ids = prompt + cont
+                logits = llm.runner.forward(torch.tensor([ids]), torch.arange(len(ids))[None],
+                                            llm.runner.new_cache(1, len(ids)), logits_at="all").logits[0]
+                lp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(1, torch.tensor(cont)[:, None])
+                want.append(lp.sum().item())
+            assert by[(item.id, arm)]["logprobs"] == pytest.approx(want, abs=1e-3)
+        assert by[(item.id, "rho=1/rank")]["logprobs"] == pytest.approx(by[(item.id, "target")]["logprobs"], abs=1e-3)
+        r = by[(item.id, "rho=0.3/rank")]
+        lps, chars = r["logprobs"], [len(c) for c in item.continuations]
+        assert r["prediction"] == max(range(3), key=lambda j: lps[j])
+        assert r["prediction_norm"] == max(range(3), key=lambda j: lps[j] / chars[j])
+        assert r["correct_norm"] == (r["prediction_norm"] == item.gold)
+
+
+def test_gsm8k_bpb_by_hand():
+    import math
+
+    from rarecache.eval.tasks.gsm8k import GSM8KBPB
+
+    item = Item("x", (), "3", {}, ("ab€",))  # 5 bytes
+    assert GSM8KBPB.score_likelihood(None, item, [-math.log(2) * 10]) == {"bpb": 2.0, "bytes": 5}

@@ -1,8 +1,9 @@
 """Evaluation tasks. Each task is one small module registered in TASKS."""
 
 from .base import Item, Task
-from .gsm8k import GSM8K
+from .choice import ARCChallenge, ARCEasy, HellaSwag
+from .gsm8k import GSM8K, GSM8KBPB
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K,)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag)}
 
 __all__ = ["Item", "Task", "TASKS"]

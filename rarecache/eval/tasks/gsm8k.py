@@ -6,6 +6,7 @@ calibration and evaluation draws from items 0-999.
 
 from __future__ import annotations
 
+import math
 import re
 
 from ..data import olmo_requests
@@ -58,3 +59,19 @@ class GSM8K(Task):
     def score(self, item: Item, text: str) -> dict:
         pred = extract_answer(text)
         return {"prediction": pred, "correct": pred == item.gold}
+
+
+class GSM8KBPB(GSM8K):
+    """Bits per byte of the gold solution after the handed-off prompt: one forward pass per arm."""
+
+    name = "gsm8k_bpb"
+    metric = "bpb"
+    kind = "likelihood"
+
+    def _all(self) -> list[Item]:
+        return [Item(i.id.replace("gsm8k", "gsm8k_bpb"), i.messages, i.gold, i.extra, (i.extra["solution"],))
+                for i in super()._all()]
+
+    def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
+        n_bytes = len(item.continuations[0].encode("utf-8"))
+        return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes}
