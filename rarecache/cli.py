@@ -315,8 +315,10 @@ def cmd_eval_run(args) -> int:
     mapper.check_pair(source.runner, target.runner)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
     out = run_task(task, items, source, target, mapper, arms, args.out, sampling)
-    table = markdown(summarise(load_results(out)), f"{task.name}: {len(items)} items from {args.start}, "
-                                                   f"{source.path.name} -> {target.path.name}, map {args.map.name}")
+    bpb = task.metric == "bpb"
+    table = markdown(summarise(load_results(out), task.metric, task.chance, lower_is_better=bpb),
+                     f"{task.name}: {len(items)} items from {args.start}, {source.path.name} -> {target.path.name}, "
+                     f"map {args.map.name}", metric=task.metric, percent=not bpb)
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
     return 0
@@ -326,7 +328,14 @@ def cmd_eval_report(args) -> int:
     from .eval.report import markdown, summarise
     from .eval.run import load_results
 
-    print(markdown(summarise(load_results(args.results)), str(args.results)))
+    from .eval.tasks import TASKS
+
+    rows = load_results(args.results)
+    task = TASKS[rows[0]["task"]] if rows and rows[0].get("task") in TASKS else None
+    metric = task.metric if task else "correct"
+    bpb = metric == "bpb"
+    print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb), str(args.results),
+                   metric=metric, percent=not bpb))
     return 0
 
 

@@ -121,9 +121,19 @@ def test_metrics_by_hand():
     rows = [{"item": i, "arm": a, "correct": c} for i, a, c in [
         ("x", "target", 1), ("y", "target", 1), ("z", "target", 0), ("w", "target", 1),
         ("x", "rho=0/rank", 1), ("y", "rho=0/rank", 0), ("z", "rho=0/rank", 0), ("w", "rho=0/rank", 1)]]
-    s = {r["arm"]: r for r in summarise(rows)}
-    assert s["target"]["acc"] == 0.75 and s["rho=0/rank"]["acc"] == 0.5
+    rows += [{"item": i, "arm": "rho=0.3/rank", "correct": c, "position0": i == "x"}
+             for i, c in [("x", 1), ("y", 1), ("z", 0), ("w", 0)]]
+    s = {r["arm"]: r for r in summarise(rows, chance=0.25)}
+    assert s["target"]["mean"] == 0.75 and s["rho=0/rank"]["mean"] == 0.5
     assert s["rho=0/rank"]["retention"] == pytest.approx(2 / 3) and s["rho=0/rank"]["diff"] == -0.25
+    assert s["rho=0/rank"]["floor_retention"] == pytest.approx((0.5 - 0.25) / (0.75 - 0.25))
+    assert s["rho=0.3/rank"]["gap_closed"] == pytest.approx(0.0) and s["rho=0.3/rank"]["position0"] == 0.25
+    assert s["rho=0/rank"]["gap_closed"] == 0.0 and s["target"].get("gap_closed") is None
+    rows2 = [{"item": i, "arm": a, "bpb": v} for i, a, v in [
+        ("x", "target", 1.0), ("y", "target", 1.2), ("x", "rho=0/rank", 2.0), ("y", "rho=0/rank", 2.2),
+        ("x", "rho=0.3/rank", 1.5), ("y", "rho=0.3/rank", 1.7)]]
+    s = {r["arm"]: r for r in summarise(rows2, "bpb", lower_is_better=True)}
+    assert s["rho=0.3/rank"]["gap_closed"] == pytest.approx(0.5) and "retention" not in s["rho=0.3/rank"]
 
 
 class ToyChoice(Toy):
