@@ -64,11 +64,11 @@ def budget(rho: float, length: int) -> int:
     return max(1, math.ceil(rho * length - 1e-9))
 
 
-def select_top(scores: torch.Tensor, k: int) -> list[int]:
+def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k highest of scores (W,), the last one forced in; ascending."""
     s = scores.clone().float()
     s[-1] = float("inf")
-    return sorted(s.topk(k).indices.tolist())
+    return s.topk(k).indices.sort().values
 
 
 def spans(prompts: list[list[int]], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,15 +82,13 @@ def spans(prompts: list[list[int]], starts: list[int], device) -> tuple[torch.Te
     return tokens.to(device), positions.to(device)
 
 
-def subset(prompts: list[list[int]], chosen: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and positions (B, K) of the chosen positions, -1 padded."""
+def subset(tokens: torch.Tensor, chosen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole prompts (B, n) and each row's chosen positions -> their tokens and positions (B, K), -1 padded."""
     width = max(len(c) for c in chosen)
-    tokens = torch.zeros(len(chosen), width, dtype=torch.long)
-    positions = torch.full((len(chosen), width), -1, dtype=torch.long)
+    positions = torch.full((len(chosen), width), -1, dtype=torch.long, device=tokens.device)
     for b, c in enumerate(chosen):
-        tokens[b, : len(c)] = torch.tensor([prompts[b][p] for p in c])
-        positions[b, : len(c)] = torch.tensor(c)
-    return tokens.to(device), positions.to(device)
+        positions[b, : len(c)] = c
+    return tokens.gather(1, positions.clamp(min=0)), positions
 
 
 def prefix_layers(rho: float, length: int, layers: int) -> int:
@@ -145,21 +143,20 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
         return _layer_prefix(target, prompts, cfg, cache, toks, positions, start, timings)
 
     t = _now(target)
-    ctx = SelectionContext(source, target, mapper, spans(prompts, [0] * B, device)[0], positions, cache, z,
-                           src_attn, cfg.seed)
+    whole = spans(prompts, [0] * B, device)[0]  # (B, n)
+    ctx = SelectionContext(source, target, mapper, whole, positions, cache, z, src_attn, cfg.seed)
     scores = selector.scores(ctx)  # (B, W)
-    chosen = []
-    for b, (s, n) in enumerate(zip(start, lengths)):
-        picked = select_top(scores[b, : n - s], budget(cfg.rho, n - s))
-        chosen.append([s + i for i in picked])
+    chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
+              for b, (s, n) in enumerate(zip(start, lengths))]
     timings["score"] = _now(target) - t
 
     t = _now(target)
-    sel_tokens, sel_pos = subset(prompts, chosen, device)
+    sel_tokens, sel_pos = subset(whole, chosen)
     logits = target.forward(sel_tokens, sel_pos, cache).logits
     timings["recompute"] = _now(target) - t
     per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(start, lengths))]
-    return cache, logits, HandoffResult(chosen, per_request, list(zip(start, lengths)), timings=timings)
+    return cache, logits, HandoffResult([c.tolist() for c in chosen], per_request, list(zip(start, lengths)),
+                                        timings=timings)
 
 
 def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, timings):
