@@ -327,15 +327,24 @@ def cmd_eval_run(args) -> int:
 def cmd_eval_report(args) -> int:
     from .eval.report import markdown, summarise
     from .eval.run import load_results
-
     from .eval.tasks import TASKS
 
+    if not args.results.is_file():
+        raise RarecacheError(f"no results file {args.results}")
     rows = load_results(args.results)
     task = TASKS[rows[0]["task"]] if rows and rows[0].get("task") in TASKS else None
     metric = task.metric if task else "correct"
     bpb = metric == "bpb"
     print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb), str(args.results),
                    metric=metric, percent=not bpb))
+    if args.plots:
+        from .eval.plots import plot_selectors, plot_vs_rho
+
+        args.plots.mkdir(parents=True, exist_ok=True)
+        stem = args.results.stem
+        plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", stem, lower_is_better=bpb)
+        plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", stem, lower_is_better=bpb)
+        print(f"wrote {args.plots}/{stem}-vs-rho.png and -selectors.png", file=sys.stderr)
     return 0
 
 
@@ -510,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval_run)
     e = ev.add_parser("report", help="summarise a results JSONL")
     e.add_argument("results", type=Path)
+    e.add_argument("--plots", type=Path, default=None,
+                   help="also draw metric-vs-rho and selectors-at-rho-0.3 PNGs into this folder")
     e.set_defaults(func=cmd_eval_report)
 
     p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")

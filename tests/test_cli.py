@@ -57,3 +57,16 @@ def test_help_lists_commands(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert all(c in out for c in ("pull", "generate", "models"))
+
+
+def test_eval_report_and_plots(tmp_path, capsys):
+    rows = [("a", "target", 1), ("a", "source", 0), ("a", "rho=0/rank", 0), ("a", "rho=0.3/rank", 1),
+            ("b", "target", 1), ("b", "source", 1), ("b", "rho=0/rank", 1), ("b", "rho=0.3/rank", 0)]
+    res = tmp_path / "gsm.jsonl"
+    res.write_text("".join(json.dumps({"task": "gsm8k", "item": i, "arm": a, "correct": bool(c)}) + "\n"
+                           for i, a, c in rows))
+    assert main(["eval", "report", str(res), "--plots", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "| rho=0.3/rank | 2 | 50.0% |" in out and "| target | 2 | 100.0% |" in out
+    assert (tmp_path / "p" / "gsm-vs-rho.png").is_file() and (tmp_path / "p" / "gsm-selectors.png").is_file()
+    assert main(["eval", "report", str(tmp_path / "missing.jsonl")]) == 2
