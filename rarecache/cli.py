@@ -392,6 +392,20 @@ def cmd_bench_handoff(args) -> int:
     return 0
 
 
+def cmd_bench_ablate(args) -> int:
+    from .bench.ablate import ablate
+
+    source, target, mapper, _ = _load_pair(args)
+    print(f"optimisations vs their references: {source.path.name} -> {target.path.name}, T={args.length}, "
+          f"rho={args.rho}, {args.dtype}, median of {args.repeats} after a warm-up")
+    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats)
+    print(f"{'optimisation':58s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
+    for r in rows:
+        print(f"{r['optimisation']:58s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
+    print(json.dumps({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "rows": rows}))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rarecache",
@@ -549,6 +563,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     _add_model_options(b)
     b.set_defaults(func=cmd_bench_handoff)
+    b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
+    _add_pair_options(b)
+    b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")
+    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--batch", type=int, default=4, help="requests in the batching comparison (default: 4)")
+    b.add_argument("--repeats", type=int, default=3)
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench_ablate)
     return parser
 
 

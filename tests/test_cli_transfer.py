@@ -103,3 +103,26 @@ def test_eq11_ceilings_limits(mapped):
     assert dense == pytest.approx(1 / 0.6, rel=1e-3) and sparse == pytest.approx(1 / 0.3, rel=1e-3)
     dense, sparse = ceilings(target, mapper, 1, 1.0)  # ρ = 1 costs more than a prefill: below 1
     assert dense < 1 and sparse < 1
+
+
+def test_bench_ablate_and_its_references(mapped, capsys):
+    import torch
+
+    from rarecache.bench.ablate import map_unshared
+    from rarecache.engine.runner import Runner
+    from rarecache.transfer.mapper import Mapper
+
+    source, target = Runner.load(mapped / "src"), Runner.load(mapped / "tgt")
+    mapper = Mapper.load(mapped / "m.safetensors")
+    src_cache, _ = source.prefill([list(range(5, 45))])
+    pos = torch.arange(40)[None]
+    a, b = target.new_cache(1, 40), target.new_cache(1, 40)
+    mapper.apply(source, src_cache, target, a, pos)
+    map_unshared(source, src_cache, target, b, pos, mapper, torch.float32)
+    torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=0)
+    torch.testing.assert_close(a.v, b.v, atol=1e-5, rtol=0)
+    assert main(["bench", "ablate", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+                 str(mapped / "m.safetensors"), "--length", "300", "--batch", "2", "--repeats", "1",
+                 "--dtype", "float32"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(res["rows"]) == 5 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])

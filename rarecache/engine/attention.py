@@ -33,6 +33,12 @@ def attend_dense(q, q_pos, k, v, filled):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
+def attend_reference(q, q_pos, k, v, filled, capture_rows=None):
+    """`attend` with the dense-mask path only (the seed paper's implementation), for comparisons."""
+    out = attend_dense(q, q_pos, k, v, filled)
+    return out, (attention_probs(q, q_pos, k, filled, capture_rows) if capture_rows is not None else None)
+
+
 def _is_plain_prefill(q_pos: torch.Tensor, filled: torch.Tensor) -> bool:
     """Queries are exactly positions 0..T-1 in every row and those are the only keys."""
     T = q_pos.shape[1]

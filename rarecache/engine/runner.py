@@ -39,6 +39,7 @@ class Runner:
     def __init__(self, model: CausalLM, path: Path | None = None):
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
+        self.attention = attend  # the kernel; benchmarks swap in the dense reference to measure the gain
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
@@ -71,7 +72,7 @@ class Runner:
         """q of layer i at positions (B, T) over the cache's filled slots -> (B, H, T, D), probs."""
         length = int(positions.max()) + 1  # no query sees a slot past its own position
         k, v = cache.layer(i, length)
-        return attend(q, positions, k, v, cache.filled[:, :length], capture_rows)
+        return self.attention(q, positions, k, v, cache.filled[:, :length], capture_rows)
 
     def finish(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         return self.model.layers[i].finish(h, attn)
