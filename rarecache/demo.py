@@ -66,12 +66,14 @@ def run_demo(cfg: DemoConfig) -> int:
         pull(name, cache_dir=cfg.cache_dir)
     source, target = (LLM(n, dtype=cfg.dtype, cache_dir=cfg.cache_dir) for n in (SOURCE, TARGET))
     pipe = Pipeline(source, target, demo_map(cfg, source, target))
+    prompts = PROMPTS + [long_prompt(cfg, pipe.mapper)]
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     print(f"\nhandoff {SOURCE} -> {TARGET}, selector {cfg.selector}, {cfg.dtype}, greedy, "
           f"{cfg.max_new_tokens} new tokens at most\n")
-    for i, text in enumerate(PROMPTS, 1):
+    for i, text in enumerate(prompts, 1):
         prompt = [{"role": "user", "content": text}]
-        print(f"=== prompt {i}: {text}")
+        shown = text if len(text) < 300 else f"{text[:150]} [... {len(text)} characters ...] {text[-120:]}"
+        print(f"=== prompt {i}: {shown}")
         alone = target.generate([prompt], sampling)[0]
         prefill = target.timings["prefill_s"]
         print(f"--- {TARGET} alone (prefill {prefill * 1e3:.0f} ms for {alone.prompt_tokens} tokens):")
@@ -91,6 +93,17 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"demo finished in {time.perf_counter() - t0:.0f} s. Short prompts are dominated by fixed per-layer "
           "costs; `rarecache bench map` times longer ones.")
     return 0
+
+
+def long_prompt(cfg: DemoConfig, mapper: Mapper, chars: int = 6000) -> str:
+    """A long-context question about code the map was not calibrated on (the corpus's last documents)."""
+    docs = load_corpus(cfg.corpus, cache_dir=cfg.cache_dir).documents
+    used = mapper.info.calibration.get("documents_used", 0)
+    code, i = "", len(docs) - 1
+    while len(code) < chars and i >= used:
+        code = docs[i] + "\n\n" + code
+        i -= 1
+    return f"{code[-chars:]}\n\nIn two sentences: what does the code above do?"
 
 
 def _indent(text: str) -> str:
