@@ -126,3 +126,18 @@ def test_bench_ablate_and_its_references(mapped, capsys):
                  "--dtype", "float32"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["rows"]) == 5 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
+
+
+def test_pipeline_batch_equals_single_requests(mapped):
+    from rarecache import LLM, SamplingConfig
+    from rarecache.transfer.handoff import HandoffConfig
+    from rarecache.transfer.pipeline import Pipeline
+
+    pipe = Pipeline(LLM(mapped / "src"), LLM(mapped / "tgt"), mapped / "m.safetensors")
+    prompts = ["the quick brown fox jumps over the lazy dog", "def add", "tokens and spaces and tabs"]
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    for cfg in (HandoffConfig(rho=0.3), HandoffConfig(rho=0.5, selector="attn-source")):
+        outs, res = pipe.generate(prompts, cfg, sampling)
+        for i, p in enumerate(prompts):
+            one, one_res = pipe.generate([p], cfg, sampling)
+            assert outs[i].tokens == one[0].tokens and res.positions[i] == one_res.positions[0]

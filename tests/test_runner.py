@@ -105,10 +105,12 @@ def test_padded_batch_equals_single_runs(tiny):
     runner = Runner.load(path)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (5, 17, 11)]
-    _, batch = runner.prefill(prompts)
+    _, batch = runner.prefill(prompts)  # on a CPU: one prompt at a time into row views
+    padded = runner.forward(*pad_batch(prompts), runner.new_cache(3, 17))  # one right-padded pass
     for b, p in enumerate(prompts):
         _, single = runner.prefill([p])
         torch.testing.assert_close(batch.logits[b], single.logits[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(padded.logits[b], single.logits[0], atol=ATOL, rtol=0)
     cfg = SamplingConfig(max_new_tokens=8)
     batched = generate(runner, prompts, cfg)
     for b, p in enumerate(prompts):

@@ -66,6 +66,13 @@ class KVCache:
         """k, v (B, Hkv, length, D) of the first `length` slots of `layer`."""
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
 
+    def row(self, b: int) -> "KVCache":
+        """Sequence b as a cache of batch one that shares this cache's storage (writes go through)."""
+        view = KVCache.__new__(KVCache)
+        view.max_len = self.max_len
+        view.k, view.v, view.filled = self.k[:, b : b + 1], self.v[:, b : b + 1], self.filled[b : b + 1]
+        return view
+
     def clear(self, start: int) -> None:
         """Forget every slot at positions >= start (their rows will be rewritten before use)."""
         self.filled[:, start:] = False

@@ -136,10 +136,16 @@ class Runner:
         return ForwardOutput(self.logits(h, positions, logits_at), attn)
 
     def prefill(self, prompts: list[list[int]], max_len: int | None = None) -> tuple[KVCache, ForwardOutput]:
-        """Right-padded prefill of prompts of different lengths into a new cache."""
-        tokens, positions = pad_batch(prompts, self.device)
-        cache = self.new_cache(len(prompts), max_len or tokens.shape[1])
-        return cache, self.forward(tokens, positions, cache)
+        """Prefill prompts of different lengths into a new batch cache; last-position logits (B, V).
+
+        On a CPU, where compute is the bottleneck, each prompt runs on its own (padding would be
+        wasted work); elsewhere the batch runs right-padded in one pass.
+        """
+        cache = self.new_cache(len(prompts), max_len or max(len(p) for p in prompts))
+        if self.device.type == "cpu" and len({len(p) for p in prompts}) > 1:
+            outs = [self.forward(*pad_batch([p], self.device), cache.row(b)).logits for b, p in enumerate(prompts)]
+            return cache, ForwardOutput(torch.cat(outs))
+        return cache, self.forward(*pad_batch(prompts, self.device), cache)
 
 
 def pad_batch(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,8 +2,9 @@
 
 `Pipeline("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "map.safetensors")`
 checks the map belongs to this pair and direction, then `generate` runs the source
-prefill, the map, the selection and the target's recompute, and decodes with the
-target.
+prefill, the map, the selection and the target's recompute for each request, and
+decodes the batch with the target. The source's prefill of a prompt is kept for a
+few calls, as a cascade would have it already.
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from pathlib import Path
 
 import torch
 
+from ..engine.cache import KVCache
 from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM, Completion, Prompt
 from ..errors import RarecacheError
 from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
+from .selectors import SELECTORS
+
+_KEEP = 8  # source prefills remembered
 
 
 class Pipeline:
@@ -30,6 +35,18 @@ class Pipeline:
         if self.source.tokenizer.tokenizer.get_vocab() != self.target.tokenizer.tokenizer.get_vocab():
             raise RarecacheError("source and target tokenizers differ: a handoff needs one family")
         self.mapper.check_pair(self.source.runner, self.target.runner)
+        self._prefills: dict[tuple[int, ...], tuple[KVCache, float]] = {}
+
+    def source_prefill(self, ids: list[int]) -> tuple[KVCache, float]:
+        """The source's cache of `ids` and the seconds its prefill took."""
+        key = tuple(ids)
+        if key not in self._prefills:
+            t = time.perf_counter()
+            cache, _ = self.source.runner.prefill([ids])
+            if len(self._prefills) >= _KEEP:
+                self._prefills.pop(next(iter(self._prefills)))
+            self._prefills[key] = (cache, time.perf_counter() - t)
+        return self._prefills[key]
 
     def generate(self, prompts: list[Prompt], cfg: HandoffConfig = HandoffConfig(),
                  sampling: SamplingConfig = SamplingConfig()) -> tuple[list[Completion], HandoffResult]:
@@ -40,10 +57,24 @@ class Pipeline:
                                  f"{self.target.config.max_position_embeddings}")
         if not sampling.stop_token_ids:
             sampling = replace(sampling, stop_token_ids=self.target.tokenizer.eos_token_ids)
-        cache, logits, result = handoff(self.source.runner, self.target.runner, self.mapper, ids, cfg,
-                                        max_len=longest)
+        sel = SELECTORS.get(cfg.selector)
+        reads_source_attention = sel is not None and sel.needs_source_attention
+        cache = self.target.runner.new_cache(len(ids), longest)
+        logits, results = [], []
+        for b, p in enumerate(ids):  # one request at a time into its row: no work on padding
+            src, src_s = (None, 0.0) if reads_source_attention else self.source_prefill(p)
+            _, lg, res = handoff(self.source.runner, self.target.runner, self.mapper, [p], cfg, source_cache=src,
+                                 source_from=None if src is None else [len(p)], target_cache=cache.row(b))
+            if src is not None:
+                res.timings["source_prefill"] = src_s
+            logits.append(lg)
+            results.append(res)
+        result = HandoffResult([r.positions[0] for r in results],
+                               [r.scores[0] for r in results] if results[0].scores is not None else None,
+                               [r.handed_off[0] for r in results], results[0].prefix_layers,
+                               {k: sum(r.timings[k] for r in results) for k in results[0].timings})
         t = time.perf_counter()
-        gens = decode(self.target.runner, cache, logits, torch.tensor([len(i) for i in ids]), sampling)
+        gens = decode(self.target.runner, cache, torch.cat(logits), torch.tensor([len(i) for i in ids]), sampling)
         result.timings["decode"] = time.perf_counter() - t
         outs = [Completion(self.target.tokenizer.decode(g.tokens), g.tokens, len(i), g.finish_reason)
                 for g, i in zip(gens, ids)]
