@@ -19,7 +19,7 @@ def plot_r2(mapper, out: Path) -> None:
     ax.set_xlabel("target layer")
     ax.set_ylabel("R²")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{mapper.info.direction}, k={mapper.info.k}, {mapper.info.tokens} tokens")
+    ax.set_title(f"{mapper.info.direction}, k={mapper.info.k}, {mapper.info.tokens} tokens", fontsize=9)
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -139,10 +139,13 @@ def rank_scores(mapper: Mapper, z: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W)."""
     total = 0
     for side, zs in z.items():  # zs (Lt, B, W, dt)
-        basis = mapper.sides[side].basis.to(zs.device, torch.float32)  # (Lt, dt, r)
-        zf = zs.float()
-        proj = torch.einsum("lbtd,ldr->lbtr", zf, basis)
-        total = total + (zf.square().sum(-1) - proj.square().sum(-1)).sum(0)
+        Lt, B, W, dt = zs.shape
+        basis = mapper.sides[side].basis.to(zs.device, zs.dtype)  # (Lt, dt, r)
+        acc = torch.promote_types(zs.dtype, torch.float32)  # norms accumulate in at least float32
+        proj = torch.bmm(zs.reshape(Lt, B * W, dt), basis)  # (Lt, B·W, r), in the map's dtype
+        energy = torch.linalg.vector_norm(zs, dim=-1, dtype=acc).square()  # (Lt, B, W)
+        inside = torch.linalg.vector_norm(proj, dim=-1, dtype=acc).square().view(Lt, B, W)
+        total = total + (energy - inside).sum(0)
     return total
 
 
