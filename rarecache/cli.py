@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rhos", type=float, nargs="+", default=[0.0, 0.3, 1.0], help="default: 0 0.3 1")
     p.add_argument("--selector", default="rank", help="default: rank")
     p.add_argument("--tokens", type=int, default=16384, help="calibration tokens for the demo map (default: 16384)")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="default: 24")
     _add_model_options(p)
     p.set_defaults(func=cmd_demo)
 

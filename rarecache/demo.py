@@ -39,7 +39,7 @@ class DemoConfig:
     selector: str = "rank"
     corpus: str = "code"  # chat-formatted code snippets: the template and code the prompts look like
     tokens: int = 16384
-    max_new_tokens: int = 32
+    max_new_tokens: int = 24
     dtype: str = "bfloat16"
     cache_dir: Path | None = None
 
@@ -104,7 +104,7 @@ def run_demo(cfg: DemoConfig) -> int:
     return 0
 
 
-def long_prompt(cfg: DemoConfig, mapper: Mapper, chars: int = 4000) -> str:
+def long_prompt(cfg: DemoConfig, mapper: Mapper, chars: int = 2500) -> str:
     """A long-context question about code the map was not calibrated on (the corpus's last documents)."""
     docs = load_corpus(cfg.corpus, cache_dir=cfg.cache_dir).documents
     used = mapper.info.calibration.get("documents_used", 0)

@@ -193,3 +193,13 @@ def test_fast_attention_paths_equal_the_dense_reference():
         ref = attention.attend_dense(qq, q_pos, k, v, f)
         valid = (q_pos >= 0)[:, None, :, None]
         torch.testing.assert_close(fast * valid, ref * valid, atol=1e-5, rtol=0)
+
+
+def test_stop_check_ends_a_row(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    greedy = generate(runner, [[1, 2, 3]], SamplingConfig(max_new_tokens=8))[0].tokens
+    cache, first = runner.prefill([[1, 2, 3]], max_len=11)
+    out = decode(runner, cache, first.logits, torch.tensor([3]), SamplingConfig(max_new_tokens=8),
+                 stop_check=lambda toks: len(toks) == 3)[0]
+    assert out.tokens == greedy[:3] and out.finish_reason == "stop"

@@ -8,6 +8,7 @@ every path into the target model shares one decoding loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -55,9 +56,14 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> t
 
 @torch.inference_mode()
 def decode(
-    runner: Runner, cache: KVCache, logits: torch.Tensor, next_pos: torch.Tensor, cfg: SamplingConfig
+    runner: Runner, cache: KVCache, logits: torch.Tensor, next_pos: torch.Tensor, cfg: SamplingConfig,
+    stop_check: Callable[[list[int]], bool] | None = None,
 ) -> list[Generation]:
-    """Decode from `cache`, given last-prompt logits (B, V) and each row's next position (B,)."""
+    """Decode from `cache`, given last-prompt logits (B, V) and each row's next position (B,).
+
+    `stop_check(tokens)`, if given, ends a row (reason "stop") once it returns True for the
+    tokens generated so far (e.g. a task's final-answer pattern).
+    """
     gen = torch.Generator().manual_seed(cfg.seed)
     B = logits.shape[0]
     out: list[list[int]] = [[] for _ in range(B)]
@@ -74,6 +80,8 @@ def decode(
                 done[b], reasons[b] = True, "stop"
             else:
                 out[b].append(t)
+                if stop_check is not None and stop_check(out[b]):
+                    done[b], reasons[b] = True, "stop"
         if all(done) or step == cfg.max_new_tokens - 1:
             break
         alive = torch.tensor([not d for d in done], device=runner.device)

@@ -156,7 +156,8 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, mapper: Ma
                 n = len(st.ids)
                 if task.kind == "generate":
                     llm = source if runner is source.runner else target
-                    gen = decode(runner, cache, logits[None], torch.tensor([n]), sampling)[0]
+                    done_yet = lambda toks, tok=llm.tokenizer: task.answer_complete(tok.decode(toks[-24:]))  # noqa: E731
+                    gen = decode(runner, cache, logits[None], torch.tensor([n]), sampling, done_yet)[0]
                     text = llm.tokenizer.decode(gen.tokens)
                     record.update(task.score(item, text), prompt_tokens=n, new_tokens=len(gen.tokens), text=text)
                 else:

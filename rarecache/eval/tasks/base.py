@@ -36,6 +36,10 @@ class Task:
         """Items kept apart from evaluation for task-shaped calibration."""
         raise NotImplementedError
 
+    def answer_complete(self, text: str) -> bool:
+        """Generation tasks: True once `text` holds a final answer (decoding stops there)."""
+        return False
+
     def score(self, item: Item, text: str) -> dict[str, Any]:
         """Generation tasks: fields of the result row for a generated answer."""
         raise NotImplementedError

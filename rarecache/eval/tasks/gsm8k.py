@@ -17,6 +17,8 @@ INSTRUCTION = ("Solve the last question. Think step by step like the examples, a
 HELD_APART = 1000  # items with index >= this are the calibration pool
 _ANSWER = re.compile(r"answer is[:\s]*\$?\s*(-?[\d,]*\.?\d+)", re.I)
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+# "... answer is 18." or "... answer is $1,234\n": the sentence that ends a chain of thought
+_FINAL = re.compile(r"answer is[:\s]*\$?\s*-?[\d,]*\d(\.\d+)?\s*(\.|\n)\s*$", re.I)
 
 
 def normalise(number: str) -> str:
@@ -55,6 +57,9 @@ class GSM8K(Task):
 
     def calibration_items(self) -> list[Item]:
         return [i for i in self._all() if i.extra["index"] >= HELD_APART]
+
+    def answer_complete(self, text: str) -> bool:
+        return bool(_FINAL.search(text[-64:]))
 
     def score(self, item: Item, text: str) -> dict:
         pred = extract_answer(text)
