@@ -314,7 +314,7 @@ def cmd_eval_run(args) -> int:
     mapper = Mapper.load(args.map)
     mapper.check_pair(source.runner, target.runner)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    out = run_task(task, items, source, target, mapper, arms, args.out, sampling)
+    out = run_task(task, items, source, target, mapper, arms, args.out, sampling, batch=args.batch)
     bpb = task.metric == "bpb"
     table = markdown(summarise(load_results(out), task.metric, task.chance, lower_is_better=bpb),
                      f"{task.name}: {len(items)} items from {args.start}, {source.path.name} -> {target.path.name}, "
@@ -528,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
     e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
     e.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
+    e.add_argument("--batch", type=int, default=8,
+                   help="generation: items whose arms decode together (default: 8)")
     e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
     _add_model_options(e)
     e.set_defaults(func=cmd_eval_run)

@@ -27,7 +27,7 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..transfer.handoff import HandoffConfig, handoff
+from ..transfer.handoff import HandoffConfig, handoff, spans
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import SELECTORS
 from .tasks.base import Item, Task, check_disjoint
@@ -108,65 +108,114 @@ class _ItemState:
         self.src_cache: KVCache | None = None
 
 
-def _context(arm: Arm, st: _ItemState, source: LLM, target: LLM, mapper: Mapper, room: int):
-    """(answering runner, cache with the prompt, last-prompt logits (V,), record fields, phase timings)."""
+def _context(arm: Arm, st: _ItemState, source: LLM, target: LLM, mapper: Mapper, row: KVCache):
+    """Fill `row` (a batch-of-one cache) with the item's prompt as this arm does it.
+    Returns the last-prompt logits (V,), record fields and phase timings."""
     ids, n = st.ids, len(st.ids)
     if arm.kind in ("target", "source"):
         runner = (target if arm.kind == "target" else source).runner
         t = time.perf_counter()
-        cache, out = runner.prefill([ids], max_len=n + room)
-        return runner, cache, out.logits[0], {}, {"prefill": time.perf_counter() - t}
+        out = runner.forward(*spans([ids], [0], runner.device), row)
+        return out.logits[0], {}, {"prefill": time.perf_counter() - t}
     sel = SELECTORS.get(arm.selector)
     shared = sel is None or not sel.needs_source_attention
     if shared and st.src_cache is None:
         st.src_cache, _ = source.runner.prefill([ids], max_len=n)
-    cache, logits, res = handoff(source.runner, target.runner, mapper, [ids], HandoffConfig(arm.rho, arm.selector),
-                                 max_len=n + room, source_cache=st.src_cache if shared else None,
-                                 source_from=[n] if shared else None)
+    _, logits, res = handoff(source.runner, target.runner, mapper, [ids], HandoffConfig(arm.rho, arm.selector),
+                             source_cache=st.src_cache if shared else None, source_from=[n] if shared else None,
+                             target_cache=row)
     fields = {"recomputed": len(res.positions[0]), "position0": 0 in res.positions[0]}
     if res.prefix_layers is not None:
         fields["prefix_layers"] = res.prefix_layers
-    return target.runner, cache, logits[0], fields, res.timings
+    return logits[0], fields, res.timings
+
+
+def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, target: LLM, mapper: Mapper,
+                    sampling: SamplingConfig) -> list[tuple[dict, dict]]:
+    """Every (item, arm) of a chunk: contexts one by one into rows of a batch cache per answering
+    model, then one batched decode per model (decoding is bound by reading the weights, so a
+    batch costs about what one sequence does)."""
+    states = {item.id: _ItemState(source.encode(list(item.messages))) for item, _ in chunk}
+    results: dict[int, tuple[dict, dict]] = {}
+    for llm, jobs in ((target, [j for j in enumerate(chunk) if j[1][1].kind != "source"]),
+                      (source, [j for j in enumerate(chunk) if j[1][1].kind == "source"])):
+        if not jobs:
+            continue
+        lengths = [len(states[item.id].ids) for _, (item, _) in jobs]
+        cache = llm.runner.new_cache(len(jobs), max(lengths) + sampling.max_new_tokens)
+        logits, meta = [], []
+        for row, (_, (item, arm)) in enumerate(jobs):
+            t = time.perf_counter()
+            lg, fields, phases = _context(arm, states[item.id], source, target, mapper, cache.row(row))
+            logits.append(lg)
+            meta.append((fields, phases, time.perf_counter() - t))
+        t = time.perf_counter()
+        gens = decode(llm.runner, cache, torch.stack(logits), torch.tensor(lengths), sampling,
+                      lambda toks: task.answer_complete(llm.tokenizer.decode(toks[-24:])))
+        decode_s = time.perf_counter() - t
+        for (k, (item, arm)), gen, n, (fields, phases, ctx_s) in zip(jobs, gens, lengths, meta):
+            text = llm.tokenizer.decode(gen.tokens)
+            record = {"task": task.name, "item": item.id, "arm": arm.name, "gold": item.gold, **fields,
+                      **task.score(item, text), "prompt_tokens": n, "new_tokens": len(gen.tokens), "text": text}
+            results[k] = (record, {"item": item.id, "arm": arm.name, "context_s": ctx_s, "phases": phases,
+                                   "batch_decode_s": decode_s, "batch": len(jobs)})
+    return [results[k] for k in range(len(chunk))]
+
+
+def _likelihood(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[int]], source: LLM,
+                target: LLM, mapper: Mapper) -> tuple[dict, dict]:
+    t0 = time.perf_counter()
+    llm = source if arm.kind == "source" else target
+    n = len(st.ids)
+    cache = llm.runner.new_cache(1, n + max(len(c) for c in conts))
+    logits, fields, phases = _context(arm, st, source, target, mapper, cache.row(0))
+    lps = continuation_logprobs(llm.runner, cache, logits, n, conts)
+    record = {"task": task.name, "item": item.id, "arm": arm.name, "gold": item.gold, **fields,
+              **task.score_likelihood(item, [sum(lp) for lp in lps]), "prompt_tokens": n}
+    return record, {"item": item.id, "arm": arm.name, "seconds": time.perf_counter() - t0, "phases": phases}
 
 
 @torch.inference_mode()
 def run_task(task: Task, items: list[Item], source: LLM, target: LLM, mapper: Mapper, arms: list[Arm],
              out: Path, sampling: SamplingConfig = SamplingConfig(max_new_tokens=256),
-             progress: bool = True) -> Path:
-    """Evaluate every (item, arm) not yet in `out`, appending one JSON line each."""
+             progress: bool = True, batch: int = 8) -> Path:
+    """Evaluate every (item, arm) not yet in `out`, appending one JSON line each.
+
+    Generation tasks run `batch` items at a time (all their arms decode together); the lines
+    of a chunk are written together, in item then arm order, so a resumed run ends with the
+    same file as an uninterrupted one.
+    """
     check_map_disjoint(mapper, task, items)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
     if not sampling.stop_token_ids:
         sampling = replace(sampling, stop_token_ids=target.tokenizer.eos_token_ids)
-    todo = sum((i.id, a.name) not in done for i in items for a in arms)
-    bar = tqdm(total=todo, unit="answer", desc=task.name, disable=not progress, dynamic_ncols=True)
+    jobs = [(i, a) for i in items for a in arms if (i.id, a.name) not in done]
+    bar = tqdm(total=len(jobs), unit="answer", desc=task.name, disable=not progress, dynamic_ncols=True)
     with open(out, "a") as res_f, open(out.with_suffix(".timings.jsonl"), "a") as time_f:
-        for item in items:
-            pending = [a for a in arms if (item.id, a.name) not in done]
-            if not pending:
-                continue
-            st = _ItemState(source.encode(list(item.messages)))
-            conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
-            room = sampling.max_new_tokens if task.kind == "generate" else max(len(c) for c in conts)
-            for arm in pending:
-                t0 = time.perf_counter()
-                runner, cache, logits, fields, phases = _context(arm, st, source, target, mapper, room)
-                record = {"task": task.name, "item": item.id, "arm": arm.name, "gold": item.gold, **fields}
-                n = len(st.ids)
-                if task.kind == "generate":
-                    llm = source if runner is source.runner else target
-                    done_yet = lambda toks, tok=llm.tokenizer: task.answer_complete(tok.decode(toks[-24:]))  # noqa: E731
-                    gen = decode(runner, cache, logits[None], torch.tensor([n]), sampling, done_yet)[0]
-                    text = llm.tokenizer.decode(gen.tokens)
-                    record.update(task.score(item, text), prompt_tokens=n, new_tokens=len(gen.tokens), text=text)
-                else:
-                    lps = continuation_logprobs(runner, cache, logits, n, conts)
-                    record.update(task.score_likelihood(item, [sum(lp) for lp in lps]), prompt_tokens=n)
+        if task.kind == "generate":
+            order = {item.id: k for k, item in enumerate(items)}
+            chunks: dict[int, list[tuple[Item, Arm]]] = {}
+            for item, arm in jobs:  # fixed chunks of the item list, whatever is already done
+                chunks.setdefault(order[item.id] // batch, []).append((item, arm))
+            for key in sorted(chunks):
+                rows = _generate_chunk(task, chunks[key], source, target, mapper, sampling)
+                res_f.write("".join(json.dumps(r) + "\n" for r, _ in rows))
+                res_f.flush()
+                time_f.write("".join(json.dumps(t) + "\n" for _, t in rows))
+                time_f.flush()
+                bar.update(len(rows))
+        else:
+            st = None
+            for item, arm in jobs:
+                if st is None or st.item != item.id:  # one item's shared work at a time
+                    st = _ItemState(source.encode(list(item.messages)))
+                    st.item = item.id
+                conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
+                record, timing = _likelihood(task, item, arm, st, conts, source, target, mapper)
                 res_f.write(json.dumps(record) + "\n")
                 res_f.flush()
-                time_f.write(json.dumps({"item": item.id, "arm": arm.name, "seconds": time.perf_counter() - t0,
-                                         "phases": phases}) + "\n")
+                time_f.write(json.dumps(timing) + "\n")
                 time_f.flush()
                 bar.update(1)
     bar.close()
