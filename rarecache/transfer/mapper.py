@@ -70,6 +70,7 @@ class Mapper:
         path = Path(path)
         tmp = path.with_name(path.name + ".partial")
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta)})
+        tmp.chmod(0o644)  # safetensors writes 0600; a map is meant to be shared
         tmp.replace(path)
 
     @classmethod
