@@ -129,6 +129,8 @@ def test_metrics_by_hand():
     assert s["rho=0/rank"]["floor_retention"] == pytest.approx((0.5 - 0.25) / (0.75 - 0.25))
     assert s["rho=0.3/rank"]["gap_closed"] == pytest.approx(0.0) and s["rho=0.3/rank"]["position0"] == 0.25
     assert s["rho=0/rank"]["gap_closed"] == 0.0 and s["target"].get("gap_closed") is None
+    rows += [{"item": i, "arm": "source", "correct": 1} for i in "xyzw"]
+    assert "gap_closed" not in {r["arm"]: r for r in summarise(rows)}["source"]
     rows2 = [{"item": i, "arm": a, "bpb": v} for i, a, v in [
         ("x", "target", 1.0), ("y", "target", 1.2), ("x", "rho=0/rank", 2.0), ("y", "rho=0/rank", 2.2),
         ("x", "rho=0.3/rank", 1.5), ("y", "rho=0.3/rank", 1.7)]]

@@ -33,7 +33,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p)
             both = [i for i in shared if i in plain]
-            if plain and both:
+            if plain and both and arm.startswith("rho="):  # only handoffs close the plain-transfer gap
                 t2 = sum(target[i] for i in both) / len(both)
                 p0 = sum(plain[i] for i in both) / len(both)
                 a2 = sum(vals[i] for i in both) / len(both)
