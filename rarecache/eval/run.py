@@ -103,7 +103,8 @@ def continuation_logprobs(runner: Runner, cache: KVCache, first: torch.Tensor, s
 class _ItemState:
     """Work shared by the arms of one item."""
 
-    def __init__(self, ids: list[int]):
+    def __init__(self, item: str, ids: list[int]):
+        self.item = item
         self.ids = ids
         self.src_cache: KVCache | None = None
 
@@ -135,7 +136,7 @@ def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, targ
     """Every (item, arm) of a chunk: contexts one by one into rows of a batch cache per answering
     model, then one batched decode per model (decoding is bound by reading the weights, so a
     batch costs about what one sequence does)."""
-    states = {item.id: _ItemState(source.encode(list(item.messages))) for item, _ in chunk}
+    states = {item.id: _ItemState(item.id, source.encode(list(item.messages))) for item, _ in chunk}
     results: dict[int, tuple[dict, dict]] = {}
     for llm, jobs in ((target, [j for j in enumerate(chunk) if j[1][1].kind != "source"]),
                       (source, [j for j in enumerate(chunk) if j[1][1].kind == "source"])):
@@ -209,8 +210,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, mapper: Ma
             st = None
             for item, arm in jobs:
                 if st is None or st.item != item.id:  # one item's shared work at a time
-                    st = _ItemState(source.encode(list(item.messages)))
-                    st.item = item.id
+                    st = _ItemState(item.id, source.encode(list(item.messages)))
                 conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
                 record, timing = _likelihood(task, item, arm, st, conts, source, target, mapper)
                 res_f.write(json.dumps(record) + "\n")
