@@ -148,14 +148,19 @@ class Runner:
         return cache, self.forward(*pad_batch(prompts, self.device), cache)
 
 
-def pad_batch(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> tokens (B, T) and positions (B, T), padding at position -1."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    T = max(len(p) for p in prompts)
-    tokens = torch.zeros(len(prompts), T, dtype=torch.long)
-    positions = torch.full((len(prompts), T), -1, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = torch.tensor(p)
-        positions[b, : len(p)] = torch.arange(len(p))
+def spans(prompts: list[list[int]], starts: list[int], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and positions (B, W) of each prompt's [start, end), padding at position -1."""
+    if not prompts or any(len(p) <= s for p, s in zip(prompts, starts)):
+        raise ValueError("every span needs at least one token")
+    width = max(len(p) - s for p, s in zip(prompts, starts))
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    positions = torch.full((len(prompts), width), -1, dtype=torch.long)
+    for b, (p, s) in enumerate(zip(prompts, starts)):
+        tokens[b, : len(p) - s] = torch.tensor(p[s:])
+        positions[b, : len(p) - s] = torch.arange(s, len(p))
     return tokens.to(device), positions.to(device)
+
+
+def pad_batch(prompts: list[list[int]], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole prompts -> tokens (B, T) and positions (B, T), padding at position -1."""
+    return spans(prompts, [0] * len(prompts), device)

@@ -25,9 +25,9 @@ from tqdm import tqdm
 from ..engine.cache import KVCache
 from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
-from ..engine.runner import Runner
+from ..engine.runner import Runner, pad_batch
 from ..errors import RarecacheError
-from ..transfer.handoff import HandoffConfig, handoff, spans
+from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import SELECTORS
 from .tasks.base import Item, Task, check_disjoint
@@ -116,7 +116,7 @@ def _context(arm: Arm, st: _ItemState, source: LLM, target: LLM, mapper: Mapper,
     if arm.kind in ("target", "source"):
         runner = (target if arm.kind == "target" else source).runner
         t = time.perf_counter()
-        out = runner.forward(*spans([ids], [0], runner.device), row)
+        out = runner.forward(*pad_batch([ids], runner.device), row)
         return out.logits[0], {}, {"prefill": time.perf_counter() - t}
     sel = SELECTORS.get(arm.selector)
     shared = sel is None or not sel.needs_source_attention

@@ -19,8 +19,9 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
+from ..engine.runner import spans
 from ..errors import RarecacheError
-from .handoff import HandoffConfig, HandoffResult, handoff, spans
+from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
 
 

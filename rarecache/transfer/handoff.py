@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.runner import Runner
+from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
 from .mapper import Mapper
 from .selectors import SCHEDULES, SELECTORS, SelectionContext, attention_capture, received
@@ -69,17 +69,6 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     s = scores.clone().float()
     s[-1] = float("inf")
     return s.topk(k).indices.sort().values
-
-
-def spans(prompts: list[list[int]], starts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and positions (B, W) of each prompt's [start, end), -1 padded."""
-    width = max(len(p) - s for p, s in zip(prompts, starts))
-    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
-    positions = torch.full((len(prompts), width), -1, dtype=torch.long)
-    for b, (p, s) in enumerate(zip(prompts, starts)):
-        tokens[b, : len(p) - s] = torch.tensor(p[s:])
-        positions[b, : len(p) - s] = torch.arange(s, len(p))
-    return tokens.to(device), positions.to(device)
 
 
 def subset(tokens: torch.Tensor, chosen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
