@@ -90,19 +90,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .engine.llm import DTYPES
-    from .engine.runner import Runner
-    from .models.store import resolve_model
-    from .models.tokenizer import Tokenizer
     from .transfer.calibrate import Calibration, CalibrationConfig
     from .transfer.corpus import load_corpus
 
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank)
-    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
-    source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
-    tokenizer = Tokenizer.from_dir(paths[0])
+    source, target, tokenizer = _load_models(args)
     if args.task:
         from .eval.tasks import TASKS
 
@@ -233,18 +227,26 @@ def _agreement(a: list[int], b: list[int]) -> float:
     return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
 
 
-def _load_pair(args):
+def _load_models(args):
+    """Source and target runners named by --source/--target, and the (shared) tokenizer."""
     from .engine.llm import DTYPES
     from .engine.runner import Runner
     from .models.store import resolve_model
     from .models.tokenizer import Tokenizer
-    from .transfer.mapper import Mapper
 
     paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
     source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
+    return source, target, Tokenizer.from_dir(paths[0])
+
+
+def _load_pair(args):
+    """_load_models plus the --map file, checked against the pair."""
+    from .transfer.mapper import Mapper
+
+    source, target, tokenizer = _load_models(args)
     mapper = Mapper.load(args.map)
     mapper.check_pair(source, target)
-    return source, target, mapper, Tokenizer.from_dir(paths[0])
+    return source, target, mapper, tokenizer
 
 
 def cmd_ppl(args) -> int:
