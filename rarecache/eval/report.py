@@ -1,5 +1,6 @@
 """Summaries of a results file: the metric per arm with bootstrap intervals, retention against the
-target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests."""
+target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests against
+the target and between selectors, and where the recompute budget went."""
 
 from __future__ import annotations
 
@@ -7,7 +8,22 @@ from collections import defaultdict
 
 from .metrics import mean_ci, paired_diff_ci
 
-PLAIN = "rho=0/rank"  # plain transfer, the reference for "gap closed"
+
+def split_arm(arm: str) -> tuple[float, str, str] | None:
+    """"rho=0.3/rank@wiki" -> (0.3, "rank", "wiki"); None for target / source."""
+    if not arm.startswith("rho="):
+        return None
+    body, _, label = arm.partition("@")
+    rho, _, selector = body[4:].partition("/")
+    return float(rho), selector, label
+
+
+def arm_name(rho: float, selector: str, label: str = "") -> str:
+    return f"rho={rho:g}/{selector}" + (f"@{label}" if label else "")
+
+
+def _mean_over(vals: dict[str, float], items: list[str]) -> float:
+    return sum(vals[i] for i in items) / len(items)
 
 
 def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
@@ -16,31 +32,45 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
     for r in rows:
         if metric in r:
             by_arm[r["arm"]][r["item"]] = float(r[metric])
-    target, plain = by_arm.get("target", {}), by_arm.get(PLAIN, {})
+    target = by_arm.get("target", {})
     out = []
     for arm, vals in by_arm.items():
         items = sorted(vals)
         m, lo, hi = mean_ci([vals[i] for i in items])
         row = {"arm": arm, "n": len(items), "mean": m, "lo": lo, "hi": hi,
-               "position0": _share(rows, arm, "position0")}
+               "position0": _share(rows, arm, "position0"), "template_share": _template_share(rows, arm)}
         shared = [i for i in items if i in target]
         if target and arm != "target" and shared:
-            t = sum(target[i] for i in shared) / len(shared)
-            a = sum(vals[i] for i in shared) / len(shared)
+            t, a = _mean_over(target, shared), _mean_over(vals, shared)
             if not lower_is_better:
                 row["retention"] = a / t if t else float("nan")
                 row["floor_retention"] = (a - chance) / (t - chance) if t != chance else float("nan")
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p)
-            both = [i for i in shared if i in plain]
-            if plain and both and arm.startswith("rho="):  # only handoffs close the plain-transfer gap
-                t2 = sum(target[i] for i in both) / len(both)
-                p0 = sum(plain[i] for i in both) / len(both)
-                a2 = sum(vals[i] for i in both) / len(both)
+        parts = split_arm(arm)
+        if parts is not None:
+            rho, selector, label = parts
+            plain = by_arm.get(arm_name(0, "rank", label), {})  # plain transfer through the same map
+            both = [i for i in items if i in target and i in plain]
+            if both:  # only handoffs close the plain-transfer gap
+                t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)
                 row["gap_closed"] = (a2 - p0) / (t2 - p0) if t2 != p0 else float("nan")
+            rank = by_arm.get(arm_name(rho, "rank", label), {})
+            common = [i for i in items if i in rank]
+            if selector != "rank" and common:  # this selector against rank disagreement at the same budget
+                d, dlo, dhi, p = paired_diff_ci([vals[i] for i in common], [rank[i] for i in common])
+                row.update(vs_rank=d, vs_rank_lo=dlo, vs_rank_hi=dhi, vs_rank_p=p)
         out.append(row)
-    order = {"target": 0, "source": 1}
-    return sorted(out, key=lambda r: (order.get(r["arm"], 2), r["arm"]))
+    return sorted(out, key=_order)
+
+
+def _order(row: dict) -> tuple:
+    """target, source, then per map: rank by ρ, then the other selectors."""
+    parts = split_arm(row["arm"])
+    if parts is None:
+        return (0 if row["arm"] == "target" else 1,)
+    rho, selector, label = parts
+    return (2, label, selector != "rank", selector, rho)
 
 
 def _share(rows: list[dict], arm: str, field: str) -> float | None:
@@ -48,18 +78,39 @@ def _share(rows: list[dict], arm: str, field: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", percent: bool = True) -> str:
+def _template_share(rows: list[dict], arm: str) -> float | None:
+    """Share of the recomputed positions that lie in text every prompt of the task shares."""
+    picked = [(r["chosen_template"], r["recomputed"]) for r in rows if r["arm"] == arm and "chosen_template" in r]
+    total = sum(n for _, n in picked)
+    return sum(c for c, _ in picked) / total if total else None
+
+
+def template_prompt_share(rows: list[dict]) -> float | None:
+    """Share of all prompt positions that are shared template (the selector-free baseline)."""
+    seen = {r["item"]: (r["template_tokens"], r["prompt_tokens"]) for r in rows if "template_tokens" in r}
+    total = sum(n for _, n in seen.values())
+    return sum(t for t, _ in seen.values()) / total if total else None
+
+
+def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", percent: bool = True,
+             template_share: float | None = None) -> str:
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
     fd = (lambda x: f"{x:+.1%}") if percent else (lambda x: f"{x:+.4f}")
-    lines = ([f"**{title}**", ""] if title else []) + [
+    head = [f"**{title}**", ""] if title else []
+    if template_share is not None:
+        head += [f"Shared template (instruction, exemplars, chat markup) is {template_share:.0%} of the prompt "
+                 "positions; the last column is its share of the positions each arm recomputed.", ""]
+    lines = head + [
         f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | gap closed | Δ vs target (95% CI) | p "
-        "| pos 0 chosen |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| Δ vs rank (p) | pos 0 chosen | template share of picks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         def opt(key, fmt="{:.1%}"):
-            return fmt.format(r[key]) if r.get(key) is not None and key in r else "—"
+            return fmt.format(r[key]) if r.get(key) is not None else "—"
         diff = f"{fd(r['diff'])} ({fd(r['diff_lo'])}, {fd(r['diff_hi'])})" if "diff" in r else "—"
-        lines.append(f"| {r['arm']} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | {opt('retention')} | "
-                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {opt('p', '{:.3f}')} | "
-                     f"{opt('position0', '{:.0%}')} |")
+        vs_rank = f"{fd(r['vs_rank'])} ({r['vs_rank_p']:.3f})" if "vs_rank" in r else "—"
+        name = r["arm"] + (" (oracle)" if (split_arm(r["arm"]) or (0, ""))[1] in ("attn-target", "l2-oracle") else "")
+        lines.append(f"| {name} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | {opt('retention')} | "
+                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {opt('p', '{:.3f}')} | {vs_rank} | "
+                     f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} |")
     return "\n".join(lines)

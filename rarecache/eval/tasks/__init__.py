@@ -3,7 +3,8 @@
 from .base import Item, Task
 from .choice import ARCChallenge, ARCEasy, HellaSwag
 from .gsm8k import GSM8K, GSM8KBPB
+from .mmlu import MMLU
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, MMLU)}
 
 __all__ = ["Item", "Task", "TASKS"]
