@@ -184,3 +184,47 @@ def test_attention_received_matches_a_manual_sum(fitted):
     want = sum(full[l][0, :, 5:37].sum(dim=(0, 1)) for l in range(source.num_layers - 1, source.num_layers))
     assert cap.layers == frozenset({source.num_layers - 1})
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_variants_equal_one_handoff_each(fitted):
+    """The shared-map, batched-recompute path against a plain handoff per (map, config)."""
+    from rarecache.transfer.handoff import handoff_variants
+    from rarecache.transfer.selectors import attention_capture, received
+
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n = len(ids)
+    src = source.new_cache(1, n)
+    out = source.forward(torch.tensor([ids]), torch.arange(n)[None], src, capture=attention_capture(source, torch.tensor([n])))
+    src_attn = received(out.attn, n)
+    own_cache = target.new_cache(1, n)
+    out = target.forward(torch.tensor([ids]), torch.arange(n)[None], own_cache,
+                         capture=attention_capture(target, torch.tensor([n])))
+    own = (own_cache, received(out.attn, n))
+    other = scaled_map(mapper)
+    variants = [("a", HandoffConfig(0.3, s)) for s in ("rank", "random", "attn-source", "attn-target", "l2-oracle",
+                                                      "layer-prefix")]
+    variants += [("a", HandoffConfig(0.0)), ("b", HandoffConfig(0.3)), ("a", HandoffConfig(0.5)),
+                 ("b", HandoffConfig(1.0))]
+    cache, logits, results = handoff_variants(source, target, {"a": mapper, "b": other}, ids, variants, src,
+                                              source_attn=src_attn, own=own)
+    for v, (label, cfg) in enumerate(variants):
+        ref_cache, ref_logits, ref = handoff(source, target, {"a": mapper, "b": other}[label], [ids], cfg)
+        assert results[v].positions == ref.positions, (label, cfg)
+        assert results[v].prefix_layers == ref.prefix_layers
+        torch.testing.assert_close(logits[v], ref_logits[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(cache.k[:, v, :, :n], ref_cache.k[:, 0, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[:, v, :, :n], ref_cache.v[:, 0, :, :n], atol=1e-5, rtol=0)
+    assert results[0].timings["recompute_batch"] == 6  # every ρ = 0.3 position selector of map a, rank of map b
+    assert not torch.allclose(logits[0], logits[7], atol=1e-3)  # the two maps really differ
+    own_logits = target.forward(torch.tensor([ids]), torch.arange(n)[None], target.new_cache(1, n)).logits
+    torch.testing.assert_close(logits[-1], own_logits[0], atol=1e-5, rtol=0)  # ρ = 1: the target's own prefill
+
+
+def scaled_map(mapper):
+    """Another map for the same pair: the fitted one with its weights halved."""
+    import dataclasses
+
+    sides = {k: dataclasses.replace(s, weight=s.weight * 0.5) if hasattr(s, "weight") else s
+             for k, s in mapper.sides.items()}
+    return type(mapper)(mapper.info, sides)

@@ -37,7 +37,7 @@ from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
-from ..transfer.handoff import HandoffConfig, handoff
+from ..transfer.handoff import HandoffConfig, handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import SELECTORS, attention_capture, received
 from .tasks.base import Item, Task, check_disjoint
@@ -269,31 +269,42 @@ class _ItemState:
         return self._prefills[kind], time.perf_counter() - t
 
 
-def _context(arm: Arm, st: _ItemState, source: LLM, target: LLM, maps: dict[str, Mapper], row: KVCache):
-    """Fill `row` (a batch-of-one cache) with the item's prompt as this arm does it.
-    Returns the last-prompt logits (V,), record fields and phase timings."""
+def _contexts(arms: list[Arm], st: _ItemState, source: LLM, target: LLM, maps: dict[str, Mapper]
+              ) -> tuple[KVCache, torch.Tensor, list[dict], list[dict]]:
+    """The item's prompt as each arm fills it, for arms answered by one model: a cache with one row
+    per arm, the last-prompt logits (A, V), record fields and phase timings per arm."""
     ids, n = st.ids, len(st.ids)
-    if arm.kind in ("target", "source"):
-        pre, spent = st.prefill(arm.kind, (target if arm.kind == "target" else source).runner)
-        row.copy_prefix(pre.cache, n)
-        return pre.logits, {}, {"prefill": spent}
-    sel = SELECTORS.get(arm.selector)
-    src, spent = st.prefill("source", source.runner)
-    own = None
-    if sel is not None and sel.oracle:
-        tgt, own_s = st.prefill("target", target.runner)
-        own, spent = (tgt.cache, tgt.attn), spent + own_s
-    _, logits, res = handoff(source.runner, target.runner, maps[arm.map], [ids],
-                             HandoffConfig(arm.rho, arm.selector, SEED), source_cache=src.cache,
-                             source_from=[n], target_cache=row,
-                             source_attn=src.attn if sel is not None and sel.needs_source_attention else None,
-                             own=own)
-    chosen = res.positions[0]
-    fields = {"recomputed": len(chosen), "position0": 0 in chosen,
-              "chosen_template": sum(st.template[p] for p in chosen)}
-    if res.prefix_layers is not None:
-        fields["prefix_layers"] = res.prefix_layers
-    return logits[0], fields, {**res.timings, "prefill": spent}
+    answering = source if arms[0].kind == "source" else target
+    cache = answering.runner.new_cache(len(arms), n)
+    logits = torch.empty(len(arms), answering.config.vocab_size, device=answering.runner.device)
+    fields: list[dict] = [{} for _ in arms]
+    phases: list[dict] = [{} for _ in arms]
+    handoffs = [k for k, a in enumerate(arms) if a.kind == "handoff"]
+    for k, arm in enumerate(arms):
+        if arm.kind != "handoff":
+            pre, spent = st.prefill(arm.kind, answering.runner)
+            cache.row(k).copy_prefix(pre.cache, n)
+            logits[k], phases[k] = pre.logits, {"prefill": spent}
+    if handoffs:
+        sels = [SELECTORS.get(arms[k].selector) for k in handoffs]
+        src, spent = st.prefill("source", source.runner)
+        own = None
+        if any(sel is not None and sel.oracle for sel in sels):
+            tgt, own_s = st.prefill("target", target.runner)
+            own, spent = (tgt.cache, tgt.attn), spent + own_s
+        variants = [(arms[k].map, HandoffConfig(arms[k].rho, arms[k].selector, SEED)) for k in handoffs]
+        out, lg, results = handoff_variants(source.runner, target.runner, maps, ids, variants, src.cache,
+                                            source_attn=src.attn, own=own)
+        for j, (k, res) in enumerate(zip(handoffs, results)):
+            cache.row(k).copy_prefix(out.row(j), n)
+            logits[k] = lg[j]
+            chosen = res.positions[0]
+            fields[k] = {"recomputed": len(chosen), "position0": 0 in chosen,
+                         "chosen_template": sum(st.template[p] for p in chosen)}
+            if res.prefix_layers is not None:
+                fields[k]["prefix_layers"] = res.prefix_layers
+            phases[k] = {**res.timings, "shared_prefill": spent}
+    return cache, logits, fields, phases
 
 
 def _record(task: Task, item: Item, arm: Arm, st: _ItemState, fields: dict) -> dict:
@@ -301,61 +312,69 @@ def _record(task: Task, item: Item, arm: Arm, st: _ItemState, fields: dict) -> d
             "prompt_tokens": len(st.ids), "template_tokens": sum(st.template)}
 
 
+def _by_model(arms: list[Arm], source: LLM, target: LLM) -> list[tuple[LLM, list[Arm]]]:
+    groups = ((target, [a for a in arms if a.kind != "source"]), (source, [a for a in arms if a.kind == "source"]))
+    return [(llm, group) for llm, group in groups if group]
+
+
 def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, target: LLM, maps: dict[str, Mapper],
                     sampling: SamplingConfig, reference: list[int]) -> list[tuple[dict, dict]]:
-    """Every (item, arm) of a chunk: contexts one by one into rows of a batch cache per answering
+    """Every (item, arm) of a chunk: each item's contexts into rows of a batch cache per answering
     model, then one batched decode per model (decoding is bound by reading the weights, so a
     batch costs about what one sequence does)."""
-    states = {item.id: _ItemState(item.id, source.encode(list(item.messages)), reference) for item, _ in chunk}
-    results: dict[int, tuple[dict, dict]] = {}
-    for llm, jobs in ((target, [j for j in enumerate(chunk) if j[1][1].kind != "source"]),
-                      (source, [j for j in enumerate(chunk) if j[1][1].kind == "source"])):
+    items = list({item.id: item for item, _ in chunk}.values())
+    states = {item.id: _ItemState(item.id, source.encode(list(item.messages)), reference) for item in items}
+    arms_of = {item.id: [a for i, a in chunk if i.id == item.id] for item in items}
+    results: dict[tuple[str, str], tuple[dict, dict]] = {}
+    for llm in (target, source):
+        jobs = [(item, group) for item in items for m, group in _by_model(arms_of[item.id], source, target)
+                if m is llm]
         if not jobs:
             continue
-        lengths = [len(states[item.id].ids) for _, (item, _) in jobs]
-        cache = llm.runner.new_cache(len(jobs), max(lengths) + sampling.max_new_tokens)
-        logits, meta = [], []
-        for row, (_, (item, arm)) in enumerate(jobs):
+        rows = [(item, arm) for item, group in jobs for arm in group]
+        lengths = [len(states[item.id].ids) for item, _ in rows]
+        cache = llm.runner.new_cache(len(rows), max(lengths) + sampling.max_new_tokens)
+        firsts, meta, r = [], [], 0
+        for item, group in jobs:
+            st = states[item.id]
             t = time.perf_counter()
-            lg, fields, phases = _context(arm, states[item.id], source, target, maps, cache.row(row))
-            logits.append(lg)
-            meta.append((fields, phases, time.perf_counter() - t))
+            ctx, lg, fields, phases = _contexts(group, st, source, target, maps)
+            ctx_s = time.perf_counter() - t
+            for k in range(len(group)):
+                cache.row(r).copy_prefix(ctx.row(k), len(st.ids))
+                firsts.append(lg[k])
+                meta.append((fields[k], phases[k], ctx_s))
+                r += 1
         t = time.perf_counter()
-        gens = decode(llm.runner, cache, torch.stack(logits), torch.tensor(lengths), sampling,
+        gens = decode(llm.runner, cache, torch.stack(firsts), torch.tensor(lengths), sampling,
                       lambda toks: task.answer_complete(llm.tokenizer.decode(toks[-24:])))
         decode_s = time.perf_counter() - t
-        for (k, (item, arm)), gen, (fields, phases, ctx_s) in zip(jobs, gens, meta):
+        for (item, arm), gen, (fields, phases, ctx_s) in zip(rows, gens, meta):
             text = llm.tokenizer.decode(gen.tokens)
             record = _record(task, item, arm, states[item.id],
                              {**fields, **task.score(item, text), "new_tokens": len(gen.tokens), "text": text})
-            results[k] = (record, {"item": item.id, "arm": arm.name, "context_s": ctx_s, "phases": phases,
-                                   "batch_decode_s": decode_s, "batch": len(jobs)})
-    return [results[k] for k in range(len(chunk))]
+            results[(item.id, arm.name)] = (record, {"item": item.id, "arm": arm.name, "item_context_s": ctx_s,
+                                                     "phases": phases, "batch_decode_s": decode_s,
+                                                     "batch": len(rows)})
+    return [results[(item.id, arm.name)] for item, arm in chunk]
 
 
 def _likelihood_item(task: Task, item: Item, arms: list[Arm], st: _ItemState, conts: list[list[int]],
                      source: LLM, target: LLM, maps: dict[str, Mapper]) -> list[tuple[dict, dict]]:
-    """Every arm of one item: each context into a row of a batch cache per answering model, then
-    every (arm, choice) scored in shared passes. Results come back in the order of `arms`."""
+    """Every arm of one item: the contexts per answering model, then every (arm, choice) scored in
+    shared passes. Results come back in the order of `arms`."""
     n = len(st.ids)
     results: dict[str, tuple[dict, dict]] = {}
-    for llm, group in ((target, [a for a in arms if a.kind != "source"]),
-                       (source, [a for a in arms if a.kind == "source"])):
-        if not group:
-            continue
-        cache = llm.runner.new_cache(len(group), n)
-        firsts, meta = [], []
-        for r, arm in enumerate(group):
-            t = time.perf_counter()
-            logits, fields, phases = _context(arm, st, source, target, maps, cache.row(r))
-            firsts.append(logits)
-            meta.append((fields, phases, time.perf_counter() - t))
+    for llm, group in _by_model(arms, source, target):
         t = time.perf_counter()
-        lps = continuation_logprobs(llm.runner, cache, torch.stack(firsts), n, conts)
+        cache, firsts, fields, phases = _contexts(group, st, source, target, maps)
+        ctx_s = time.perf_counter() - t
+        t = time.perf_counter()
+        lps = continuation_logprobs(llm.runner, cache, firsts, n, conts)
         score_s = time.perf_counter() - t
-        for arm, lp, (fields, phases, ctx_s) in zip(group, lps, meta):
-            record = _record(task, item, arm, st, {**fields, **task.score_likelihood(item, [sum(x) for x in lp])})
-            results[arm.name] = (record, {"item": item.id, "arm": arm.name, "context_s": ctx_s, "phases": phases,
+        for arm, lp, f, ph in zip(group, lps, fields, phases):
+            record = _record(task, item, arm, st, {**f, **task.score_likelihood(item, [sum(x) for x in lp])})
+            results[arm.name] = (record, {"item": item.id, "arm": arm.name, "item_context_s": ctx_s, "phases": ph,
                                           "batch_continuations_s": score_s, "batch": len(group)})
     return [results[a.name] for a in arms]
 

@@ -174,3 +174,62 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, t
     timings["recompute"] = _now(target) - t
     chosen = [[n - 1] for n in lengths]
     return cache, logits, HandoffResult(chosen, None, list(zip(start, lengths)), prefix_layers=m, timings=timings)
+
+
+@torch.inference_mode()
+def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper], ids: list[int],
+                     variants: list[tuple[str, HandoffConfig]], source_cache: KVCache,
+                     source_attn: torch.Tensor | None = None, own: tuple[KVCache, torch.Tensor] | None = None,
+                     ) -> tuple[KVCache, torch.Tensor, list[HandoffResult]]:
+    """One prompt handed off under several (map label, config) variants at once, as an evaluation
+    comparing selectors and budgets does. Equal to one `handoff` per variant (tested), cheaper:
+    each map runs once and its output is shared; variants with the same budget recompute
+    together as one batch (one pass over the target's weights instead of one per variant).
+
+    `source_cache` (batch one) holds the source's own rows for the whole prompt; `source_attn`
+    (1, n) is its captured attention (attn-source), `own` the target's own prefill (oracles).
+    Returns a cache with one row per variant, their last logits (A, V) and their records.
+    """
+    n = len(ids)
+    whole = torch.tensor([ids], device=target.device)  # (1, n)
+    positions = torch.arange(n, device=target.device)[None]  # (1, n)
+    mapped: dict[str, tuple[KVCache, dict[str, torch.Tensor], float]] = {}
+    for label in dict.fromkeys(label for label, _ in variants):
+        t = _now(target)
+        cache = target.new_cache(1, n)
+        z = mappers[label].apply(source, source_cache, target, cache, positions)
+        mapped[label] = (cache, z, _now(target) - t)
+
+    out = target.new_cache(len(variants), n)
+    logits = torch.empty(len(variants), target.config.vocab_size)
+    results: list[HandoffResult | None] = [None] * len(variants)
+    groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float]]] = {}
+    for v, (label, cfg) in enumerate(variants):
+        cache, z, map_s = mapped[label]
+        if cfg.selector == "layer-prefix":  # its own schedule, not a position set
+            row = out.row(v)
+            row.copy_prefix(cache, n)
+            _, lg, res = _layer_prefix(target, [ids], cfg, row, whole, positions, [0], {"map": map_s})
+            logits[v], results[v] = lg[0], res
+            continue
+        t = _now(target)
+        ctx = SelectionContext(source, target, mappers[label], whole, positions, cache, z, source_attn, cfg.seed, own)
+        scores = SELECTORS[cfg.selector].scores(ctx)[0]  # (n,)
+        chosen = select_top(scores, budget(cfg.rho, n))
+        groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), _now(target) - t))
+
+    for k, group in groups.items():  # one recompute per budget
+        t = _now(target)
+        batch = target.new_cache(len(group), n)
+        for g, (v, _, _, _) in enumerate(group):
+            batch.row(g).copy_prefix(mapped[variants[v][0]][0], n)
+        pos = torch.stack([c for _, c, _, _ in group])  # (G, k)
+        lg = target.forward(whole[0][pos], pos, batch).logits  # (G, V)
+        recompute_s = _now(target) - t
+        for g, (v, chosen, scores, score_s) in enumerate(group):
+            out.row(v).copy_prefix(batch.row(g), n)
+            logits[v] = lg[g]
+            timings = {"map": mapped[variants[v][0]][2], "score": score_s, "recompute": recompute_s,
+                       "recompute_batch": len(group)}
+            results[v] = HandoffResult([chosen.tolist()], [scores], [(0, n)], timings=timings)
+    return out, logits, results
