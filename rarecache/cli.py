@@ -102,7 +102,7 @@ def cmd_calibrate(args) -> int:
 
         if args.task not in TASKS:
             raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
-        corpus = TASKS[args.task](args.cache_dir).calibration_corpus()
+        corpus = TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
     else:
         corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +331,7 @@ def _eval_arms(args, labels: tuple[str, ...]) -> list:
 def cmd_eval_run(args) -> int:
     from .engine.generate import SamplingConfig
     from .engine.llm import LLM
-    from .eval.report import markdown, summarise, template_prompt_share
+    from .eval.report import by_turn, markdown, summarise, template_prompt_share
     from .eval.run import load_results, run_meta, run_task
     from .eval.tasks import TASKS
     from .transfer.mapper import Mapper
@@ -340,14 +340,14 @@ def cmd_eval_run(args) -> int:
         raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
     if args.limit < 1 or args.start < 0:
         raise RarecacheError("--limit must be >= 1 and --start >= 0")
-    task = TASKS[args.task](args.cache_dir)
     map_paths = _map_specs(args.map)
     arms = _eval_arms(args, tuple(map_paths))
+    source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
+    task = TASKS[args.task](args.cache_dir, tokenizer=source.tokenizer)
     all_items = task.items()
     items = all_items[args.start : args.start + args.limit]
     if not items:
         raise RarecacheError(f"{task.name} has {len(all_items)} evaluation items; --start {args.start} is past them")
-    source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
     maps = {}
     for label, path in map_paths.items():
         maps[label] = Mapper.load(path)
@@ -362,13 +362,15 @@ def cmd_eval_run(args) -> int:
                      f"{task.name}: {len({r['item'] for r in rows})} items, {source.path.name} -> {target.path.name}, "
                      f"map {maps_text}", metric=task.metric, percent=not bpb,
                      template_share=template_prompt_share(rows))
+    turns = by_turn(rows, task.metric, percent=not bpb)
+    table += f"\n\n{turns}" if turns else ""
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
     return 0
 
 
 def cmd_eval_report(args) -> int:
-    from .eval.report import markdown, summarise, template_prompt_share
+    from .eval.report import by_turn, markdown, summarise, template_prompt_share
     from .eval.run import load_results
     from .eval.tasks import TASKS
 
@@ -384,6 +386,9 @@ def cmd_eval_report(args) -> int:
     print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb),
                    f"{args.results} ({items} items)", metric=metric, percent=not bpb,
                    template_share=template_prompt_share(rows)))
+    turns = by_turn(rows, metric, percent=not bpb)
+    if turns:
+        print(f"\n{turns}")
     if args.plots:
         from .eval.plots import plot_selectors, plot_vs_rho
 

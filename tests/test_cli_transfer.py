@@ -141,3 +141,34 @@ def test_pipeline_batch_equals_single_requests(mapped):
         for i, p in enumerate(prompts):
             one, one_res = pipe.generate([p], cfg, sampling)
             assert outs[i].tokens == one[0].tokens and res.positions[i] == one_res.positions[0]
+
+
+def test_eval_run_and_report_with_two_maps(mapped, capsys, monkeypatch, tmp_path):
+    from rarecache.eval.run import load_results
+    from rarecache.eval.tasks import TASKS
+
+    from .test_eval import ToyChoice
+
+    monkeypatch.setitem(TASKS, "toychoice", ToyChoice)
+    m = str(mapped / "m.safetensors")
+    out = tmp_path / "r.jsonl"
+    base = ["eval", "run", "--task", "toychoice", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"),
+            "--dtype", "float32", "--limit", "2", "--out", str(out)]
+    capsys.readouterr()
+    assert main(base + ["--map", f"a={m}", f"b={m}", "--rhos", "0", "0.5", "--selectors", "random", "l2-oracle"]) == 0
+    table = capsys.readouterr().out
+    rows = load_results(out)
+    arms = {r["arm"] for r in rows}
+    assert arms == {"target", "source"} | {f"rho={r}/{s}@{m}" for m in "ab" for r, s in
+                                           (("0", "rank"), ("0.5", "rank"), ("0.3", "random"), ("0.3", "l2-oracle"))}
+    assert "rho=0.3/l2-oracle@a (oracle)" in table and out.with_suffix(".md").read_text().strip() == table.strip()
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert set(meta["maps"]) == {"a", "b"} and meta["dtype"] == "float32"
+    assert main(["eval", "report", str(out), "--plots", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "r-vs-rho.png").is_file() and (tmp_path / "plots" / "r-selectors.png").is_file()
+    for bad, msg in ((["--map", m, f"b={m}"], "need labels"), (["--map", f"a={m}", "--arms", "0.3:rank@z"], "names map"),
+                     (["--map", str(tmp_path / "none.safetensors")], "no map file"),
+                     (["--map", f"a={m}", "--start", "99"], "past them")):
+        capsys.readouterr()
+        assert main(base + bad) == 2, bad
+        assert msg in capsys.readouterr().err

@@ -319,3 +319,13 @@ def test_resumed_likelihood_run_gives_the_same_file(models, tmp_path, monkeypatc
     monkeypatch.setattr(ToyChoice, "score_likelihood", real)
     run_task(task, task.items(), source, target, mapper, arms, tmp_path / "b.jsonl", progress=False)
     assert whole.read_text() == (tmp_path / "b.jsonl").read_text()
+
+
+def test_by_turn_table():
+    from rarecache.eval.report import by_turn
+
+    rows = [{"item": f"s{s}-t{t}", "arm": a, "turn": t, "f1": v} for s in range(2) for t in (1, 2)
+            for a, v in (("target", 1.0), ("rho=0/rank", 0.5 * t))]
+    table = by_turn(rows, "f1").splitlines()
+    assert table[2] == "| arm | t1 | t2 |" and table[4] == "| target | 100.0% | 100.0% |"
+    assert table[5] == "| rho=0/rank | 50.0% | 100.0% |" and by_turn([{"arm": "x", "f1": 1}], "f1") is None

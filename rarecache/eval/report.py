@@ -114,3 +114,22 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                      f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {opt('p', '{:.3f}')} | {vs_rank} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} |")
     return "\n".join(lines)
+
+
+def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
+    """Multi-turn tasks: the metric per arm at each turn of the conversation (drift across turns)."""
+    cells: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if "turn" in r and metric in r:
+            cells[r["arm"]][int(r["turn"])].append(float(r[metric]))
+    if not cells:
+        return None
+    turns = sorted({t for c in cells.values() for t in c})
+    f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.3f}")
+    arms = sorted(cells, key=lambda a: _order({"arm": a}))
+    lines = [f"{metric} by turn (items per cell: " + ", ".join(f"t{t}: {len(cells[arms[0]][t])}" for t in turns) + ")",
+             "", "| arm | " + " | ".join(f"t{t}" for t in turns) + " |", "|---" * (len(turns) + 1) + "|"]
+    for a in arms:
+        vals = [f(sum(cells[a][t]) / len(cells[a][t])) if cells[a][t] else "—" for t in turns]
+        lines.append(f"| {a} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)

@@ -40,7 +40,7 @@ from ..models.loader import checkpoint_fingerprint
 from ..transfer.handoff import HandoffConfig, handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import SELECTORS, attention_capture, received
-from .tasks.base import Item, Task, check_disjoint
+from .tasks.base import Item, Task
 
 SEED = 0  # the random selector's seed
 
@@ -155,11 +155,6 @@ def check_meta(out: Path, meta: dict) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return meta
-
-
-def check_map_disjoint(mapper: Mapper, task: Task, items: list[Item]) -> None:
-    if mapper.info.corpus.get("name") == f"task:{task.name}":
-        check_disjoint(mapper.info.calibration.get("document_ids", []), [i.id for i in items], task.name)
 
 
 # -- scoring continuations ------------------------------------------------------------------
@@ -323,7 +318,7 @@ def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, targ
     model, then one batched decode per model (decoding is bound by reading the weights, so a
     batch costs about what one sequence does)."""
     items = list({item.id: item for item, _ in chunk}.values())
-    states = {item.id: _ItemState(item.id, source.encode(list(item.messages)), reference) for item in items}
+    states = {item.id: _ItemState(item.id, source.encode(item.prompt), reference) for item in items}
     arms_of = {item.id: [a for i, a in chunk if i.id == item.id] for item in items}
     results: dict[tuple[str, str], tuple[dict, dict]] = {}
     for llm in (target, source):
@@ -396,7 +391,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
         if arm.kind == "handoff" and arm.map not in maps:
             raise RarecacheError(f"arm {arm.name} needs map {arm.map!r}, which this run was not given")
     for mapper in maps.values():
-        check_map_disjoint(mapper, task, items)
+        task.check_map(mapper, items)
     if meta is not None:
         check_meta(out, meta)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -404,7 +399,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
     if not sampling.stop_token_ids:
         sampling = replace(sampling, stop_token_ids=target.tokenizer.eos_token_ids)
     pool = task.calibration_items()  # another prompt of the task: what every prompt shares
-    reference = source.encode(list(pool[0].messages)) if pool else []
+    reference = source.encode(pool[0].prompt) if pool else []
     jobs = [(i, a) for i in items for a in arms if (i.id, a.name) not in done]
     bar = tqdm(total=len(items) * len(arms), initial=len(items) * len(arms) - len(jobs), unit="answer",
                desc=task.name, disable=not progress, dynamic_ncols=True, file=sys.stderr)
@@ -428,7 +423,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
             for item in items:
                 if item.id not in todo:
                     continue
-                st = _ItemState(item.id, source.encode(list(item.messages)), reference)
+                st = _ItemState(item.id, source.encode(item.prompt), reference)
                 conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
                 rows = _likelihood_item(task, item, todo[item.id], st, conts, source, target, maps)
                 res_f.write("".join(json.dumps(r) + "\n" for r, _ in rows))

@@ -54,15 +54,16 @@ class Corpus:
     """An ordered list of documents and a description that identifies it."""
 
     name: str
-    documents: tuple[str, ...]
-    chat: bool = False  # documents are user turns to render with the chat template
+    documents: tuple[str | tuple[dict[str, str], ...], ...]
+    chat: bool = False  # documents are user turns (or whole conversations) to render with the chat template
     ids: tuple[str, ...] = ()  # per-document identifiers (task items), recorded in maps for disjointness checks
 
     @property
     def fingerprint(self) -> str:
         h = hashlib.sha256()
         for d in self.documents:
-            h.update(hashlib.sha256(d.encode()).digest())
+            text = d if isinstance(d, str) else json.dumps(d, sort_keys=True)
+            h.update(hashlib.sha256(text.encode()).digest())
         h.update(b"chat" if self.chat else b"text")
         return h.hexdigest()[:16]
 
@@ -105,7 +106,7 @@ def token_sequences(corpus: Corpus, tokenizer: Tokenizer, seq_len: int) -> Itera
     prefix = tokenizer.encode("", add_special_tokens=True)  # BOS for families that use one
     for i, doc in enumerate(corpus.documents):
         if corpus.chat:
-            ids = tokenizer.encode_chat([{"role": "user", "content": doc}])
+            ids = tokenizer.encode_chat([{"role": "user", "content": doc}] if isinstance(doc, str) else list(doc))
             yield i, ids[:seq_len]
             continue
         ids = tokenizer.encode(doc, add_special_tokens=False)

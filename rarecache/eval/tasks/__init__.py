@@ -2,9 +2,12 @@
 
 from .base import Item, Task
 from .choice import ARCChallenge, ARCEasy, HellaSwag
+from .coqa import CoQA, CoQABPB
 from .gsm8k import GSM8K, GSM8KBPB
 from .mmlu import MMLU
+from .wiki_ppl import WikiPerplexity
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, MMLU)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, MMLU,
+                                                 CoQA, CoQABPB, WikiPerplexity)}
 
 __all__ = ["Item", "Task", "TASKS"]

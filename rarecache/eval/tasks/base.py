@@ -17,6 +17,12 @@ class Item:
     gold: Any
     extra: dict[str, Any] = field(default_factory=dict)
     continuations: tuple[str, ...] = ()  # likelihood tasks: texts scored after the prompt
+    text: str | None = None  # a raw-text prompt (no chat template) instead of messages
+
+    @property
+    def prompt(self) -> str | list[dict[str, str]]:
+        """What the models encode: the raw text, or the chat messages."""
+        return self.text if self.text is not None else list(self.messages)
 
 
 class Task:
@@ -25,8 +31,9 @@ class Task:
     kind = "generate"  # or "likelihood"
     chance = 0.0  # accuracy of guessing (for floor-normalised retention)
 
-    def __init__(self, cache_dir: Path | None = None):
+    def __init__(self, cache_dir: Path | None = None, tokenizer: Any = None):
         self.cache_dir = cache_dir
+        self.tokenizer = tokenizer  # for tasks cut in tokens (perplexity passages)
 
     def items(self) -> list[Item]:
         """Evaluation items, in a fixed order."""
@@ -49,10 +56,17 @@ class Task:
         raise NotImplementedError
 
     def calibration_corpus(self) -> Corpus:
+        """The calibration pool as prompts in the evaluated format (a lone user turn as its text, a
+        conversation as its messages), disjointness checked."""
         pool = self.calibration_items()
         check_disjoint([i.id for i in pool], [i.id for i in self.items()], self.name)
-        return Corpus(f"task:{self.name}", tuple(i.messages[-1]["content"] for i in pool), chat=True,
-                      ids=tuple(i.id for i in pool))
+        docs = tuple(i.messages[0]["content"] if len(i.messages) == 1 else tuple(i.messages) for i in pool)
+        return Corpus(f"task:{self.name}", docs, chat=True, ids=tuple(i.id for i in pool))
+
+    def check_map(self, mapper, items: list[Item]) -> None:
+        """Refuse a map fitted on any of `items` (task-calibrated maps record their item ids)."""
+        if mapper.info.corpus.get("name") == f"task:{self.name}":
+            check_disjoint(mapper.info.calibration.get("document_ids", []), [i.id for i in items], self.name)
 
 
 def check_disjoint(calibration_ids, evaluated_ids, what: str) -> None:

@@ -1,0 +1,109 @@
+"""CoQA: conversational questions over a passage, the model switched mid-conversation.
+
+An item is one turn t of one story: the passage and the first question open the
+chat, the earlier turns follow with their gold answers, and turn t's question
+ends the prompt. The switch happens at that turn: the conversation so far was
+read by the source and is handed to the target, which answers (seed 002 §4.6
+measures drift as the gap to the target alone, turn by turn; every row records
+its turn). `coqa` generates the answer (F1 against the annotators' answers, as
+the CoQA/SQuAD scorer normalises them); `coqa_bpb` scores the gold answer's bits
+per byte instead (no generation). The data (OLMES' CoQA validation, 500 stories)
+is split by story: the first 400 are evaluated, the last 100 are the
+calibration pool, and disjointness is checked in code.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+
+from ..data import olmo_requests
+from .base import Item, Task
+
+INSTRUCTION = "Read the passage, then answer each question in a few words, using the passage.\n\n"
+MAX_TURNS = 10  # turns evaluated per story (seed 002 plots turns 1-10)
+CALIBRATION_STORIES = 100  # the last stories of the file
+
+
+def normalise(text: str) -> str:
+    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1(prediction: str, gold: str) -> float:
+    p, g = normalise(prediction).split(), normalise(gold).split()
+    if not p or not g:
+        return float(p == g)
+    same = sum((Counter(p) & Counter(g)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _stories(cache_dir) -> list[tuple[str, str, list[dict], dict[int, list[str]]]]:
+    """(story id, passage, every turn's question and answer, annotators' answers per turn)."""
+    stories: dict[str, tuple[str, list[dict], dict[int, list[str]]]] = {}
+    for r in olmo_requests("coqa/bpb_0shot", cache_dir):
+        doc = r["doc"]
+        story, _, turn = doc["id"].rpartition("_turn")
+        if story not in stories:
+            stories[story] = (doc["story"], doc["previous_qa"], {})
+        stories[story][2][int(turn)] = [a for a in doc["answers"] if a.strip()] or [doc["choices"][0]]
+    return [(k, *v) for k, v in stories.items()]
+
+
+def _item(name: str, story: str, passage: str, qa: list[dict], answers: dict[int, list[str]], turn: int) -> Item:
+    messages = [{"role": "user", "content": f"{INSTRUCTION}Passage: {passage.strip()}\n\nQuestion: {qa[0]['question']}"}]
+    for k in range(1, turn):
+        messages += [{"role": "assistant", "content": qa[k - 1]["answer"]},
+                     {"role": "user", "content": f"Question: {qa[k]['question']}"}]
+    gold = answers.get(turn, [qa[turn - 1]["answer"]])
+    return Item(f"{name}-{story}-t{turn}", tuple(messages), gold, {"turn": turn, "story": story},
+                (qa[turn - 1]["answer"],))
+
+
+class CoQA(Task):
+    name = "coqa"
+    metric = "f1"
+
+    def _items(self, calibration: bool) -> list[Item]:
+        stories = _stories(self.cache_dir)
+        stories = stories[-CALIBRATION_STORIES:] if calibration else stories[:-CALIBRATION_STORIES]
+        out = []
+        for story, passage, qa, answers in stories:
+            turns = min(MAX_TURNS, len(qa))
+            if calibration:  # one conversation per story, as long as evaluated ones get
+                out.append(_item(self.name, story, passage, qa, answers, turns))
+            else:
+                out += [_item(self.name, story, passage, qa, answers, t) for t in range(1, turns + 1)]
+        return out
+
+    def items(self) -> list[Item]:
+        """Story by story, turns 1-10 of each (a --limit takes whole conversations first)."""
+        return self._items(False)
+
+    def calibration_items(self) -> list[Item]:
+        return self._items(True)
+
+    def answer_complete(self, text: str) -> bool:
+        return "\n" in text.lstrip()  # the answer line is over
+
+    def score(self, item: Item, text: str) -> dict:
+        answer = text.strip().split("\n")[0]
+        return {"prediction": answer, "f1": max(f1(answer, g) for g in item.gold), "turn": item.extra["turn"]}
+
+
+class CoQABPB(CoQA):
+    """Bits per byte of the gold answer after the handed-off conversation."""
+
+    name = "coqa_bpb"
+    metric = "bpb"
+    kind = "likelihood"
+
+    def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
+        n_bytes = len(item.continuations[0].encode("utf-8"))
+        return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes, "turn": item.extra["turn"]}
