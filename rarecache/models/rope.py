@@ -50,12 +50,12 @@ class Rope:
         return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x (B, H, T, D) by +θ·pos."""
+        """Rotate x (..., B, H, T, D) by +θ·pos (leading dims, e.g. layers, share the positions)."""
         cos, sin = self.cos_sin(positions, x.dtype)
         return x * cos + rotate_half(x) * sin
 
     def strip(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Undo `apply`: rotate x (B, H, T, D) by −θ·pos."""
+        """Undo `apply`: rotate x (..., B, H, T, D) by −θ·pos."""
         cos, sin = self.cos_sin(positions, x.dtype)
         return x * cos - rotate_half(x) * sin
 

@@ -23,7 +23,7 @@ def rows(runner: Runner, cache: KVCache, positions: torch.Tensor, side: str) -> 
     idx = slots[None, :, None, :, None].expand(L, B, H, slots.shape[1], D)
     x = store.gather(3, idx)  # (L, B, Hkv, T, D)
     if side == "k":
-        x = runner.rope.strip(x.reshape(L * B, H, -1, D), positions.repeat(L, 1)).reshape(L, B, H, -1, D)
+        x = runner.rope.strip(x, positions)  # one cos/sin per position, broadcast over layers
     return x.permute(1, 3, 0, 2, 4).reshape(B, slots.shape[1], L * H * D)  # (B, T, L·Hkv·D)
 
 
@@ -31,8 +31,8 @@ def write_rows(runner: Runner, cache: KVCache, positions: torch.Tensor, k: torch
     """Write content rows k, v (L, B, T, Hkv·D) of every layer at positions (B, T); keys get RoPE."""
     L, B, T, _ = k.shape
     H, D = runner.config.num_kv_heads, runner.config.head_dim
-    k = k.reshape(L * B, T, H, D).transpose(1, 2)  # (L·B, Hkv, T, D)
-    k = runner.rope.apply(k.to(cache.k.dtype), positions.repeat(L, 1)).reshape(L, B, H, T, D)
+    k = k.reshape(L, B, T, H, D).transpose(2, 3)  # (L, B, Hkv, T, D)
+    k = runner.rope.apply(k.to(cache.k.dtype), positions)  # one cos/sin per position, broadcast over layers
     v = v.reshape(L, B, T, H, D).transpose(2, 3)  # (L, B, Hkv, T, D)
     for layer in range(L):
         cache.write(layer, positions, k[layer], v[layer])

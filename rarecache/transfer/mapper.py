@@ -139,17 +139,20 @@ class Mapper:
         key = (side, dtype, str(device))
         if key not in self._cast:
             f = self.sides[side]
-            src_width = f.weight.shape[1] // self.info.k
-            index = (f.sources[..., None] * src_width + torch.arange(src_width)).flatten(1)  # (Lt, K·ds)
-            self._cast[key] = (index.to(device), f.weight.to(device, dtype), f.bias.to(device, dtype),
+            self._cast[key] = (f.sources.to(device), f.weight.to(device, dtype), f.bias.to(device, dtype),
                                f.mean.to(device, dtype))
         return self._cast[key]
 
     def map_rows(self, side: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Source content rows x (B, T, Ls·ds) -> target rows ŷ (Lt, B, T, dt) and centred z = ŷ − ȳ."""
-        index, weight, bias, mean = self._tensors(side, x.dtype, x.device)
-        ys = [x[..., index[l]] @ weight[l] + bias[l] for l in range(weight.shape[0])]  # one matmul per layer
-        y = torch.stack(ys)
+        sources, weight, bias, mean = self._tensors(side, x.dtype, x.device)
+        B, T, _ = x.shape
+        Lt, kd, dt = weight.shape
+        layers = x.reshape(B * T, -1, kd // self.info.k)  # (B·T, Ls, ds)
+        y = torch.empty(Lt, B * T, dt, dtype=x.dtype, device=x.device)
+        for l in range(Lt):  # one gather of whole source-layer rows and one matmul per target layer
+            torch.addmm(bias[l], layers.index_select(1, sources[l]).reshape(B * T, kd), weight[l], out=y[l])
+        y = y.view(Lt, B, T, dt)
         return y, y - mean[:, None, None]
 
     @torch.inference_mode()
