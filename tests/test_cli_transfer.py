@@ -121,11 +121,16 @@ def test_bench_ablate_and_its_references(mapped, capsys):
     map_unshared(source, src_cache, target, b, pos, mapper, torch.float32)
     torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=0)
     torch.testing.assert_close(a.v, b.v, atol=1e-5, rtol=0)
+    from rarecache.bench.ablate import map_rows_flat
+    from rarecache.transfer.features import rows
+
+    x = rows(source, src_cache, pos, "v")
+    torch.testing.assert_close(mapper.map_rows("v", x)[0], map_rows_flat(mapper, "v", x), atol=1e-5, rtol=0)
     assert main(["bench", "ablate", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
                  str(mapped / "m.safetensors"), "--length", "300", "--batch", "2", "--repeats", "1",
                  "--dtype", "float32"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(res["rows"]) == 5 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
+    assert len(res["rows"]) == 6 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
 
 
 def test_pipeline_batch_equals_single_requests(mapped):

@@ -4,6 +4,7 @@ timed in the same run on the same prompt (median of repeats after a warm-up).
 - attention: sparse-causal query blocks vs the dense ρT x T mask (recompute phase);
 - map dtype: bf16 vs float32 matmuls;
 - shared de-rotation: each source layer de-rotated once vs once per target layer that reads it;
+- map gathers: whole source-layer rows (index_select, bias fused in addmm) vs a flat column index;
 - logits: at the last position only vs at every recomputed position;
 - batching: B requests of different lengths in one handoff vs one after another.
 """
@@ -53,6 +54,16 @@ def map_unshared(source: Runner, source_cache, target: Runner, cache, positions,
     write_rows(target, cache, positions, out["k"], out["v"])
 
 
+def map_rows_flat(mapper: Mapper, side: str, x: torch.Tensor) -> torch.Tensor:
+    """Reference for `Mapper.map_rows`: gather the K·ds input columns by a flat index, matmul, add the bias
+    (the previous implementation). x (B, T, Ls·ds) -> ŷ (Lt, B, T, dt)."""
+    f = mapper.sides[side]
+    width = f.weight.shape[1] // mapper.info.k
+    index = (f.sources[..., None] * width + torch.arange(width)).flatten(1)  # (Lt, K·ds)
+    w, b = f.weight.to(x.dtype), f.bias.to(x.dtype)
+    return torch.stack([x[..., index[l]] @ w[l] + b[l] for l in range(w.shape[0])])
+
+
 @torch.inference_mode()
 def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
@@ -100,6 +111,12 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     shared = _median(mapping(target.dtype), repeats)
     res.append({"optimisation": "de-rotated source layers shared", "before_ms": unshared * 1e3,
                 "after_ms": shared * 1e3})
+    from ..transfer.features import rows
+
+    x = rows(source, src_cache, pos, "k").to(target.dtype)
+    res.append({"optimisation": "map gathers whole source-layer rows, bias fused",
+                "before_ms": _median(lambda: map_rows_flat(mapper, "k", x), repeats) * 1e3,
+                "after_ms": _median(lambda: mapper.map_rows("k", x), repeats) * 1e3})
 
     # batching requests of different lengths
     lengths = [T - (T // (2 * batch)) * i for i in range(batch)]
