@@ -370,7 +370,7 @@ def cmd_eval_run(args) -> int:
 
 
 def cmd_eval_report(args) -> int:
-    from .eval.report import by_turn, markdown, summarise, template_prompt_share
+    from .eval.report import by_turn, compact, markdown, summarise, template_prompt_share
     from .eval.run import load_results
     from .eval.tasks import TASKS
 
@@ -383,9 +383,12 @@ def cmd_eval_report(args) -> int:
     metric = task.metric if task else "correct"
     bpb = metric == "bpb"
     items = len({r["item"] for r in rows})
-    print(markdown(summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb),
-                   f"{args.results} ({items} items)", metric=metric, percent=not bpb,
-                   template_share=template_prompt_share(rows)))
+    summary = summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb)
+    if args.compact:
+        print(compact(summary, metric, percent=not bpb))
+    else:
+        print(markdown(summary, f"{args.results} ({items} items)", metric=metric, percent=not bpb,
+                       template_share=template_prompt_share(rows)))
     turns = by_turn(rows, metric, percent=not bpb)
     if turns:
         print(f"\n{turns}")
@@ -600,6 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_eval_run)
     e = ev.add_parser("report", help="summarise a results JSONL")
     e.add_argument("results", type=Path)
+    e.add_argument("--compact", action="store_true",
+                   help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed)")
     e.add_argument("--plots", type=Path, default=None,
                    help="also draw metric-vs-rho and selectors-at-rho-0.3 PNGs into this folder")
     e.set_defaults(func=cmd_eval_report)

@@ -158,6 +158,12 @@ def test_report_per_map_gap_selector_tests_and_template_share():
     assert template_prompt_share(rows) == 0.6
     assert [r["arm"] for r in summarise(rows)][:4] == ["target", "rho=0/rank@task", "rho=0.3/rank@task",
                                                       "rho=0.3/random@task"]
+    from rarecache.eval.report import compact
+
+    table = compact(summarise(rows, chance=0.25), "correct").splitlines()
+    assert table[0].startswith("| arm | task: correct (95% CI) |") and "| wiki: correct (95% CI) |" in table[0]
+    assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | 100.0% (100.0%–100.0%)")
+    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | 50.0% (0.0%–100.0%) | 33% | 50% |")
 
 
 class ToyChoice(Toy):

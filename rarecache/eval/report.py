@@ -133,3 +133,34 @@ def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
         vals = [f(sum(cells[a][t]) / len(cells[a][t])) if cells[a][t] else "—" for t in turns]
         lines.append(f"| {a} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
+
+
+def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
+    """One row per arm, one column group per map: the metric with its interval, floor-normalised
+    retention (or, for lower-is-better metrics, the difference to the target) and gap closed."""
+    f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
+    labels = sorted({split_arm(r["arm"])[2] for r in summary if split_arm(r["arm"])})
+    cells: dict[str, dict[str, dict]] = defaultdict(dict)
+    for r in summary:
+        parts = split_arm(r["arm"])
+        key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
+        cells[key][parts[2] if parts else ""] = r
+    second = "floor-norm. ret." if percent else "Δ vs target"
+    head = "| arm | " + " | ".join(f"{lab or 'map'}: {metric} (95% CI) | {second} | gap closed" for lab in labels) + " |"
+    lines = [head, "|---" * (1 + 3 * len(labels)) + "|"]
+    for key, by_label in cells.items():
+        row = [key + (" (oracle)" if (split_arm(key) or (0, ""))[1] in ("attn-target", "l2-oracle") else "")]
+        for lab in labels:
+            r = by_label.get(lab) or by_label.get("")
+            if r is None:
+                row += ["—"] * 3
+                continue
+            val = f"{f(r['mean'])} ({f(r['lo'])}–{f(r['hi'])})"
+            if not percent and "diff" in r:
+                other = f"{r['diff']:+.4f} (p {r['p']:.3f})"
+            else:
+                other = f"{r['floor_retention']:.0%}" if r.get("floor_retention") is not None else "—"
+            gap = f"{r['gap_closed']:.0%}" if r.get("gap_closed") is not None else "—"
+            row += [val, other, gap]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
