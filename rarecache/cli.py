@@ -576,7 +576,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluation harness: accuracy kept by the handoff, resumable")
     ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
-    e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)")
+    e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)",
+                      description="Evaluate the target alone, the source alone and handoffs at a grid of budgets "
+                                  "and selectors, through one or several maps, over a task's items. One JSON line "
+                                  "per (item, arm) is appended to --out as soon as it is done; rerunning the same "
+                                  "command resumes (and refuses other models, maps or dtype: see OUT.meta.json). "
+                                  "A markdown summary is written beside the results; `eval report` redraws it "
+                                  "and the plots.")
     from .eval.tasks import TASKS
 
     e.add_argument("--task", required=True, help=f"one of: {', '.join(TASKS)}")
@@ -595,7 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
     e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
-    e.add_argument("--max-new-tokens", type=int, default=256, help="default: 256")
+    e.add_argument("--max-new-tokens", type=int, default=256,
+                   help="generation tasks: answer length cap (default: 256; gsm8k stops at its final sentence, "
+                        "coqa at the end of the answer line)")
     e.add_argument("--batch", type=int, default=8,
                    help="generation: items whose arms decode together (default: 8)")
     e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
