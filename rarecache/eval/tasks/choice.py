@@ -24,6 +24,7 @@ class OlmesChoice(Task):
     calib_dir = ""
     id_field = "id"
     instruction = INSTRUCTION
+    split: int | None = None  # one request file only: its first `split` items evaluated, the rest calibrate
 
     def _load(self, task_dir: str) -> list[Item]:
         seen: dict[str, Item] = {}
@@ -38,10 +39,11 @@ class OlmesChoice(Task):
         return list(seen.values())
 
     def items(self) -> list[Item]:
-        return self._load(self.eval_dir)
+        items = self._load(self.eval_dir)
+        return items if self.split is None else items[: self.split]
 
     def calibration_items(self) -> list[Item]:
-        return self._load(self.calib_dir)
+        return self._load(self.calib_dir) if self.split is None else self._load(self.eval_dir)[self.split :]
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
         norm = [lp / max(len(c), 1) for lp, c in zip(logprobs, item.continuations)]
@@ -67,12 +69,6 @@ class HellaSwag(OlmesChoice):
     id_field = "ind"
     split = 600
 
-    def items(self) -> list[Item]:
-        return self._load(self.eval_dir)[: self.split]
-
-    def calibration_items(self) -> list[Item]:
-        return self._load(self.eval_dir)[self.split :]
-
 
 class WinoGrande(OlmesChoice):
     """OLMES' 5-shot multiple-choice form (fill in the blank, options A / B, scored by the letter's
@@ -83,9 +79,3 @@ class WinoGrande(OlmesChoice):
     id_field = "index"
     instruction = "Answer the last question like the examples, with the letter of the correct option.\n\n"
     split = 967
-
-    def items(self) -> list[Item]:
-        return self._load(self.eval_dir)[: self.split]
-
-    def calibration_items(self) -> list[Item]:
-        return self._load(self.eval_dir)[self.split :]
