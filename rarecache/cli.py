@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -661,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     except RarecacheError as e:
         print(f"rarecache: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("rarecache: interrupted", file=sys.stderr)
         return 130
