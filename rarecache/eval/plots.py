@@ -6,9 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..transfer.plots import _mpl
-from .report import split_arm, summarise
-
-ORACLES = ("attn-target", "l2-oracle")
+from .report import is_oracle, split_arm, summarise
 
 
 def _arms(rows: list[dict], metric: str, lower_is_better: bool) -> dict[str, dict]:
@@ -64,7 +62,7 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
         parts = split_arm(a)
         if parts is not None and abs(parts[0] - rho) < 1e-9:
             groups.setdefault(parts[2], {})[parts[1]] = r
-    selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != "rank", s in ORACLES, s))
+    selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != "rank", is_oracle(s), s))
     fig, ax = plt.subplots(figsize=(7, 3.8))
     width = 0.8 / max(len(groups), 1)
     for k, (label, g) in enumerate(sorted(groups.items())):
@@ -72,7 +70,7 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
         bars = [g[s] for s in selectors if s in g]
         ax.bar(xs, [r["mean"] for r in bars], width, yerr=_err(bars), capsize=3,
                label=f"map {label}" if label else None)
-    ax.set_xticks(range(len(selectors)), [s + (" (oracle)" if s in ORACLES else "") for s in selectors],
+    ax.set_xticks(range(len(selectors)), [s + (" (oracle)" if is_oracle(s) else "") for s in selectors],
                   rotation=20, fontsize=8)
     _references(ax, arms)
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else ""))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ..transfer.selectors import SELECTORS
 from .metrics import mean_ci, paired_diff_ci
 
 
@@ -16,6 +17,17 @@ def split_arm(arm: str) -> tuple[float, str, str] | None:
     body, _, label = arm.partition("@")
     rho, _, selector = body[4:].partition("/")
     return float(rho), selector, label
+
+
+def is_oracle(selector: str) -> bool:
+    sel = SELECTORS.get(selector)
+    return sel is not None and sel.oracle
+
+
+def display(arm: str) -> str:
+    """An arm's name as printed: oracles (which read the target's own prefill) say so."""
+    parts = split_arm(arm)
+    return arm + (" (oracle)" if parts is not None and is_oracle(parts[1]) else "")
 
 
 def arm_name(rho: float, selector: str, label: str = "") -> str:
@@ -109,8 +121,8 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
             return fmt.format(r[key]) if r.get(key) is not None else "—"
         diff = f"{fd(r['diff'])} ({fd(r['diff_lo'])}, {fd(r['diff_hi'])})" if "diff" in r else "—"
         vs_rank = f"{fd(r['vs_rank'])} ({r['vs_rank_p']:.3f})" if "vs_rank" in r else "—"
-        name = r["arm"] + (" (oracle)" if (split_arm(r["arm"]) or (0, ""))[1] in ("attn-target", "l2-oracle") else "")
-        lines.append(f"| {name} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | {opt('retention')} | "
+        lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
+                     f"{opt('retention')} | "
                      f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {opt('p', '{:.3f}')} | {vs_rank} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} |")
     return "\n".join(lines)
@@ -146,10 +158,11 @@ def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
         key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
         cells[key][parts[2] if parts else ""] = r
     second = "floor-norm. ret." if percent else "Δ vs target"
-    head = "| arm | " + " | ".join(f"{lab or 'map'}: {metric} (95% CI) | {second} | gap closed" for lab in labels) + " |"
+    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | gap closed" for lab in labels)
+    head = "| arm | " + " | ".join(groups) + " |"
     lines = [head, "|---" * (1 + 3 * len(labels)) + "|"]
     for key, by_label in cells.items():
-        row = [key + (" (oracle)" if (split_arm(key) or (0, ""))[1] in ("attn-target", "l2-oracle") else "")]
+        row = [display(key)]
         for lab in labels:
             r = by_label.get(lab) or by_label.get("")
             if r is None:

@@ -40,6 +40,7 @@ from ..models.loader import checkpoint_fingerprint
 from ..transfer.handoff import HandoffConfig, handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import SELECTORS, attention_capture, received
+from .report import display
 from .tasks.base import Item, Task
 
 SEED = 0  # the random selector's seed
@@ -60,8 +61,7 @@ class Arm:
 
     @property
     def label(self) -> str:
-        sel = SELECTORS.get(self.selector)
-        return self.name + (" (oracle)" if self.kind == "handoff" and sel is not None and sel.oracle else "")
+        return display(self.name)
 
     @classmethod
     def parse(cls, spec: str, maps: tuple[str, ...] = ("",)) -> list["Arm"]:
