@@ -201,7 +201,7 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
         mapped[label] = (cache, z, _now(target) - t)
 
     out = target.new_cache(len(variants), n)
-    logits = torch.empty(len(variants), target.config.vocab_size)
+    logits = torch.empty(len(variants), target.config.vocab_size, device=target.device)
     results: list[HandoffResult | None] = [None] * len(variants)
     groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float]]] = {}
     for v, (label, cfg) in enumerate(variants):
