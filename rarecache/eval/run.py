@@ -147,11 +147,9 @@ def check_meta(out: Path, meta: dict) -> dict:
                 raise RarecacheError(f"{out}: map {label or '(unlabelled)'} is not the file its results came from "
                                      f"({m['file']} sha256 {m['sha256'][:12]}, was {was['sha256'][:12]}): "
                                      "use another --out")
+        seen = [*old.get("versions_seen", []), old.get("versions"), meta["versions"]]
         meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
-                "versions_seen": sorted({json.dumps(v, sort_keys=True) for v in
-                                         [old.get("versions"), meta["versions"], *old.get("versions_seen", [])]
-                                         if v is not None})}
-        meta["versions_seen"] = [json.loads(v) for v in meta["versions_seen"]]
+                "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]]}
     out.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return meta
