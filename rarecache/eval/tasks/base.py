@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,12 @@ class Task:
         """Refuse a map fitted on any of `items` (task-calibrated maps record their item ids)."""
         if mapper.info.corpus.get("name") == f"task:{self.name}":
             check_disjoint(mapper.info.calibration.get("document_ids", []), [i.id for i in items], self.name)
+
+
+def gold_bpb(item: Item, logprobs: list[float]) -> dict[str, Any]:
+    """Bits per byte of an item's one gold continuation, from its total log-probability (nats)."""
+    n_bytes = len(item.continuations[0].encode("utf-8"))
+    return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes}
 
 
 def check_disjoint(calibration_ids, evaluated_ids, what: str) -> None:

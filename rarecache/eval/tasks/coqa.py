@@ -14,13 +14,12 @@ calibration pool, and disjointness is checked in code.
 
 from __future__ import annotations
 
-import math
 import re
 import string
 from collections import Counter
 
 from ..data import olmo_requests
-from .base import Item, Task
+from .base import Item, Task, gold_bpb
 
 INSTRUCTION = "Read the passage, then answer each question in a few words, using the passage.\n\n"
 MAX_TURNS = 10  # turns evaluated per story (seed 002 plots turns 1-10)
@@ -105,5 +104,4 @@ class CoQABPB(CoQA):
     kind = "likelihood"
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
-        n_bytes = len(item.continuations[0].encode("utf-8"))
-        return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes, "turn": item.extra["turn"]}
+        return {**gold_bpb(item, logprobs), "turn": item.extra["turn"]}

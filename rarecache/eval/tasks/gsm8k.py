@@ -6,11 +6,10 @@ calibration and evaluation draws from items 0-999.
 
 from __future__ import annotations
 
-import math
 import re
 
 from ..data import olmo_requests
-from .base import Item, Task
+from .base import Item, Task, gold_bpb
 
 INSTRUCTION = ("Solve the last question. Think step by step like the examples, and end with "
                "\"So the answer is N.\" where N is a number.\n\n")
@@ -78,5 +77,4 @@ class GSM8KBPB(GSM8K):
                 for i in super()._all()]
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
-        n_bytes = len(item.continuations[0].encode("utf-8"))
-        return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes}
+        return gold_bpb(item, logprobs)

@@ -10,11 +10,9 @@ maps) is refused if it read any document a passage comes from.
 
 from __future__ import annotations
 
-import math
-
 from ...errors import RarecacheError
 from ...transfer.corpus import load_corpus
-from .base import Item, Task
+from .base import Item, Task, gold_bpb
 
 PREFIX = 512
 CONTINUATION = 512
@@ -65,5 +63,4 @@ class WikiPerplexity(Task):
                                      f"start at document {first}")
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
-        n_bytes = len(item.continuations[0].encode("utf-8"))
-        return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes}
+        return gold_bpb(item, logprobs)
