@@ -42,5 +42,7 @@ class RegressionStats:
         s = cls.__new__(cls)
         s.n = int(t[f"{prefix}.n"][0])
         for name in ("sx", "sy", "syy", "xx", "xy"):
-            setattr(s, name, t[f"{prefix}.{name}"])
+            # a copy in freshly allocated memory: tensors read from a file sit at whatever offset the
+            # file gives them, and float64 BLAS reductions can round differently on unaligned data
+            setattr(s, name, t[f"{prefix}.{name}"].clone())
         return s
