@@ -3,45 +3,77 @@
 # kept, a calibration resumes from its .state, an evaluation resumes from its results file. Run it in the
 # background and rerun it after an interruption:
 #   nohup bash scripts/results.sh >> runs/logs/results.log 2>&1 &
-# (on 2 CPU cores the whole list takes about 12 hours; progress bars go to the log).
+# (on 2 CPU cores the whole list takes about 14 hours; progress bars go to the log). RUNS=DIR puts maps and
+# results elsewhere (a checkout that is cloned afresh each time keeps nothing under its own runs/).
+# A results file committed to docs/artifacts (gzipped, with its .meta.json) is copied back before its run when
+# the maps recorded in its meta are byte-identical to the ones here (calibration is deterministic), so a run
+# cut short in one checkout continues in the next.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
-M=runs/maps; E=runs/eval
+R=${RUNS:-runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
-cal() {  # source target "data option" out [extra options]
+cal() {  # source target "data option" out [tokens] [heldout tokens] [extra options]
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" $3 --tokens "${5:-32768}" \
       --heldout-tokens "${6:-4096}" ${7:-} --out "$4"
+}
+seed() {  # results file: copy back the committed partial run if its maps are the ones here
+  local out=$1 name; name=$(basename "${1%.jsonl}")
+  [ -f "$out" ] || [ ! -f "docs/artifacts/$name.jsonl.gz" ] || python - "$out" "$name" <<'PY'
+import gzip, hashlib, json, shutil, sys
+out, name = sys.argv[1], sys.argv[2]
+meta = json.load(open(f"docs/artifacts/{name}.meta.json"))
+for label, m in meta["maps"].items():
+    path = out.rsplit("/eval/", 1)[0] + "/maps/" + m["file"].rsplit("/", 1)[1]
+    try:
+        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    except FileNotFoundError:
+        digest = None
+    if digest != m["sha256"]:
+        print(f"seed {name}: map {label} ({path}) differs from the committed run's; starting afresh")
+        sys.exit(0)
+with gzip.open(f"docs/artifacts/{name}.jsonl.gz", "rb") as f, open(out, "wb") as g:
+    shutil.copyfileobj(f, g)
+meta["maps"] = {k: {**m, "file": out.rsplit("/eval/", 1)[0] + "/maps/" + m["file"].rsplit("/", 1)[1]}
+                for k, m in meta["maps"].items()}
+json.dump(meta, open(out[: -len(".jsonl")] + ".meta.json", "w"), indent=1)
+print(f"seed {name}: continuing the committed run")
+PY
 }
 GRID=(--rhos 0 0.2 0.3 0.5 --selectors random attn-source attn-target l2-oracle layer-prefix --dtype bfloat16)
 ev() {  # source target task items out maps...
   local s=$1 t=$2 task=$3 n=$4 out=$5; shift 5
+  seed "$out"
   rarecache eval run --task "$task" --source "$s" --target "$t" --map "$@" "${GRID[@]}" --limit "$n" --out "$out" >/dev/null
 }
-# maps, small -> large
+fwd() { echo task=$M/$1-0.5b-to-1.5b.safetensors wiki=$M/wiki-0.5b-to-1.5b.safetensors; }
+rev() { echo task=$M/$1-1.5b-to-0.5b.safetensors wiki=$M/wiki-1.5b-to-0.5b.safetensors; }
+# small -> large: generic map, then one task at a time (map, 300 items with both maps; prefills shared)
 cal $S $T "--corpus wiki" $M/wiki-0.5b-to-1.5b.safetensors 65536 8192
-cal $S $T "--task gsm8k" $M/gsm8k-0.5b-to-1.5b.safetensors 65536 8192 "--seq-len 1024"
-for task in arc_challenge hellaswag mmlu; do cal $S $T "--task $task" $M/$task-0.5b-to-1.5b.safetensors; done
-# evaluations (task-calibrated and generic map in one run: prefills shared)
-ev $S $T mmlu 300 $E/mmlu-300.jsonl task=$M/mmlu-0.5b-to-1.5b.safetensors wiki=$M/wiki-0.5b-to-1.5b.safetensors
-rarecache eval run --task gsm8k --source $S --target $T --map $M/gsm8k-0.5b-to-1.5b.safetensors --limit 50 \
-    --batch 10 --dtype bfloat16 --out $E/gsm8k-50.jsonl >/dev/null
+cal $S $T "--task arc_challenge" $M/arc_challenge-0.5b-to-1.5b.safetensors
+ev $S $T arc_challenge 300 $E/arc_challenge-300.jsonl $(fwd arc_challenge)
 # large -> small
 cal $T $S "--corpus wiki" $M/wiki-1.5b-to-0.5b.safetensors
 cal $T $S "--task mmlu" $M/mmlu-1.5b-to-0.5b.safetensors
-ev $T $S mmlu 300 $E/mmlu-300-reverse.jsonl task=$M/mmlu-1.5b-to-0.5b.safetensors wiki=$M/wiki-1.5b-to-0.5b.safetensors
-ev $S $T arc_challenge 300 $E/arc_challenge-300.jsonl task=$M/arc_challenge-0.5b-to-1.5b.safetensors \
-    wiki=$M/wiki-0.5b-to-1.5b.safetensors
+ev $T $S mmlu 300 $E/mmlu-300-reverse.jsonl $(rev mmlu)
+cal $S $T "--task hellaswag" $M/hellaswag-0.5b-to-1.5b.safetensors
+ev $S $T hellaswag 300 $E/hellaswag-300.jsonl $(fwd hellaswag)
+cal $S $T "--task gsm8k" $M/gsm8k-0.5b-to-1.5b.safetensors 65536 8192 "--seq-len 1024"
+ev $S $T gsm8k_bpb 300 $E/gsm8k_bpb-300.jsonl $(fwd gsm8k)
 cal $T $S "--task arc_challenge" $M/arc_challenge-1.5b-to-0.5b.safetensors
-ev $T $S arc_challenge 300 $E/arc_challenge-300-reverse.jsonl task=$M/arc_challenge-1.5b-to-0.5b.safetensors \
-    wiki=$M/wiki-1.5b-to-0.5b.safetensors
-ev $S $T gsm8k_bpb 300 $E/gsm8k_bpb-300.jsonl task=$M/gsm8k-0.5b-to-1.5b.safetensors wiki=$M/wiki-0.5b-to-1.5b.safetensors
-ev $S $T hellaswag 300 $E/hellaswag-300.jsonl task=$M/hellaswag-0.5b-to-1.5b.safetensors \
-    wiki=$M/wiki-0.5b-to-1.5b.safetensors
+ev $T $S arc_challenge 300 $E/arc_challenge-300-reverse.jsonl $(rev arc_challenge)
+cal $T $S "--task hellaswag" $M/hellaswag-1.5b-to-0.5b.safetensors
+ev $T $S hellaswag 300 $E/hellaswag-300-reverse.jsonl $(rev hellaswag)
 # multi-turn and perplexity (smaller samples)
 cal $S $T "--task coqa" $M/coqa-0.5b-to-1.5b.safetensors 32768 4096 "--seq-len 2048"
-ev $S $T coqa_bpb 200 $E/coqa_bpb-200.jsonl task=$M/coqa-0.5b-to-1.5b.safetensors wiki=$M/wiki-0.5b-to-1.5b.safetensors
+ev $S $T coqa_bpb 200 $E/coqa_bpb-200.jsonl $(fwd coqa)
 ev $S $T wiki_ppl 40 $E/wiki_ppl-40.jsonl wiki=$M/wiki-0.5b-to-1.5b.safetensors
+# runs already complete in docs/artifacts, rerun last (they continue from the committed file)
+cal $S $T "--task mmlu" $M/mmlu-0.5b-to-1.5b.safetensors
+ev $S $T mmlu 300 $E/mmlu-300.jsonl $(fwd mmlu)
+seed $E/gsm8k-50.jsonl
+rarecache eval run --task gsm8k --source $S --target $T --map $M/gsm8k-0.5b-to-1.5b.safetensors --limit 50 \
+    --batch 10 --dtype bfloat16 --out $E/gsm8k-50.jsonl >/dev/null
 # tables and plots
 for f in $E/*.jsonl; do
   case $f in *.timings.jsonl) continue;; esac

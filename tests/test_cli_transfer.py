@@ -131,6 +131,14 @@ def test_bench_ablate_and_its_references(mapped, capsys):
                  "--dtype", "float32"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(res["rows"]) == 6 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
+    from rarecache.models.packed import can_pack
+
+    if can_pack(torch.bfloat16, "cpu"):  # bf16: the packed target against a plain copy of it, three more rows
+        assert main(["bench", "ablate", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+                     str(mapped / "m.safetensors"), "--length", "100", "--batch", "2", "--repeats", "1",
+                     "--dtype", "bfloat16"]) == 0
+        res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert sum(r["optimisation"].startswith("prepacked weights") for r in res["rows"]) == 3
 
 
 def test_pipeline_batch_equals_single_requests(mapped):

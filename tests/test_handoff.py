@@ -228,3 +228,23 @@ def scaled_map(mapper):
     sides = {k: dataclasses.replace(s, weight=s.weight * 0.5) if hasattr(s, "weight") else s
              for k, s in mapper.sides.items()}
     return type(mapper)(mapper.info, sides)
+
+
+def test_packed_bf16_handoff_equals_plain(fitted, pair_dir):
+    """The whole handoff in bf16 with prepacked weights against F.linear: equal to the last bit."""
+    from rarecache.models.packed import can_pack
+
+    if not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN packing on this machine")
+    _, _, mapper, prompts = fitted
+    runs = []
+    for pack in (None, False):
+        source = Runner.load(pair_dir / "src", dtype=torch.bfloat16, pack=pack)
+        target = Runner.load(pair_dir / "tgt", dtype=torch.bfloat16, pack=pack)
+        assert target.packed == (pack is None)
+        runs.append(handoff(source, target, mapper, prompts, HandoffConfig(rho=0.3)))
+    (c1, l1, r1), (c2, l2, r2) = runs
+    assert r1.positions == r2.positions
+    torch.testing.assert_close(l1, l2, atol=0, rtol=0)
+    torch.testing.assert_close(c1.k, c2.k, atol=0, rtol=0)
+    torch.testing.assert_close(c1.v, c2.v, atol=0, rtol=0)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rarecache.engine.generate import SamplingConfig, decode, generate
 from rarecache.engine.runner import AttnCapture, Runner, pad_batch
+from rarecache.models.packed import PackedLinear, can_pack
 
 ATOL = 1e-4
 
@@ -203,3 +205,35 @@ def test_stop_check_ends_a_row(tiny):
     out = decode(runner, cache, first.logits, torch.tensor([3]), SamplingConfig(max_new_tokens=8),
                  stop_check=lambda toks: len(toks) == 3)[0]
     assert out.tokens == greedy[:3] and out.finish_reason == "stop"
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN packing on this machine")
+def test_packed_linear_equals_f_linear():
+    """The prepacked bf16 product runs the same oneDNN kernel as F.linear: equal to the last bit."""
+    g = torch.Generator().manual_seed(3)
+    for bias in (True, False):
+        lin = torch.nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
+        packed = PackedLinear(lin)
+        for shape in ((1, 48), (5, 48), (2, 33, 48)):
+            x = torch.randn(*shape, generator=g).to(torch.bfloat16)
+            torch.testing.assert_close(packed(x), lin(x), atol=0, rtol=0)
+        x = torch.randn(7, 2, 48, generator=g).to(torch.bfloat16).transpose(0, 1)  # not contiguous: packed
+        torch.testing.assert_close(packed(x), lin(x.contiguous()), atol=0, rtol=0)  # copies it first
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="no oneDNN packing on this machine")
+def test_packed_runner_equals_plain_runner(tiny):
+    _, path, _ = tiny
+    fast, plain = Runner.load(path, dtype=torch.bfloat16), Runner.load(path, dtype=torch.bfloat16, pack=False)
+    assert fast.packed and not plain.packed and not Runner.load(path).packed  # float32 stays unpacked
+    assert any(isinstance(m, PackedLinear) for m in fast.model.modules())
+    tokens = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    (c1, l1), (c2, l2) = full_forward(fast, tokens), full_forward(plain, tokens)
+    torch.testing.assert_close(l1, l2, atol=0, rtol=0)
+    torch.testing.assert_close(c1.k, c2.k, atol=0, rtol=0)
+    torch.testing.assert_close(c1.v, c2.v, atol=0, rtol=0)
+    cfg = SamplingConfig(max_new_tokens=6)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    assert [g.tokens for g in generate(fast, prompts, cfg)] == [g.tokens for g in generate(plain, prompts, cfg)]
+    with pytest.raises(ValueError):
+        Runner.load(path, pack=True)  # float32: nothing exact to pack

@@ -6,6 +6,8 @@ timed in the same run on the same prompt (median of repeats after a warm-up).
 - shared de-rotation: each source layer de-rotated once vs once per target layer that reads it;
 - map gathers: whole source-layer rows (index_select, bias fused in addmm) vs a flat column index;
 - logits: at the last position only vs at every recomputed position;
+- prepacked weights: the target's linear layers prepacked for oneDNN vs plain `F.linear` (recompute,
+  prefill and one decode step; bf16 on a CPU, where packing applies);
 - batching: B requests of different lengths in one handoff vs one after another.
 """
 
@@ -81,11 +83,11 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     chosen = [select_top(rank_scores(mapper, z)[0], budget(rho, T))]
     sel_tok, sel_pos = subset(prompt, chosen)
 
-    def recompute(logits_at="last"):
-        cache = target.new_cache(1, T)
+    def recompute(logits_at="last", runner=target):
+        cache = runner.new_cache(1, T)
         for name in ("k", "v", "filled"):
             getattr(cache, name).copy_(getattr(mapped, name))
-        target.forward(sel_tok, sel_pos, cache, logits_at=logits_at)
+        runner.forward(sel_tok, sel_pos, cache, logits_at=logits_at)
 
     fast = _median(recompute, repeats)
     target.attention = attend_reference
@@ -98,6 +100,24 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     res.append({"optimisation": "sparse-causal recompute attention", "before_ms": dense * 1e3, "after_ms": fast * 1e3})
     res.append({"optimisation": "logits at the last position only",
                 "before_ms": _median(lambda: recompute("all"), repeats) * 1e3, "after_ms": fast * 1e3})
+
+    if target.packed and target.path is not None:  # the same checkpoint with plain F.linear
+        plain = Runner.load(target.path, dtype=target.dtype, device=target.device, pack=False)
+        res.append({"optimisation": f"prepacked weights: recompute ({len(chosen[0])} rows)",
+                    "before_ms": _median(lambda: recompute(runner=plain), repeats) * 1e3, "after_ms": fast * 1e3})
+        for name, n in (("prefill", T), ("decode step", 1)):
+            tok, at = prompt[:, :n], pos[:, :n] if n > 1 else pos[:, -1:]
+
+            def step(runner, tok=tok, at=at):
+                cache = runner.new_cache(1, T)
+                for key in ("k", "v", "filled"):
+                    getattr(cache, key).copy_(getattr(mapped, key))
+                runner.forward(tok, at, cache)
+
+            res.append({"optimisation": f"prepacked weights: target {name} ({n} rows)",
+                        "before_ms": _median(lambda: step(plain), repeats) * 1e3,
+                        "after_ms": _median(lambda: step(target), repeats) * 1e3})
+        del plain
 
     # map: dtype and shared de-rotation
     def mapping(dtype):

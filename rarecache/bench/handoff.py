@@ -23,7 +23,8 @@ from ..transfer.mapper import Mapper
 
 def layer_params(runner: Runner) -> int:
     """Parameters touched per token by the decoder layers (embeddings and head excluded)."""
-    return sum(p.numel() for p in runner.model.model.layers.parameters())
+    layers = runner.model.model.layers
+    return sum(t.numel() for t in [*layers.parameters(), *layers.buffers()])  # packed weights are buffers
 
 
 def map_params(mapper: Mapper) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import torch
 from ..models.config import ModelConfig
 from ..models.llama import CausalLM
 from ..models.loader import load_model
+from ..models.packed import can_pack, pack_linears
 from ..models.rope import Rope
 from .attention import attend
 from .cache import KVCache
@@ -36,18 +37,24 @@ class AttnCapture:
 
 
 class Runner:
-    def __init__(self, model: CausalLM, path: Path | None = None):
+    def __init__(self, model: CausalLM, path: Path | None = None, pack: bool | None = None):
+        """`pack`: prepack the decoder layers' linear weights for oneDNN (in place; see models.packed).
+        None packs where it is exact and faster (bfloat16 on a CPU); False keeps plain `F.linear`."""
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
         self.attention = attend  # the kernel; benchmarks swap in the dense reference to measure the gain
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
+        if pack and not can_pack(self.dtype, self.device):
+            raise ValueError("prepacked weights need bfloat16 on a CPU with oneDNN")
+        self.packed = (can_pack(self.dtype, self.device) if pack is None else pack) and pack_linears(model.layers) > 0
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> "Runner":
-        return cls(load_model(path, dtype=dtype, device=device), Path(path))
+    def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
+             pack: bool | None = None) -> "Runner":
+        return cls(load_model(path, dtype=dtype, device=device), Path(path), pack)
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,62 @@
+"""Linear layers with their weights prepacked into oneDNN's blocked layout (CPU, bfloat16).
+
+`F.linear` on a CPU reorders the weight into the kernel's blocked layout on every
+call. That is a fixed cost per matrix product, paid again for every layer of every
+forward pass, so it weighs most where the product is small: one decoded token, or
+the few hundred rows a selective recompute runs through each layer. Packing once at
+load time removes it (bf16, measured on the bundled 1.5B's shapes: decode products
+1.4-2.7x faster, 154-row products 5-10%, 512-row ones 3-5%). In bfloat16 the packed
+product runs the same oneDNN kernel and gives bit-identical results; in float32
+`F.linear` takes a different library (MKL) whose rounding differs, so float32 is
+left unpacked and stays the reference path. `pack_linears` swaps modules in place;
+an unpacked copy of the model is the reference it is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether prepacking applies: bfloat16 on a CPU with oneDNN and the packing ops available."""
+    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight
+        torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear` with a prepacked (opaque oneDNN) weight; same inputs, same outputs."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(w), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every `nn.Linear` under `module` by a `PackedLinear`, in place; returns how many."""
+    n = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(child))
+            n += 1
+        else:
+            n += pack_linears(child)
+    return n
