@@ -213,7 +213,7 @@ def test_packed_linear_equals_f_linear():
     g = torch.Generator().manual_seed(3)
     for bias in (True, False):
         lin = torch.nn.Linear(48, 80, bias=bias).to(torch.bfloat16)
-        packed = PackedLinear(lin)
+        packed = PackedLinear(lin.weight, lin.bias)
         for shape in ((1, 48), (5, 48), (2, 33, 48)):
             x = torch.randn(*shape, generator=g).to(torch.bfloat16)
             torch.testing.assert_close(packed(x), lin(x), atol=0, rtol=0)
@@ -226,7 +226,8 @@ def test_packed_runner_equals_plain_runner(tiny):
     _, path, _ = tiny
     fast, plain = Runner.load(path, dtype=torch.bfloat16), Runner.load(path, dtype=torch.bfloat16, pack=False)
     assert fast.packed and not plain.packed and not Runner.load(path).packed  # float32 stays unpacked
-    assert any(isinstance(m, PackedLinear) for m in fast.model.modules())
+    assert any(isinstance(m, PackedLinear) for m in fast.model.layers.modules())
+    assert isinstance(fast.model.packed_head, PackedLinear) and plain.model.packed_head is None
     tokens = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
     (c1, l1), (c2, l2) = full_forward(fast, tokens), full_forward(plain, tokens)
     torch.testing.assert_close(l1, l2, atol=0, rtol=0)

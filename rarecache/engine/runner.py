@@ -16,7 +16,7 @@ import torch
 from ..models.config import ModelConfig
 from ..models.llama import CausalLM
 from ..models.loader import load_model
-from ..models.packed import can_pack, pack_linears
+from ..models.packed import can_pack, pack_model
 from ..models.rope import Rope
 from .attention import attend
 from .cache import KVCache
@@ -38,7 +38,8 @@ class AttnCapture:
 
 class Runner:
     def __init__(self, model: CausalLM, path: Path | None = None, pack: bool | None = None):
-        """`pack`: prepack the decoder layers' linear weights for oneDNN (in place; see models.packed).
+        """`pack`: prepack the decoder layers' linear weights and the LM head for oneDNN (in place; see
+        models.packed).
         None packs where it is exact and faster (bfloat16 on a CPU); False keeps plain `F.linear`."""
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
@@ -48,7 +49,7 @@ class Runner:
         self.dtype, self.device = p.dtype, p.device
         if pack and not can_pack(self.dtype, self.device):
             raise ValueError("prepacked weights need bfloat16 on a CPU with oneDNN")
-        self.packed = (can_pack(self.dtype, self.device) if pack is None else pack) and pack_linears(model.layers) > 0
+        self.packed = (can_pack(self.dtype, self.device) if pack is None else pack) and pack_model(model) > 0
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
 
     @classmethod

@@ -105,6 +105,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.packed_head: nn.Module | None = None
         self.model = Backbone(cfg, self.layer_cls)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -119,5 +120,7 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; h (..., C) -> float32 logits (..., V)."""
         h = self.model.norm(h)
+        if self.packed_head is not None:  # models.packed.pack_model
+            return self.packed_head(h).float()
         w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(h, w).float()
