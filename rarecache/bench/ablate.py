@@ -114,7 +114,7 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
                     getattr(cache, key).copy_(getattr(mapped, key))
                 runner.forward(tok, at, cache)
 
-            res.append({"optimisation": f"prepacked weights: target {name} ({n} rows)",
+            res.append({"optimisation": f"prepacked weights: target {name} ({n} row{'s' * (n > 1)})",
                         "before_ms": _median(lambda: step(plain), repeats) * 1e3,
                         "after_ms": _median(lambda: step(target), repeats) * 1e3})
         del plain
