@@ -381,7 +381,11 @@ def cmd_eval_report(args) -> int:
     if not rows:
         raise RarecacheError(f"{args.results} holds no results yet")
     task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
-    metric = task.metric if task else "correct"
+    metric = args.metric or (task.metric if task else "correct")
+    if not any(metric in r for r in rows):
+        fields = sorted({k for r in rows for k, v in r.items() if isinstance(v, (bool, int, float))
+                         and k not in ("gold", "prediction", "prediction_norm")})
+        raise RarecacheError(f"{args.results} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
     bpb = metric == "bpb"
     items = len({r["item"] for r in rows})
     summary = summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb)
@@ -397,7 +401,7 @@ def cmd_eval_report(args) -> int:
         from .eval.plots import plot_selectors, plot_vs_rho
 
         args.plots.mkdir(parents=True, exist_ok=True)
-        stem = args.results.stem
+        stem = args.results.stem + (f"-{metric}" if args.metric else "")
         title = f"{stem} ({items} items)"
         plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", title, lower_is_better=bpb)
         plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", title, lower_is_better=bpb)
@@ -616,6 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed)")
     e.add_argument("--plots", type=Path, default=None,
                    help="also draw metric-vs-rho and selectors-at-rho-0.3 PNGs into this folder")
+    e.add_argument("--metric", default=None,
+                   help="field to summarise (default: the task's headline metric, e.g. correct_norm for "
+                        "ARC and HellaSwag; correct gives their unnormalised accuracy)")
     e.set_defaults(func=cmd_eval_report)
 
     p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")

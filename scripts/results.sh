@@ -52,14 +52,14 @@ rev() { echo task=$M/$1-1.5b-to-0.5b.safetensors wiki=$M/wiki-1.5b-to-0.5b.safet
 cal $S $T "--corpus wiki" $M/wiki-0.5b-to-1.5b.safetensors 65536 8192
 cal $S $T "--task arc_challenge" $M/arc_challenge-0.5b-to-1.5b.safetensors
 ev $S $T arc_challenge 300 $E/arc_challenge-300.jsonl $(fwd arc_challenge)
-# large -> small
-cal $T $S "--corpus wiki" $M/wiki-1.5b-to-0.5b.safetensors
-cal $T $S "--task mmlu" $M/mmlu-1.5b-to-0.5b.safetensors
-ev $T $S mmlu 300 $E/mmlu-300-reverse.jsonl $(rev mmlu)
 cal $S $T "--task hellaswag" $M/hellaswag-0.5b-to-1.5b.safetensors
 ev $S $T hellaswag 300 $E/hellaswag-300.jsonl $(fwd hellaswag)
 cal $S $T "--task gsm8k" $M/gsm8k-0.5b-to-1.5b.safetensors 65536 8192 "--seq-len 1024"
 ev $S $T gsm8k_bpb 300 $E/gsm8k_bpb-300.jsonl $(fwd gsm8k)
+# large -> small
+cal $T $S "--corpus wiki" $M/wiki-1.5b-to-0.5b.safetensors
+cal $T $S "--task mmlu" $M/mmlu-1.5b-to-0.5b.safetensors
+ev $T $S mmlu 300 $E/mmlu-300-reverse.jsonl $(rev mmlu)
 cal $T $S "--task arc_challenge" $M/arc_challenge-1.5b-to-0.5b.safetensors
 ev $T $S arc_challenge 300 $E/arc_challenge-300-reverse.jsonl $(rev arc_challenge)
 cal $T $S "--task hellaswag" $M/hellaswag-1.5b-to-0.5b.safetensors

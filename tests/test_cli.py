@@ -70,3 +70,21 @@ def test_eval_report_and_plots(tmp_path, capsys):
     assert "| rho=0.3/rank | 2 | 50.0% |" in out and "| target | 2 | 100.0% |" in out
     assert (tmp_path / "p" / "gsm-vs-rho.png").is_file() and (tmp_path / "p" / "gsm-selectors.png").is_file()
     assert main(["eval", "report", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def test_eval_report_other_metric(tmp_path, capsys):
+    rows = [("a", "target", 1, 0), ("a", "source", 0, 0), ("a", "rho=0.3/rank", 1, 1),
+            ("b", "target", 1, 1), ("b", "source", 1, 1), ("b", "rho=0.3/rank", 0, 0)]
+    res = tmp_path / "arc.jsonl"
+    res.write_text("".join(json.dumps({"task": "arc_challenge", "item": i, "arm": a, "correct": bool(c),
+                                       "correct_norm": bool(n)}) + "\n" for i, a, c, n in rows))
+    assert main(["eval", "report", str(res)]) == 0  # headline metric: acc_norm
+    out = capsys.readouterr().out
+    assert "| correct_norm |" in out and "| target | 2 | 50.0% |" in out
+    assert main(["eval", "report", str(res), "--metric", "correct", "--plots", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "| correct |" in out and "| target | 2 | 100.0% |" in out and "| source | 2 | 50.0% |" in out
+    assert (tmp_path / "p" / "arc-correct-vs-rho.png").is_file()
+    assert main(["eval", "report", str(res), "--metric", "bpb"]) == 2
+    err = capsys.readouterr().err
+    assert "no metric 'bpb'" in err and "correct_norm" in err

@@ -34,7 +34,7 @@ def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: 
         parts = split_arm(a)
         if parts is not None and parts[1] == selector:
             series.setdefault(parts[2], []).append((parts[0], r))
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     for k, (label, pts) in enumerate(sorted(series.items())):
         pts.sort(key=lambda p: p[0])
         shift = (k - (len(series) - 1) / 2) * 0.006  # keep error bars of several maps apart
@@ -44,7 +44,7 @@ def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: 
     ax.set_xlabel("recompute fraction ρ")
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else ""))
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over the data
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
@@ -63,7 +63,7 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
         if parts is not None and abs(parts[0] - rho) < 1e-9:
             groups.setdefault(parts[2], {})[parts[1]] = r
     selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != "rank", is_oracle(s), s))
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     width = 0.8 / max(len(groups), 1)
     for k, (label, g) in enumerate(sorted(groups.items())):
         xs = [j + (k - (len(groups) - 1) / 2) * width for j, s in enumerate(selectors) if s in g]
@@ -75,7 +75,7 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
     _references(ax, arms)
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else ""))
     ax.set_title(f"{title} (ρ = {rho:g})", fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over the data
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
