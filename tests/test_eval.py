@@ -9,7 +9,7 @@ import pytest
 from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.eval.metrics import mean_ci, paired_diff_ci
-from rarecache.eval.report import summarise, template_prompt_share
+from rarecache.eval.report import compact, markdown, summarise, template_prompt_share
 from rarecache.eval.run import (Arm, continuation_logprobs, continuation_logprobs_reference, load_results,
                                 parse_arms, run_task, template_mask)
 from rarecache.eval.tasks.base import Item, Task
@@ -139,6 +139,19 @@ def test_metrics_by_hand():
         ("x", "rho=0.3/rank", 1.5), ("y", "rho=0.3/rank", 1.7)]]
     s = {r["arm"]: r for r in summarise(rows2, "bpb", lower_is_better=True)}
     assert s["rho=0.3/rank"]["gap_closed"] == pytest.approx(0.5) and "retention" not in s["rho=0.3/rank"]
+
+
+def test_undefined_ratios_print_as_dashes():
+    """Plain transfer already at the target's level (no gap) and a target at chance: no ratio, no nan."""
+    rows = [{"item": i, "arm": a, "correct": c} for i, a, c in [
+        ("x", "target", 1), ("y", "target", 0), ("x", "rho=0/rank", 1), ("y", "rho=0/rank", 0),
+        ("x", "rho=0.3/rank", 0), ("y", "rho=0.3/rank", 0)]]
+    s = summarise(rows, chance=0.5)
+    by = {r["arm"]: r for r in s}
+    assert by["rho=0.3/rank"]["gap_closed"] is None and by["rho=0.3/rank"]["floor_retention"] is None
+    assert by["rho=0.3/rank"]["retention"] == 0.0
+    text = compact(s, "correct") + markdown(s)
+    assert "nan" not in text and "| 0.0% (0.0%–0.0%) | — | — |" in text
 
 
 def test_report_per_map_gap_selector_tests_and_template_share():

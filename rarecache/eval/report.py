@@ -55,8 +55,8 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         if target and arm != "target" and shared:
             t, a = _mean_over(target, shared), _mean_over(vals, shared)
             if not lower_is_better:
-                row["retention"] = a / t if t else float("nan")
-                row["floor_retention"] = (a - chance) / (t - chance) if t != chance else float("nan")
+                row["retention"] = a / t if t else None  # undefined: printed as —
+                row["floor_retention"] = (a - chance) / (t - chance) if t != chance else None
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p)
         parts = split_arm(arm)
@@ -66,7 +66,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             both = [i for i in items if i in target and i in plain]
             if both:  # only handoffs close the plain-transfer gap
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)
-                row["gap_closed"] = (a2 - p0) / (t2 - p0) if t2 != p0 else float("nan")
+                row["gap_closed"] = (a2 - p0) / (t2 - p0) if t2 != p0 else None  # no gap to close
             rank = by_arm.get(arm_name(rho, "rank", label), {})
             common = [i for i in items if i in rank]
             if selector != "rank" and common:  # this selector against rank disagreement at the same budget
