@@ -409,6 +409,50 @@ def cmd_eval_report(args) -> int:
     return 0
 
 
+def model_id(spec: str) -> str:
+    """The name a served model answers to: a bundled name as given, else the directory or file stem."""
+    path = Path(spec)
+    return path.stem if path.suffix == ".gguf" else path.name if len(path.parts) > 1 or path.exists() else spec
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from .serve.app import create_app
+    except ImportError as e:
+        raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
+                             "pip install 'rarecache[serve]'") from None
+    from . import LLM
+    from .serve.service import ChatService, ServiceConfig
+    from .transfer.handoff import HandoffConfig
+    from .transfer.mapper import Mapper
+
+    if not 1 <= args.port <= 65535:
+        raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
+    if args.cache_gib <= 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
+        raise RarecacheError("--cache-gib must be > 0 and 1 <= --default-max-tokens <= --max-tokens-limit")
+    names = model_id(args.source), model_id(args.target)
+    if names[0] == names[1]:
+        raise RarecacheError(f"source and target would both be served as {names[0]!r}")
+    for path in filter(None, (args.map, args.reverse_map)):
+        if not path.is_file():
+            raise RarecacheError(f"no map file {path}")
+    cfg = ServiceConfig(HandoffConfig(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
+                        max_new_tokens=args.max_tokens_limit)
+    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    maps = {(names[0], names[1]): Mapper.load(args.map)}
+    if args.reverse_map:
+        maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
+    service = ChatService(models, maps, cfg)
+    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
+          f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
+    uvicorn.run(create_app(service, default_max_tokens=args.default_max_tokens), host=args.host, port=args.port,
+                log_level="info")
+    return 0
+
+
 def cmd_bench_handoff(args) -> int:
     import torch
 
@@ -624,6 +668,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="field to summarise (default: the task's headline metric, e.g. correct_norm for "
                         "ARC and HellaSwag; correct gives their unnormalised accuracy)")
     e.set_defaults(func=cmd_eval_report)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible chat server; conversations move between the models by handoff",
+                       description="Serve both models behind POST /v1/chat/completions (model = either name). "
+                                   "The server keeps recent caches of both models; when a request goes to a model "
+                                   "and the other one holds a longer prefix of the conversation, that cache is "
+                                   "mapped and the selected positions recomputed instead of re-reading the prompt. "
+                                   "GET /v1/models lists the names, GET /health the held cache size.")
+    _add_pair_options(p)
+    p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
+    p.add_argument("--rho", type=float, default=0.3, help="share of handed-off positions recomputed (default: 0.3)")
+    p.add_argument("--selector", default="rank", help="position selector (default: rank)")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none (default: 256)")
+    _add_model_options(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")

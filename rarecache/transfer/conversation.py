@@ -17,18 +17,29 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.generate import SamplingConfig, decode
+from ..engine.generate import Generation, SamplingConfig, decode
 from ..engine.llm import LLM
-from ..engine.runner import spans
+from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
 from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
 
 
 @dataclass
-class _ModelState:
+class Held:
+    """One model's cache of one token sequence: the rows of `ids`, from position 0."""
+
     cache: KVCache | None = None
     ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
+
+    def room(self, runner: Runner, length: int) -> KVCache:
+        """The cache, grown to hold `length` positions (allocated on first use)."""
+        self.cache = runner.new_cache(1, length) if self.cache is None else self.cache.grown(length)
+        return self.cache
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.cache is None else self.cache.k.nbytes + self.cache.v.nbytes
 
 
 @dataclass
@@ -51,6 +62,54 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@torch.inference_mode()
+def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
+            sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
+            source: str | None = None) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
+    """Let `model` answer the prompt `ids`, starting from what it holds in `held[model]`.
+
+    The model keeps its rows of the longest prefix it shares with `ids`; the rest is prefilled by
+    itself, or, when `source` is given, handed off from `held[source]` (the source prefills what it
+    has not seen, the map translates the span the model has not seen, the model recomputes the
+    selected positions of that span). Both `held` entries then describe what their caches hold.
+    Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
+    """
+    llm = models[model]
+    need = len(ids) + sampling.max_new_tokens
+    if need > llm.config.max_position_embeddings:
+        raise RarecacheError(f"the conversation needs {need} positions, {model} has "
+                             f"{llm.config.max_position_embeddings}")
+    if source is not None and (source, model) not in maps:
+        raise RarecacheError(f"no map from {source} to {model}")
+    st = held[model]
+    keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
+    st.ids = st.ids[:keep]  # rows past `keep` are about to be overwritten
+    cache = st.room(llm.runner, need)
+    cache.clear(keep)
+    t0 = time.perf_counter()
+    result = None
+    if source is not None:
+        src = held[source]
+        src_keep = min(common_prefix(src.ids, ids), len(ids))
+        src.ids = src.ids[:src_keep]
+        src_cache = src.room(models[source].runner, need)
+        src_cache.clear(src_keep)
+        _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
+                                    source_cache=src_cache, source_from=[src_keep], target_cache=cache,
+                                    start=[keep])
+        src.ids = list(ids)  # the source prefilled the whole prompt
+    else:
+        toks, pos = spans([ids], [keep], llm.runner.device)
+        logits = llm.runner.forward(toks, pos, cache).logits
+    t1 = time.perf_counter()
+    if not sampling.stop_token_ids:
+        sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
+    gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling)[0]
+    written = gen.tokens if gen.finish_reason == "stop" else gen.tokens[:-1]  # the last token has no row
+    st.ids = ids + written
+    return gen, keep, result, {"prefill_or_handoff": t1 - t0, "decode": time.perf_counter() - t1}
+
+
 class Conversation:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
@@ -61,16 +120,9 @@ class Conversation:
                 raise RarecacheError(f"map {a} -> {b} names a model the conversation does not have")
             mapper.check_pair(models[a].runner, models[b].runner)
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
-        self.state = {name: _ModelState() for name in models}
+        self.state = {name: Held() for name in models}
         self.last: str | None = None  # the model that spoke last
         self.turns: list[Turn] = []
-
-    def _room(self, name: str, length: int) -> KVCache:
-        st, llm = self.state[name], self.models[name]
-        if st.cache is None:
-            st.cache = llm.runner.new_cache(1, length)
-        st.cache = st.cache.grown(length)
-        return st.cache
 
     @torch.inference_mode()
     def say(self, content: str, model: str) -> Turn:
@@ -80,40 +132,17 @@ class Conversation:
         llm = self.models[model]
         self.messages.append({"role": "user", "content": content})
         ids = llm.encode(self.messages)
-        need = len(ids) + self.sampling.max_new_tokens
-        if need > llm.config.max_position_embeddings:
-            raise RarecacheError(f"the conversation needs {need} positions, {model} has "
-                                 f"{llm.config.max_position_embeddings}")
-        st = self.state[model]
-        keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
-        cache = self._room(model, need)
-        cache.clear(keep)
-        t0 = time.perf_counter()
-        result = None
         prev = self.last
-        if prev is not None and prev != model and (prev, model) in self.maps:
-            src = self.state[prev]
-            src_keep = min(common_prefix(src.ids, ids), len(ids))
-            src_cache = self._room(prev, need)
-            src_cache.clear(src_keep)
-            _, logits, result = handoff(self.models[prev].runner, llm.runner, self.maps[(prev, model)], [ids],
-                                        self.cfg, source_cache=src_cache, source_from=[src_keep],
-                                        target_cache=cache, start=[keep])
-            src.ids = list(ids)  # the source prefilled the whole prompt
-        else:
-            toks, pos = spans([ids], [keep], llm.runner.device)
-            logits = llm.runner.forward(toks, pos, cache).logits
-        t1 = time.perf_counter()
-        sampling = self.sampling
-        if not sampling.stop_token_ids:
-            sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
-        gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling)[0]
-        written = gen.tokens if gen.finish_reason == "stop" else gen.tokens[:-1]
-        st.ids = ids + written
+        source = prev if prev is not None and prev != model and (prev, model) in self.maps else None
+        try:
+            gen, keep, result, seconds = respond(self.models, self.maps, self.cfg, self.sampling, model, ids,
+                                                 self.state, source)
+        except RarecacheError:
+            self.messages.pop()
+            raise
         text = llm.tokenizer.decode(gen.tokens)
         self.messages.append({"role": "assistant", "content": text})
         self.last = model
-        turn = Turn(model, text, gen.tokens, len(ids), keep, result,
-                    {"prefill_or_handoff": t1 - t0, "decode": time.perf_counter() - t1})
+        turn = Turn(model, text, gen.tokens, len(ids), keep, result, seconds)
         self.turns.append(turn)
         return turn

@@ -1,0 +1,114 @@
+"""HTTP front of the chat service: an OpenAI-compatible subset, validated at the door.
+
+`POST /v1/chat/completions` takes the usual body (model, messages, max_tokens,
+temperature, top_p, seed) and answers in the usual shape, with one extra object,
+`rarecache`, saying where the prompt's rows came from (kept, handed off from which
+model, how many positions were recomputed) and what each phase cost. Anything the
+service does not do (streaming, n > 1, stop strings, tools) is refused with a 400
+rather than silently ignored. Errors use OpenAI's `{"error": {...}}` body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from ..engine.generate import SamplingConfig
+from ..errors import RarecacheError
+from .service import ChatService, ModelNotFound
+
+UNSUPPORTED = ("stream", "n", "stop", "tools", "tool_choice", "functions", "function_call", "logprobs",
+               "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
+
+
+def _asked(key: str, value) -> bool:
+    """Whether an unsupported field asks for something other than the default behaviour."""
+    if key == "n":
+        return value is not None and not (type(value) is int and value == 1)
+    return value is not None and value is not False and value not in (0, "", [], {})
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=1_000_000)
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unsupported OpenAI fields are named in the error, not ignored
+    model: str = Field(max_length=256)
+    messages: list[Message] = Field(min_length=1, max_length=4096)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0, le=2)  # greedy unless asked: handoff results are comparable
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    user: str | None = None
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+
+
+def create_app(service: ChatService, default_max_tokens: int = 256) -> FastAPI:
+    app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        return _error(400, "; ".join(parts) or "invalid request")
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "models": list(service.models), "held_cache_bytes": service.held_bytes()}
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "owned_by": "rarecache",
+             "handoff_from": [a for (a, b) in service.maps if b == name]} for name in service.models]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest):
+        extra = req.model_extra or {}
+        refused = [k for k in UNSUPPORTED if _asked(k, extra.get(k))]
+        if refused:
+            return _error(400, f"not supported by this server: {', '.join(refused)}")
+        if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+            return _error(400, "max_tokens and max_completion_tokens disagree")
+        try:
+            sampling = SamplingConfig(max_new_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
+                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+            messages = [m.model_dump() for m in req.messages]
+            reply = await run_in_threadpool(service.complete, req.model, messages, sampling)
+        except ModelNotFound as e:
+            return _error(404, str(e), code="model_not_found")
+        except (RarecacheError, ValueError) as e:
+            return _error(400, str(e))
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": reply.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
+                         "finish_reason": reply.finish_reason}],
+            "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
+                      "total_tokens": reply.prompt_tokens + len(reply.tokens)},
+            "rarecache": {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
+                          "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
+                          "rho": service.cfg.handoff.rho if reply.handed_off_from else None,
+                          "selector": service.cfg.handoff.selector if reply.handed_off_from else None,
+                          "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}},
+        }
+
+    return app

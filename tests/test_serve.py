@@ -1,0 +1,166 @@
+"""The chat service and its HTTP front: answers equal each model's own, caches are reused and handed off."""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from rarecache import SamplingConfig
+from rarecache.cli import main
+from rarecache.serve.service import ChatService, ServiceConfig
+from rarecache.transfer.conversation import common_prefix
+from rarecache.transfer.handoff import HandoffConfig
+
+from .test_conversation import TURNS, chat, fresh_answer  # noqa: F401  (fixtures)
+from .test_handoff import fitted  # noqa: F401  (fixture)
+
+fastapi = pytest.importorskip("fastapi")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from rarecache.serve.app import create_app  # noqa: E402
+
+SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+
+
+def service(chat, rho=1.0, **kw):  # noqa: F811
+    models, maps = chat
+    return ChatService(models, maps, ServiceConfig(HandoffConfig(rho=rho), **kw))
+
+
+def ask(client, model, messages, **kw):
+    r = client.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 5, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):  # noqa: F811
+    """A stateless client moves one conversation small -> large -> small: with ρ = 1 every answer
+    equals the model answering the whole conversation itself, and the response says where the
+    rows came from."""
+    models, _ = chat
+    client = TestClient(create_app(service(chat)))
+    messages = []
+    for k, who in enumerate(["small", "large", "small", "small"]):
+        messages.append({"role": "user", "content": TURNS[k]})
+        body = ask(client, who, messages)
+        want = models[who].generate([messages], SamplingConfig(max_new_tokens=5))[0]
+        text = body["choices"][0]["message"]["content"]
+        assert text == want.text and body["usage"]["completion_tokens"] == len(want.tokens)
+        info, n = body["rarecache"], body["usage"]["prompt_tokens"]
+        if k == 0:
+            assert info["handed_off_from"] is None and info["reused_tokens"] == 0
+        elif k in (1, 2):  # the other model holds more of the conversation: handed off, all recomputed
+            assert info["handed_off_from"] == ("small" if who == "large" else "large")
+            assert info["handed_off_tokens"] == n - info["reused_tokens"] == info["recomputed_tokens"]
+            assert info["rho"] == 1.0
+        else:  # small answered the last turn itself: it keeps its rows
+            assert info["handed_off_from"] is None and info["reused_tokens"] > 0
+        messages.append({"role": "assistant", "content": text})
+
+
+def test_partial_recompute_budget(chat):  # noqa: F811
+    svc = service(chat, rho=0.3)
+    first = [{"role": "user", "content": TURNS[0]}]
+    svc.complete("small", first, SAMPLING)
+    reply = svc.complete("large", first, SAMPLING)
+    assert reply.handed_off_from == "small" and reply.reused == 0
+    assert reply.handed_off == reply.prompt_tokens
+    assert reply.recomputed == math.ceil(0.3 * reply.prompt_tokens)
+
+
+def test_conversations_sharing_a_prefix_do_not_overwrite_each_other(chat):  # noqa: F811
+    """Two conversations interleaved on one model: each next turn keeps all its own earlier rows
+    (the shared system prompt is copied, not taken over), and every answer is the model's own."""
+    models, _ = chat
+    svc = service(chat)
+    convs = [[{"role": "user", "content": TURNS[0]}], [{"role": "user", "content": TURNS[1]}]]
+    for turn in range(2):
+        for c, messages in enumerate(convs):
+            reply = svc.complete("large", messages, SAMPLING)
+            assert reply.tokens == fresh_answer(models["large"], messages)
+            if turn == 1:  # all of its first prompt and answer, up to the re-rendered answer's end
+                assert reply.reused >= len(models["large"].encode(messages[:1])) + 1
+            messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": TURNS[2 + c]}]
+    assert len(svc.entries["large"]) == 2 and not svc.entries["small"]
+
+
+def test_eviction_keeps_answers_exact(chat):  # noqa: F811
+    models, _ = chat
+    svc = service(chat, cache_bytes=1)  # nothing survives the next request
+    a = [{"role": "user", "content": TURNS[0]}]
+    b = [{"role": "user", "content": TURNS[1]}]
+    first = svc.complete("small", a, SAMPLING)
+    svc.complete("small", b, SAMPLING)
+    assert len(svc.entries["small"]) == 1  # a's entry went
+    again = svc.complete("small", a, SAMPLING)
+    shared = common_prefix(models["small"].encode(a), models["small"].encode(b))  # the system prompt
+    assert 0 < again.reused == shared < again.prompt_tokens - 5  # only b's entry was left to reuse
+    assert again.tokens == first.tokens == fresh_answer(models["small"], a)
+
+
+def test_concurrent_requests_equal_sequential(chat):  # noqa: F811
+    """Requests from several threads run one at a time over the shared store; at ρ = 1 every
+    answer is the model's own whichever order they ran in and whatever was handed off."""
+    models, _ = chat
+    svc = service(chat)
+    jobs = [("small" if k % 2 else "large", [{"role": "user", "content": TURNS[k % 3]}]) for k in range(6)]
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda job: svc.complete(job[0], job[1], SAMPLING), jobs))
+    for (who, messages), reply in zip(jobs, got):
+        assert reply.tokens == fresh_answer(models[who], messages)
+    assert any(r.handed_off_from for r in got) and any(r.reused for r in got)
+
+
+def test_requests_are_validated(chat):  # noqa: F811
+    svc = service(chat, max_new_tokens=8)
+    client = TestClient(create_app(svc, default_max_tokens=4))
+    user = [{"role": "user", "content": "the quick brown fox"}]
+
+    def err(status, body):
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == status, r.text
+        return r.json()["error"]["message"]
+
+    assert "unknown model 'huge'" in err(404, {"model": "huge", "messages": user})
+    assert "messages" in err(400, {"model": "small", "messages": []})
+    assert "role" in err(400, {"model": "small", "messages": [{"role": "robot", "content": "hi"}]})
+    assert "stream" in err(400, {"model": "small", "messages": user, "stream": True})
+    assert err(400, {"model": "small", "messages": user, "n": 2}).endswith("not supported by this server: n")
+    assert "at most 8" in err(400, {"model": "small", "messages": user, "max_tokens": 9})
+    assert "nothing to answer" in err(400, {"model": "small", "messages": user + [
+        {"role": "assistant", "content": "ok"}]})
+    assert "positions" in err(400, {"model": "small", "messages": [{"role": "user", "content": "fox " * 300}],
+                                    "max_tokens": 8})
+    assert "temperature" in err(400, {"model": "small", "messages": user, "temperature": -1})
+    r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert not svc.entries["small"]  # failed requests leave no cache behind
+    # defaults: stream false and n 1 are fine; no max_tokens -> the server default
+    body = ask(client, "small", user, stream=False, n=1, max_tokens=None)
+    assert body["usage"]["completion_tokens"] <= 4
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["small", "large"]
+    assert client.get("/health").json()["held_cache_bytes"] == svc.held_bytes() > 0
+
+
+def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F811
+    _, _, mapper, _ = fitted
+    path = tmp_path / "m.safetensors"
+    mapper.save(path)
+    args = ["serve", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--dtype", "float32"]
+    assert main([*args, "--map", str(tmp_path / "none.safetensors")]) == 2
+    assert "no map file" in capsys.readouterr().err
+    assert main([*args, "--map", str(path), "--port", "0"]) == 2
+    started = {}
+    import uvicorn
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    assert main([*args, "--map", str(path), "--rho", "1", "--port", "8123"]) == 0
+    assert started["port"] == 8123 and started["host"] == "127.0.0.1"
+    client = TestClient(started["app"])
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
+    messages = [{"role": "user", "content": TURNS[0]}]
+    ask(client, "src", messages)
+    body = ask(client, "tgt", messages)
+    assert body["rarecache"]["handed_off_from"] == "src"
