@@ -453,6 +453,33 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from . import LLM
+    from .bench.serve import SwitchBenchConfig, run_switch_bench
+    from .transfer.handoff import HandoffConfig
+    from .transfer.mapper import Mapper
+
+    for path in filter(None, (args.map, args.reverse_map)):
+        if not path.is_file():
+            raise RarecacheError(f"no map file {path}")
+    cfg = SwitchBenchConfig(conversations=args.conversations, passage_tokens=args.passage_tokens,
+                            schedule=tuple(args.schedule), max_new_tokens=args.max_new_tokens, corpus=args.corpus,
+                            handoff=HandoffConfig(args.rho, args.selector))
+    back = any(a == "target" and b == "source" for a, b in zip(cfg.schedule, cfg.schedule[1:]))
+    if back and args.reverse_map is None:
+        print("no --reverse-map: turns back to the source re-read what it has not seen", file=sys.stderr)
+    source = LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir)
+    target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
+    summary = run_switch_bench(source, target, Mapper.load(args.map),
+                               Mapper.load(args.reverse_map) if args.reverse_map else None, cfg, args.cache_dir)
+    line = json.dumps(summary)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
 def cmd_bench_handoff(args) -> int:
     import torch
 
@@ -713,6 +740,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     _add_model_options(b)
     b.set_defaults(func=cmd_bench_handoff)
+    b = bench.add_parser("serve", help="time to first token when a conversation switches model: handoff vs "
+                                       "re-reading, through the chat service",
+                         description="Scripted multi-turn conversations over held-out corpus passages, answered "
+                                     "turn by turn by the models the schedule names, twice in the same run: through "
+                                     "a service that hands off between the models and through one that re-reads. "
+                                     "Prints a row per turn, the median speed-up on switched turns, then one JSON line.")
+    _add_pair_options(b)
+    b.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
+    b.add_argument("--schedule", nargs="+", default=["source", "target", "target"], choices=["source", "target"],
+                   help="who answers each turn (default: source target target)")
+    b.add_argument("--conversations", type=int, default=3, help="default: 3")
+    b.add_argument("--passage-tokens", type=int, default=1024, help="passage length in the first turn (default: 1024)")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    b.add_argument("--corpus", default="wiki", help="passages from this corpus's unused documents (default: wiki)")
+    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--selector", default="rank", help="default: rank")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench_serve)
     b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
     _add_pair_options(b)
     b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")

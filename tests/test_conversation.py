@@ -16,8 +16,8 @@ SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
 TURNS = ["the quick brown fox", "jumps over the lazy dog", "def add return", "tokens and spaces"]
 
 
-@pytest.fixture()
-def chat(pair_dir, fitted, tmp_path):  # noqa: F811
+@pytest.fixture(scope="module")
+def chat(pair_dir, fitted, tmp_path_factory):  # noqa: F811
     _, _, mapper, _ = fitted
     small, large = LLM(pair_dir / "src"), LLM(pair_dir / "tgt")
     # the reverse direction: a map fitted large -> small
@@ -26,7 +26,7 @@ def chat(pair_dir, fitted, tmp_path):  # noqa: F811
 
     cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=4)
     back = Calibration(large.runner, small.runner, small.tokenizer, load_corpus(str(pair_dir / "corpus.txt")), cfg,
-                       tmp_path / "back").run(progress=False)
+                       tmp_path_factory.mktemp("back") / "m").run(progress=False)
     return {"small": small, "large": large}, {("small", "large"): mapper, ("large", "small"): back}
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from types import SimpleNamespace
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from rarecache import SamplingConfig
+from rarecache.errors import RarecacheError
 from rarecache.cli import main
 from rarecache.serve.service import ChatService, ServiceConfig
 from rarecache.transfer.conversation import common_prefix
@@ -164,3 +167,49 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F8
     ask(client, "src", messages)
     body = ask(client, "tgt", messages)
     assert body["rarecache"]["handed_off_from"] == "src"
+
+
+def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):  # noqa: F811
+    """The load generator's two arms: at ρ = 1 the handoff arm answers exactly what the re-reading
+    arm answers, hands off at every switch (both directions with a reverse map) and keeps rows
+    on the turns that stay."""
+    from rarecache.bench.serve import SwitchBenchConfig, run_switch_bench
+
+    models, maps = chat
+    (tmp_path / "passages.txt").write_text("\n\n\n".join(f"{t} and {t} again, the lazy dog" for t in TURNS))
+    cfg = SwitchBenchConfig(conversations=2, passage_tokens=20, schedule=("source", "target", "target", "source"),
+                            max_new_tokens=4, corpus=str(tmp_path / "passages.txt"), handoff=HandoffConfig(rho=1.0),
+                            questions=("the fox?", "the dog?", "add?", "spaces?"))
+    lines = []
+    out = run_switch_bench(models["small"], models["large"], maps[("small", "large")], maps[("large", "small")],
+                           cfg, emit=lines.append)
+    rows = out["rows"]
+    assert len(rows) == 8 and all(r["same_answer"] for r in rows)
+    assert [r["switched"] for r in rows[:4]] == [False, True, False, True]
+    for r in rows:
+        if r["switched"]:
+            assert r["handed_off_from"] is not None and r["recomputed"] == r["handed_off"]
+            assert r["baseline_reused"] < r["rarecache_reused"] + r["handed_off"]
+        elif r["turn"] > 0:
+            assert r["handed_off_from"] is None and r["rarecache_reused"] == r["baseline_reused"] > 0
+    assert out["switches"] == 4 and out["switch_same_answer"] == 4 and "speed-up" in lines[-1]
+
+
+def test_switch_bench_passages_avoid_calibration_documents(chat, pair_dir):  # noqa: F811
+    from rarecache.bench.serve import SwitchBenchConfig, passages
+    from rarecache.transfer.corpus import load_corpus
+
+    models, maps = chat
+    corpus = load_corpus(str(pair_dir / "corpus.txt"))
+    info = maps[("small", "large")].info
+    assert info.corpus["fingerprint"] == corpus.fingerprint
+    used = len(corpus.documents) - 3
+    mapper = SimpleNamespace(info=replace(info, calibration={**info.calibration, "documents_used": used}))
+    cfg = SwitchBenchConfig(conversations=3, passage_tokens=20, corpus=str(pair_dir / "corpus.txt"))
+    got = passages(cfg, models["small"], [mapper])
+    tok = models["small"].tokenizer
+    assert got == [tok.decode(tok.encode(d)[:20]) for d in corpus.documents[used:][::-1]]
+    with pytest.raises(RarecacheError, match="fewer than 4 unused documents"):
+        passages(replace(cfg, conversations=4), models["small"], [mapper])
+    other = SimpleNamespace(info=replace(info, corpus={**info.corpus, "fingerprint": "another"}))
+    assert len(passages(replace(cfg, conversations=5), models["small"], [other])) == 5  # another corpus's map
