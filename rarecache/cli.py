@@ -432,6 +432,10 @@ def cmd_serve(args) -> int:
         raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
     if args.cache_gib <= 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
         raise RarecacheError("--cache-gib must be > 0 and 1 <= --default-max-tokens <= --max-tokens-limit")
+    from .demo import SOURCE, TARGET
+
+    if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
+        raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
     names = model_id(args.source), model_id(args.target)
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
@@ -442,7 +446,13 @@ def cmd_serve(args) -> int:
                         max_new_tokens=args.max_tokens_limit)
     models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
               names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
-    maps = {(names[0], names[1]): Mapper.load(args.map)}
+    if args.map is not None:
+        maps = {(names[0], names[1]): Mapper.load(args.map)}
+    else:  # the bundled pair: the demo's map, calibrated on chat-formatted prompts (cached after the first time)
+        from .demo import DemoConfig, demo_map
+
+        maps = {(names[0], names[1]): demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
+                                               *models.values())}
     if args.reverse_map:
         maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
     service = ChatService(models, maps, cfg)
@@ -702,7 +712,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and the other one holds a longer prefix of the conversation, that cache is "
                                    "mapped and the selected positions recomputed instead of re-reading the prompt. "
                                    "GET /v1/models lists the names, GET /health the held cache size.")
-    _add_pair_options(p)
+    p.add_argument("--source", default="qwen2.5-coder-0.5b-instruct",
+                   help="model whose cache is mapped (default: the bundled qwen2.5-coder-0.5b-instruct)")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
+                   help="model that receives it (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--map", type=Path, default=None,
+                   help="map fitted source -> target (default for the bundled pair: the demo's map, fitted on "
+                        "chat-formatted prompts, calibrated on first use)")
     p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
     p.add_argument("--rho", type=float, default=0.3, help="share of handed-off positions recomputed (default: 0.3)")
     p.add_argument("--selector", default="rank", help="position selector (default: rank)")

@@ -38,6 +38,14 @@ def ask(client, model, messages, **kw):
     return r.json()
 
 
+def assert_rows_held(svc: ChatService) -> None:
+    """Every held entry has a filled cache row for each token it claims, and none past them."""
+    for es in svc.entries.values():
+        for e in es:
+            n = len(e.held.ids)
+            assert e.held.cache.filled[0, :n].all() and not e.held.cache.filled[0, n:].any()
+
+
 def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):  # noqa: F811
     """A stateless client moves one conversation small -> large -> small: with ρ = 1 every answer
     equals the model answering the whole conversation itself, and the response says where the
@@ -61,6 +69,7 @@ def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):  # noqa: 
         else:  # small answered the last turn itself: it keeps its rows
             assert info["handed_off_from"] is None and info["reused_tokens"] > 0
         messages.append({"role": "assistant", "content": text})
+    assert_rows_held(client.app.state.service)
 
 
 def test_partial_recompute_budget(chat):  # noqa: F811
@@ -129,13 +138,17 @@ def test_requests_are_validated(chat):  # noqa: F811
     assert "unknown model 'huge'" in err(404, {"model": "huge", "messages": user})
     assert "messages" in err(400, {"model": "small", "messages": []})
     assert "role" in err(400, {"model": "small", "messages": [{"role": "robot", "content": "hi"}]})
-    assert "stream" in err(400, {"model": "small", "messages": user, "stream": True})
+    assert err(400, {"model": "small", "messages": user, "tools": [{"type": "function"}]}).endswith(": tools")
+    assert "stop takes" in err(400, {"model": "small", "messages": user, "stop": ["a", "b", "c", "d", "e"]})
+    assert "stop takes" in err(400, {"model": "small", "messages": user, "stop": ""})
+    assert "stop takes" in err(400, {"model": "small", "messages": user, "stop": "x" * 65})
     assert err(400, {"model": "small", "messages": user, "n": 2}).endswith("not supported by this server: n")
     assert "at most 8" in err(400, {"model": "small", "messages": user, "max_tokens": 9})
     assert "nothing to answer" in err(400, {"model": "small", "messages": user + [
         {"role": "assistant", "content": "ok"}]})
-    assert "positions" in err(400, {"model": "small", "messages": [{"role": "user", "content": "fox " * 300}],
-                                    "max_tokens": 8})
+    long = [{"role": "user", "content": "fox " * 300}]
+    assert "positions" in err(400, {"model": "small", "messages": long, "max_tokens": 8})
+    assert "positions" in err(400, {"model": "small", "messages": long, "max_tokens": 8, "stream": True})
     assert "temperature" in err(400, {"model": "small", "messages": user, "temperature": -1})
     r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
@@ -155,6 +168,7 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F8
     assert main([*args, "--map", str(tmp_path / "none.safetensors")]) == 2
     assert "no map file" in capsys.readouterr().err
     assert main([*args, "--map", str(path), "--port", "0"]) == 2
+    assert main(args) == 2 and "give --map" in capsys.readouterr().err  # only the bundled pair has a default
     started = {}
     import uvicorn
 
@@ -213,3 +227,72 @@ def test_switch_bench_passages_avoid_calibration_documents(chat, pair_dir):  # n
         passages(replace(cfg, conversations=4), models["small"], [mapper])
     other = SimpleNamespace(info=replace(info, corpus={**info.corpus, "fingerprint": "another"}))
     assert len(passages(replace(cfg, conversations=5), models["small"], [other])) == 5  # another corpus's map
+
+
+def events(response) -> list:
+    """The data lines of a server-sent-events body, JSON-decoded ([DONE] kept as a string)."""
+    import json
+
+    out = [line[len("data: "):] for line in response.text.split("\n") if line.startswith("data: ")]
+    return [x if x == "[DONE]" else json.loads(x) for x in out]
+
+
+def test_streaming_equals_the_whole_answer(chat):  # noqa: F811
+    """Streamed pieces add up to the answer a plain request gets; the last chunk carries the finish
+    reason and the handoff record, the usage chunk comes when asked, then [DONE]."""
+    messages = [{"role": "user", "content": TURNS[0]}]
+    whole = TestClient(create_app(service(chat, rho=0.3)))
+    ask(whole, "small", messages, max_tokens=8)
+    want = ask(whole, "large", messages, max_tokens=8)
+    client = TestClient(create_app(service(chat, rho=0.3)))
+    ask(client, "small", messages, max_tokens=8)
+    r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 8,
+                                                  "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    ev = events(r)
+    assert ev[-1] == "[DONE]" and ev[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1] if e["choices"])
+    assert text == want["choices"][0]["message"]["content"]
+    last = [e for e in ev[:-1] if e["choices"]][-1]
+    assert last["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"]
+    assert last["rarecache"]["handed_off_from"] == "small"
+    assert last["rarecache"]["recomputed_tokens"] == want["rarecache"]["recomputed_tokens"]
+    assert ev[-2]["usage"] == want["usage"] and ev[-2]["choices"] == []
+
+
+def test_stop_strings_cut_the_answer_streamed_or_not(chat):  # noqa: F811
+    messages = [{"role": "user", "content": TURNS[1]}]
+    full = ask(TestClient(create_app(service(chat))), "small", messages, max_tokens=10)["choices"][0]["message"]
+    text = full["content"]
+    assert len(text) >= 4
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    want = text[: text.index(stop)]
+    client = TestClient(create_app(service(chat)))
+    body = ask(client, "small", messages, max_tokens=10, stop=[stop, "never in it"])
+    assert body["choices"][0] == {"index": 0, "message": {"role": "assistant", "content": want},
+                                  "finish_reason": "stop"}
+    r = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 10,
+                                                  "stop": stop, "stream": True})
+    ev = events(r)[:-1]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev) == want
+    assert ev[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_an_answer_ended_early_leaves_a_consistent_cache(chat):  # noqa: F811
+    """A cancelled answer (or one cut by a stop string) ends before its last token is fed to
+    the model: the held entry must not claim that token's row, so the next turn, which keeps
+    the entry, still equals the model answering the whole conversation itself."""
+    models, _ = chat
+    svc = service(chat)
+    messages = [{"role": "user", "content": TURNS[0]}]
+    calls = []
+    first = svc.complete("large", messages, SamplingConfig(max_new_tokens=6, ignore_eos=True),
+                         cancelled=lambda: calls.append(1) or len(calls) >= 3)
+    assert len(first.tokens) == 3 and first.finish_reason == "stop"
+    assert_rows_held(svc)
+    messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": TURNS[1]}]
+    reply = svc.complete("large", messages, SAMPLING)
+    assert reply.reused > 0 and reply.tokens == fresh_answer(models["large"], messages)
+    assert_rows_held(svc)
+    svc.complete("large", messages, SamplingConfig(max_new_tokens=6), stop=(reply.text[1:3],))
+    assert_rows_held(svc)

@@ -1,30 +1,37 @@
 """HTTP front of the chat service: an OpenAI-compatible subset, validated at the door.
 
 `POST /v1/chat/completions` takes the usual body (model, messages, max_tokens,
-temperature, top_p, seed) and answers in the usual shape, with one extra object,
-`rarecache`, saying where the prompt's rows came from (kept, handed off from which
-model, how many positions were recomputed) and what each phase cost. Anything the
-service does not do (streaming, n > 1, stop strings, tools) is refused with a 400
+temperature, top_p, seed, stop, stream) and answers in the usual shape, with one
+extra object, `rarecache`, saying where the prompt's rows came from (kept, handed
+off from which model, how many positions were recomputed) and what each phase cost.
+A streamed answer (server-sent events) carries it in its last chunk. Anything the
+service does not do (n > 1, tools, penalties, logprobs) is refused with a 400
 rather than silently ignored. Errors use OpenAI's `{"error": {...}}` body.
+
+Every check runs before a stream starts. A client that disconnects mid-stream ends
+its decoding at the next token, so it does not hold the models.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import threading
 import time
 import uuid
-from typing import Literal
+from typing import AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
-from .service import ChatService, ModelNotFound
+from .service import ChatService, ModelNotFound, Reply
 
-UNSUPPORTED = ("stream", "n", "stop", "tools", "tool_choice", "functions", "function_call", "logprobs",
+UNSUPPORTED = ("n", "tools", "tool_choice", "functions", "function_call", "logprobs",
                "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
 
 
@@ -41,6 +48,10 @@ class Message(BaseModel):
     content: str = Field(max_length=1_000_000)
 
 
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unsupported OpenAI fields are named in the error, not ignored
     model: str = Field(max_length=256)
@@ -50,15 +61,80 @@ class ChatRequest(BaseModel):
     temperature: float = Field(0.0, ge=0, le=2)  # greedy unless asked: handoff results are comparable
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(0, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
+
+    def stops(self) -> tuple[str, ...]:
+        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
+def _usage(reply: Reply) -> dict:
+    return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
+            "total_tokens": reply.prompt_tokens + len(reply.tokens)}
+
+
+def _info(service: ChatService, reply: Reply) -> dict:
+    handed = reply.handed_off_from is not None
+    return {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
+            "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
+            "rho": service.cfg.handoff.rho if handed else None,
+            "selector": service.cfg.handoff.selector if handed else None,
+            "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+
+
+async def _stream(service: ChatService, head: dict, messages: list[dict], sampling: SamplingConfig,
+                  req: ChatRequest) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
+    with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
+    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+    gone = threading.Event()
+
+    def work() -> None:
+        try:
+            reply = service.complete(req.model, messages, sampling, req.stops(),
+                                     on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
+                                     cancelled=gone.is_set)
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", reply))
+        except Exception as e:  # noqa: BLE001  (reported to the client, which is already streaming)
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+
+    def event(body: dict) -> str:
+        return f"data: {json.dumps(body)}\n\n"
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        return event({**head, "object": "chat.completion.chunk",
+                      "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
+
+    task = loop.run_in_executor(None, work)
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            kind, value = await queue.get()
+            if kind == "text":
+                yield chunk({"content": value})
+                continue
+            if kind == "error":
+                yield event({"error": {"message": str(value), "type": "server_error"}})
+            else:
+                yield chunk({}, value.finish_reason, rarecache=_info(service, value))
+                if req.stream_options is not None and req.stream_options.include_usage:
+                    yield event({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(value)})
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        gone.set()  # a client that went away stops the decoding at its next token
+        await asyncio.shield(task)
+
+
 def create_app(service: ChatService, default_max_tokens: int = 256) -> FastAPI:
     app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
+    app.state.service = service
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -90,25 +166,21 @@ def create_app(service: ChatService, default_max_tokens: int = 256) -> FastAPI:
             sampling = SamplingConfig(max_new_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
                                       temperature=req.temperature, top_p=req.top_p, seed=req.seed)
             messages = [m.model_dump() for m in req.messages]
-            reply = await run_in_threadpool(service.complete, req.model, messages, sampling)
+            service.prepare(req.model, messages, sampling, req.stops())
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
             return _error(400, str(e))
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": reply.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
-                         "finish_reason": reply.finish_reason}],
-            "usage": {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
-                      "total_tokens": reply.prompt_tokens + len(reply.tokens)},
-            "rarecache": {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
-                          "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-                          "rho": service.cfg.handoff.rho if reply.handed_off_from else None,
-                          "selector": service.cfg.handoff.selector if reply.handed_off_from else None,
-                          "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}},
-        }
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
+        if req.stream:
+            return StreamingResponse(_stream(service, head, messages, sampling, req), media_type="text/event-stream")
+        try:
+            reply = await run_in_threadpool(service.complete, req.model, messages, sampling, req.stops())
+        except RarecacheError as e:
+            return _error(400, str(e))
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
+                             "finish_reason": reply.finish_reason}],
+                "usage": _usage(reply), "rarecache": _info(service, reply)}
 
     return app

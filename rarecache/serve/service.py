@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
@@ -30,6 +31,7 @@ from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 
 ROLES = ("system", "user", "assistant")
+MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
 
 
 @dataclass(frozen=True)
@@ -129,10 +131,50 @@ class ChatService:
         if sampling.max_new_tokens > self.cfg.max_new_tokens:
             raise RarecacheError(f"max_tokens is at most {self.cfg.max_new_tokens} on this server")
 
-    def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig) -> Reply:
-        """Answer the conversation `messages` with `model` (greedy unless sampling says otherwise)."""
+    def prepare(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
+                stop: tuple[str, ...] = ()) -> list[int]:
+        """Validate a request and tokenise it: every mistake a client can make is raised here,
+        before any work is queued (a streamed answer has no way to report one later)."""
         self.validate(model, messages, sampling)
+        if len(stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+            raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
         ids = self.models[model].encode([{"role": m["role"], "content": m["content"]} for m in messages])
+        limit = self.models[model].config.max_position_embeddings
+        if len(ids) + sampling.max_new_tokens > limit:
+            raise RarecacheError(f"the conversation needs {len(ids) + sampling.max_new_tokens} positions (prompt "
+                                 f"{len(ids)} + max_tokens {sampling.max_new_tokens}); {model} has {limit}")
+        return ids
+
+    def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
+                 stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
+                 cancelled: Callable[[], bool] | None = None) -> Reply:
+        """Answer the conversation `messages` with `model` (greedy unless sampling says otherwise).
+
+        `stop`: strings that end the answer (left out of it). `on_text(piece)` is called with each
+        new piece of the answer as it is decoded (streaming): never half a character, never the
+        start of what may become a stop string. `cancelled()` returning True ends decoding early
+        (a client that went away), which frees the service for the next request.
+        """
+        ids = self.prepare(model, messages, sampling, stop)
+        tokenizer = self.models[model].tokenizer
+        hold = max((len(x) for x in stop), default=1) - 1  # characters that may start a stop string
+        sent = 0
+
+        def cut(text: str) -> int | None:
+            hits = [text.find(x) for x in stop if x in text]
+            return min(hits) if hits else None
+
+        def check(toks: list[int]) -> bool:
+            nonlocal sent
+            text = tokenizer.decode(toks)
+            end = cut(text)
+            if on_text is not None:
+                shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
+                if shown > sent:
+                    on_text(text[sent:shown])
+                    sent = shown
+            return end is not None or (cancelled is not None and cancelled())
+
         t = time.perf_counter()
         with self.lock:
             waited = time.perf_counter() - t
@@ -151,15 +193,22 @@ class ChatService:
             for e in held.values():
                 e.used = now
             try:
-                gen, kept, result, seconds = respond(self.models, self.maps, self.cfg.handoff, sampling, model, ids,
-                                                     {k: e.held for k, e in held.items()}, source)
+                gen, kept, result, seconds = respond(
+                    self.models, self.maps, self.cfg.handoff, sampling, model, ids,
+                    {k: e.held for k, e in held.items()}, source,
+                    check if stop or on_text is not None or cancelled is not None else None)
             finally:
                 for name, e in held.items():  # a failed request leaves nothing behind
                     if not e.held.ids:
                         self.entries[name].remove(e)
                 self._evict({id(e) for e in held.values()})
-        llm = self.models[model]
-        return Reply(model, llm.tokenizer.decode(gen.tokens), gen.tokens, gen.finish_reason, len(ids), kept, source,
+        text = tokenizer.decode(gen.tokens)
+        end, reason = cut(text), gen.finish_reason
+        if end is not None:
+            text, reason = text[:end], "stop"
+        if on_text is not None and len(text) > sent:
+            on_text(text[sent:])
+        return Reply(model, text, gen.tokens, reason, len(ids), kept, source,
                      None if result is None else len(result.positions[0]),
                      None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
                      {"queued": waited, **seconds})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -65,13 +66,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @torch.inference_mode()
 def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
             sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
-            source: str | None = None) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
+            source: str | None = None, stop_check: Callable[[list[int]], bool] | None = None,
+            ) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
     """Let `model` answer the prompt `ids`, starting from what it holds in `held[model]`.
 
     The model keeps its rows of the longest prefix it shares with `ids`; the rest is prefilled by
     itself, or, when `source` is given, handed off from `held[source]` (the source prefills what it
     has not seen, the map translates the span the model has not seen, the model recomputes the
     selected positions of that span). Both `held` entries then describe what their caches hold.
+    `stop_check` goes to `decode` (it sees the tokens so far after each step; True ends the answer).
     Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
     """
     llm = models[model]
@@ -104,8 +107,16 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
     t1 = time.perf_counter()
     if not sampling.stop_token_ids:
         sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
-    gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling)[0]
-    written = gen.tokens if gen.finish_reason == "stop" else gen.tokens[:-1]  # the last token has no row
+    checked: list[bool] = []  # whether stop_check ended the answer
+
+    def check(toks: list[int]) -> bool:
+        checked.append(stop_check(toks))
+        return checked[-1]
+
+    gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling,
+                 check if stop_check is not None else None)[0]
+    # an end token is never written; a last token kept by the length limit or stop_check was never fed
+    written = gen.tokens[:-1] if gen.finish_reason == "length" or (checked and checked[-1]) else gen.tokens
     st.ids = ids + written
     return gen, keep, result, {"prefill_or_handoff": t1 - t0, "decode": time.perf_counter() - t1}
 
