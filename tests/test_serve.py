@@ -296,3 +296,22 @@ def test_an_answer_ended_early_leaves_a_consistent_cache(chat):  # noqa: F811
     assert_rows_held(svc)
     svc.complete("large", messages, SamplingConfig(max_new_tokens=6), stop=(reply.text[1:3],))
     assert_rows_held(svc)
+
+
+def test_oversized_bodies_are_refused_before_they_are_read(chat):  # noqa: F811
+    client = TestClient(create_app(service(chat), max_body=2000))
+    big = {"model": "small", "messages": [{"role": "user", "content": "x" * 3000}]}
+    r = client.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and "exceeds 2000 bytes" in r.json()["error"]["message"]
+
+    def chunks():  # no content-length: counted as it arrives
+        import json
+
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 500):
+            yield data[i: i + 500]
+
+    r = client.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.post("/v1/chat/completions", json={**big, "messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 2}).status_code == 200

@@ -74,6 +74,53 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", code:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
+MAX_BODY = 8 << 20  # bytes; far above what max_prompt_chars lets through
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets a 413 before it is read into memory,
+    whether it declares its length or arrives in chunks."""
+
+    def __init__(self, app, limit: int = MAX_BODY):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        too_big = _error(413, f"the request body exceeds {self.limit} bytes")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await too_big(scope, receive, send)
+        seen, over, answered = 0, False, False
+
+        async def counted():
+            nonlocal seen, over
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                over = True
+                raise _TooBig  # the framework may turn this into its own error response: replaced below
+            return message
+
+        async def guarded(message):
+            nonlocal answered
+            if not over:
+                return await send(message)
+            if not answered:
+                answered = True
+                await too_big(scope, receive, send)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except _TooBig:
+            if not answered:
+                await too_big(scope, receive, send)
+
+
+class _TooBig(Exception):
+    pass
+
+
 def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
             "total_tokens": reply.prompt_tokens + len(reply.tokens)}
@@ -132,9 +179,10 @@ async def _stream(service: ChatService, head: dict, messages: list[dict], sampli
         await asyncio.shield(task)
 
 
-def create_app(service: ChatService, default_max_tokens: int = 256) -> FastAPI:
+def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY) -> FastAPI:
     app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
     app.state.service = service
+    app.add_middleware(BodyLimit, limit=max_body)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
