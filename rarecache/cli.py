@@ -430,8 +430,9 @@ def cmd_serve(args) -> int:
 
     if not 1 <= args.port <= 65535:
         raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
-    if args.cache_gib <= 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
-        raise RarecacheError("--cache-gib must be > 0 and 1 <= --default-max-tokens <= --max-tokens-limit")
+    if args.cache_gib <= 0 or args.max_waiting < 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
+        raise RarecacheError("--cache-gib must be > 0, --max-waiting >= 0 and "
+                             "1 <= --default-max-tokens <= --max-tokens-limit")
     from .demo import SOURCE, TARGET
 
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
@@ -458,8 +459,8 @@ def cmd_serve(args) -> int:
     service = ChatService(models, maps, cfg)
     print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
           f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
-    uvicorn.run(create_app(service, default_max_tokens=args.default_max_tokens), host=args.host, port=args.port,
-                log_level="info")
+    app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 
 
@@ -727,6 +728,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none (default: 256)")
+    p.add_argument("--max-waiting", type=int, default=16,
+                   help="requests that may queue behind the running one; more get a 503 (default: 16)")
     _add_model_options(p)
     p.set_defaults(func=cmd_serve)
 

@@ -315,3 +315,35 @@ def test_oversized_bodies_are_refused_before_they_are_read(chat):  # noqa: F811
     assert r.status_code == 413
     assert client.post("/v1/chat/completions", json={**big, "messages": [{"role": "user", "content": "x"}],
                                                      "max_tokens": 2}).status_code == 200
+
+
+def test_a_full_queue_answers_503_and_frees_up(chat):  # noqa: F811
+    """One request runs and `max_waiting` wait; the next gets a 503 with Retry-After, and once the
+    line moves, requests are taken again (streamed ones release their place too)."""
+    import threading
+    import time
+
+    svc = service(chat)
+    client = TestClient(create_app(svc, max_waiting=1))
+    body = {"model": "small", "messages": [{"role": "user", "content": TURNS[0]}], "max_tokens": 2}
+    results = []
+    svc.lock.acquire()  # the models are busy
+    try:
+        threads = [threading.Thread(target=lambda: results.append(client.post("/v1/chat/completions", json=body)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for _ in range(400):  # both admitted: one in the place of the running request, one waiting
+            if client.get("/health").json()["requests_in_flight"] == 2:
+                break
+            time.sleep(0.05)
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
+    finally:
+        svc.lock.release()
+    for t in threads:
+        t.join()
+    assert [x.status_code for x in results] == [200, 200]
+    assert "[DONE]" in client.post("/v1/chat/completions", json={**body, "stream": True}).text
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert client.get("/health").json()["requests_in_flight"] == 0

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.generate import SamplingConfig
@@ -179,7 +180,17 @@ async def _stream(service: ChatService, head: dict, messages: list[dict], sampli
         await asyncio.shield(task)
 
 
-def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY) -> FastAPI:
+def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
+               max_waiting: int = 16) -> FastAPI:
+    """The HTTP app over `service`. Requests run one at a time; past one running and
+    `max_waiting` queued, a new request gets a 503 with Retry-After instead of a place in line."""
+    in_flight = [0]  # touched only on the event loop
+
+    def release(flag: list[bool]) -> None:
+        if not flag[0]:
+            flag[0] = True
+            in_flight[0] -= 1
+
     app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
     app.state.service = service
     app.add_middleware(BodyLimit, limit=max_body)
@@ -194,7 +205,8 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
 
     @app.get("/health")
     def health():
-        return {"status": "ok", "models": list(service.models), "held_cache_bytes": service.held_bytes()}
+        return {"status": "ok", "models": list(service.models), "requests_in_flight": in_flight[0],
+                "held_cache_bytes": service.held_bytes()}
 
     @app.get("/v1/models")
     def models():
@@ -219,13 +231,22 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
             return _error(400, str(e))
+        if in_flight[0] > max_waiting:
+            busy = _error(503, f"the server is busy ({in_flight[0]} requests ahead); retry later", kind="server_busy")
+            busy.headers["Retry-After"] = "1"
+            return busy
+        in_flight[0] += 1
+        done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
-        if req.stream:
-            return StreamingResponse(_stream(service, head, messages, sampling, req), media_type="text/event-stream")
+        if req.stream:  # released once the stream ends, however it ends
+            return StreamingResponse(_stream(service, head, messages, sampling, req), media_type="text/event-stream",
+                                     background=BackgroundTask(release, done))
         try:
             reply = await run_in_threadpool(service.complete, req.model, messages, sampling, req.stops())
         except RarecacheError as e:
             return _error(400, str(e))
+        finally:
+            release(done)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
                              "finish_reason": reply.finish_reason}],
