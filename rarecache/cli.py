@@ -424,6 +424,7 @@ def cmd_serve(args) -> int:
         raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
                              "pip install 'rarecache[serve]'") from None
     from . import LLM
+    from .demo import SOURCE, TARGET, DemoConfig, demo_map
     from .serve.service import ChatService, ServiceConfig
     from .transfer.handoff import HandoffConfig
     from .transfer.mapper import Mapper
@@ -433,29 +434,23 @@ def cmd_serve(args) -> int:
     if args.cache_gib <= 0 or args.max_waiting < 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
         raise RarecacheError("--cache-gib must be > 0, --max-waiting >= 0 and "
                              "1 <= --default-max-tokens <= --max-tokens-limit")
-    from .demo import SOURCE, TARGET
-
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
         raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
     names = model_id(args.source), model_id(args.target)
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
-    for path in filter(None, (args.map, args.reverse_map)):
-        if not path.is_file():
-            raise RarecacheError(f"no map file {path}")
     cfg = ServiceConfig(HandoffConfig(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
                         max_new_tokens=args.max_tokens_limit)
-    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
-              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    maps = {}  # map files load (and fail) before the models, which take much longer
     if args.map is not None:
-        maps = {(names[0], names[1]): Mapper.load(args.map)}
-    else:  # the bundled pair: the demo's map, calibrated on chat-formatted prompts (cached after the first time)
-        from .demo import DemoConfig, demo_map
-
-        maps = {(names[0], names[1]): demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
-                                               *models.values())}
+        maps[(names[0], names[1])] = Mapper.load(args.map)
     if args.reverse_map:
         maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
+    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    if args.map is None:  # the bundled pair: the demo's map, fitted on chat-formatted prompts (cached after first use)
+        maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
+                                              *models.values())
     service = ChatService(models, maps, cfg)
     print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
           f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
@@ -470,19 +465,17 @@ def cmd_bench_serve(args) -> int:
     from .transfer.handoff import HandoffConfig
     from .transfer.mapper import Mapper
 
-    for path in filter(None, (args.map, args.reverse_map)):
-        if not path.is_file():
-            raise RarecacheError(f"no map file {path}")
     cfg = SwitchBenchConfig(conversations=args.conversations, passage_tokens=args.passage_tokens,
                             schedule=tuple(args.schedule), max_new_tokens=args.max_new_tokens, corpus=args.corpus,
                             handoff=HandoffConfig(args.rho, args.selector))
     back = any(a == "target" and b == "source" for a, b in zip(cfg.schedule, cfg.schedule[1:]))
     if back and args.reverse_map is None:
         print("no --reverse-map: turns back to the source re-read what it has not seen", file=sys.stderr)
+    forward = Mapper.load(args.map)  # before the models, which take much longer to load
+    backward = Mapper.load(args.reverse_map) if args.reverse_map else None
     source = LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir)
     target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
-    summary = run_switch_bench(source, target, Mapper.load(args.map),
-                               Mapper.load(args.reverse_map) if args.reverse_map else None, cfg, args.cache_dir)
+    summary = run_switch_bench(source, target, forward, backward, cfg, args.cache_dir)
     line = json.dumps(summary)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -136,7 +136,7 @@ def _info(service: ChatService, reply: Reply) -> dict:
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
 
 
-async def _stream(service: ChatService, head: dict, messages: list[dict], sampling: SamplingConfig,
+async def _stream(service: ChatService, head: dict, ids: list[int], sampling: SamplingConfig,
                   req: ChatRequest) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
     with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
@@ -145,7 +145,7 @@ async def _stream(service: ChatService, head: dict, messages: list[dict], sampli
 
     def work() -> None:
         try:
-            reply = service.complete(req.model, messages, sampling, req.stops(),
+            reply = service.answer(req.model, ids, sampling, req.stops(),
                                      on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
                                      cancelled=gone.is_set)
             loop.call_soon_threadsafe(queue.put_nowait, ("done", reply))
@@ -226,7 +226,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             sampling = SamplingConfig(max_new_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
                                       temperature=req.temperature, top_p=req.top_p, seed=req.seed)
             messages = [m.model_dump() for m in req.messages]
-            service.prepare(req.model, messages, sampling, req.stops())
+            ids = service.prepare(req.model, messages, sampling, req.stops())  # tokenised once, checked
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
@@ -239,10 +239,10 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:  # released once the stream ends, however it ends
-            return StreamingResponse(_stream(service, head, messages, sampling, req), media_type="text/event-stream",
+            return StreamingResponse(_stream(service, head, ids, sampling, req), media_type="text/event-stream",
                                      background=BackgroundTask(release, done))
         try:
-            reply = await run_in_threadpool(service.complete, req.model, messages, sampling, req.stops())
+            reply = await run_in_threadpool(service.answer, req.model, ids, sampling, req.stops())
         except RarecacheError as e:
             return _error(400, str(e))
         finally:

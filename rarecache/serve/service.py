@@ -26,7 +26,7 @@ from typing import Callable
 from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
-from ..transfer.conversation import Held, common_prefix, respond
+from ..transfer.conversation import Held, check_room, common_prefix, respond
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 
@@ -139,10 +139,7 @@ class ChatService:
         if len(stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
             raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
         ids = self.models[model].encode([{"role": m["role"], "content": m["content"]} for m in messages])
-        limit = self.models[model].config.max_position_embeddings
-        if len(ids) + sampling.max_new_tokens > limit:
-            raise RarecacheError(f"the conversation needs {len(ids) + sampling.max_new_tokens} positions (prompt "
-                                 f"{len(ids)} + max_tokens {sampling.max_new_tokens}); {model} has {limit}")
+        check_room(self.models[model], model, len(ids), sampling.max_new_tokens)
         return ids
 
     def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
@@ -155,7 +152,12 @@ class ChatService:
         start of what may become a stop string. `cancelled()` returning True ends decoding early
         (a client that went away), which frees the service for the next request.
         """
-        ids = self.prepare(model, messages, sampling, stop)
+        return self.answer(model, self.prepare(model, messages, sampling, stop), sampling, stop, on_text, cancelled)
+
+    def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
+               on_text: Callable[[str], None] | None = None,
+               cancelled: Callable[[], bool] | None = None) -> Reply:
+        """`complete` for a prompt `prepare` has already checked and tokenised."""
         tokenizer = self.models[model].tokenizer
         hold = max((len(x) for x in stop), default=1) - 1  # characters that may start a stop string
         sent = 0

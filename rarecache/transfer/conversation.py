@@ -63,6 +63,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def check_room(llm: LLM, name: str, prompt_tokens: int, new_tokens: int) -> None:
+    """Refuse a prompt and answer that would not fit the model's positions."""
+    limit = llm.config.max_position_embeddings
+    if prompt_tokens + new_tokens > limit:
+        raise RarecacheError(f"the conversation needs {prompt_tokens + new_tokens} positions (prompt "
+                             f"{prompt_tokens} + {new_tokens} new tokens); {name} has {limit}")
+
+
 @torch.inference_mode()
 def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
             sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
@@ -78,10 +86,8 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
     Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
     """
     llm = models[model]
+    check_room(llm, model, len(ids), sampling.max_new_tokens)
     need = len(ids) + sampling.max_new_tokens
-    if need > llm.config.max_position_embeddings:
-        raise RarecacheError(f"the conversation needs {need} positions, {model} has "
-                             f"{llm.config.max_position_embeddings}")
     if source is not None and (source, model) not in maps:
         raise RarecacheError(f"no map from {source} to {model}")
     st = held[model]
