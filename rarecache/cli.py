@@ -431,8 +431,9 @@ def cmd_serve(args) -> int:
 
     if not 1 <= args.port <= 65535:
         raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
-    if args.cache_gib <= 0 or args.max_waiting < 0 or not 1 <= args.default_max_tokens <= args.max_tokens_limit:
-        raise RarecacheError("--cache-gib must be > 0, --max-waiting >= 0 and "
+    if (args.cache_gib <= 0 or args.max_waiting < 0 or args.max_batch < 1
+            or not 1 <= args.default_max_tokens <= args.max_tokens_limit):
+        raise RarecacheError("--cache-gib must be > 0, --max-batch >= 1, --max-waiting >= 0 and "
                              "1 <= --default-max-tokens <= --max-tokens-limit")
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
         raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
@@ -440,7 +441,7 @@ def cmd_serve(args) -> int:
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
     cfg = ServiceConfig(HandoffConfig(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
-                        max_new_tokens=args.max_tokens_limit)
+                        max_new_tokens=args.max_tokens_limit, max_batch=args.max_batch)
     maps = {}  # map files load (and fail) before the models, which take much longer
     if args.map is not None:
         maps[(names[0], names[1])] = Mapper.load(args.map)
@@ -477,6 +478,21 @@ def cmd_bench_serve(args) -> int:
     target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
     summary = run_switch_bench(source, target, forward, backward, cfg, args.cache_dir)
     line = json.dumps(summary)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+def cmd_bench_load(args) -> int:
+    from . import LLM
+    from .bench.load import LoadBenchConfig, run_load_bench
+
+    cfg = LoadBenchConfig(clients=args.clients, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                          max_new_tokens=args.max_new_tokens, corpus=args.corpus)
+    llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    line = json.dumps(run_load_bench(llm, cfg, args.cache_dir))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(line + "\n")
@@ -721,8 +737,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none (default: 256)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="answers decoded together in one batched step (default: 8)")
     p.add_argument("--max-waiting", type=int, default=16,
-                   help="requests that may queue behind the running one; more get a 503 (default: 16)")
+                   help="requests that may queue past --max-batch running ones; more get a 503 (default: 16)")
     _add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
@@ -771,6 +789,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     _add_model_options(b)
     b.set_defaults(func=cmd_bench_serve)
+    b = bench.add_parser("load", help="throughput of the chat service under concurrent clients: batched "
+                                      "decoding vs one request at a time",
+                         description="A load generator: CLIENTS threads each send REQUESTS chat requests back to "
+                                     "back (a held-out corpus passage and a question) to one model through the "
+                                     "chat service, once with one answer decoded at a time and once with up to "
+                                     "CLIENTS decoded together, in the same run. Prints tokens/s and latencies per "
+                                     "arm, the throughput ratio and how many answers agree, then one JSON line.")
+    b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    b.add_argument("--clients", type=int, default=4, help="concurrent clients = the batched arm's max batch (default: 4)")
+    b.add_argument("--requests", type=int, default=2, help="requests per client, back to back (default: 2)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="passage tokens per request (default: 128)")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer, no early end (default: 32)")
+    b.add_argument("--corpus", default="wiki", help="passages from this corpus (default: wiki)")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    _add_model_options(b)
+    b.set_defaults(func=cmd_bench_load)
     b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
     _add_pair_options(b)
     b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")

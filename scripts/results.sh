@@ -48,12 +48,8 @@ ev() {  # source target task items out maps...
 }
 fwd() { echo task=$M/$1-0.5b-to-1.5b.safetensors wiki=$M/wiki-0.5b-to-1.5b.safetensors; }
 rev() { echo task=$M/$1-1.5b-to-0.5b.safetensors wiki=$M/wiki-1.5b-to-0.5b.safetensors; }
-# small -> large: generic map, then one task at a time (map, 300 items with both maps; prefills shared)
+# small -> large: generic map, then the unfinished tasks first (map, 300 items with both maps; prefills shared)
 cal $S $T "--corpus wiki" $M/wiki-0.5b-to-1.5b.safetensors 65536 8192
-cal $S $T "--task arc_challenge" $M/arc_challenge-0.5b-to-1.5b.safetensors
-ev $S $T arc_challenge 300 $E/arc_challenge-300.jsonl $(fwd arc_challenge)
-cal $S $T "--task hellaswag" $M/hellaswag-0.5b-to-1.5b.safetensors
-ev $S $T hellaswag 300 $E/hellaswag-300.jsonl $(fwd hellaswag)
 cal $S $T "--task gsm8k" $M/gsm8k-0.5b-to-1.5b.safetensors 65536 8192 "--seq-len 1024"
 ev $S $T gsm8k_bpb 300 $E/gsm8k_bpb-300.jsonl $(fwd gsm8k)
 # MMLU is complete in docs/artifacts; it continues from the committed file when the maps match, and is redone
@@ -68,6 +64,11 @@ cal $T $S "--task arc_challenge" $M/arc_challenge-1.5b-to-0.5b.safetensors
 ev $T $S arc_challenge 300 $E/arc_challenge-300-reverse.jsonl $(rev arc_challenge)
 cal $T $S "--task hellaswag" $M/hellaswag-1.5b-to-0.5b.safetensors
 ev $T $S hellaswag 300 $E/hellaswag-300-reverse.jsonl $(rev hellaswag)
+# complete in docs/artifacts (each continues from the committed file when its maps match, so it only checks)
+cal $S $T "--task arc_challenge" $M/arc_challenge-0.5b-to-1.5b.safetensors
+ev $S $T arc_challenge 300 $E/arc_challenge-300.jsonl $(fwd arc_challenge)
+cal $S $T "--task hellaswag" $M/hellaswag-0.5b-to-1.5b.safetensors
+ev $S $T hellaswag 300 $E/hellaswag-300.jsonl $(fwd hellaswag)
 # multi-turn and perplexity (smaller samples)
 cal $S $T "--task coqa" $M/coqa-0.5b-to-1.5b.safetensors 32768 4096 "--seq-len 2048"
 ev $S $T coqa_bpb 200 $E/coqa_bpb-200.jsonl $(fwd coqa)

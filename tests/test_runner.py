@@ -238,3 +238,43 @@ def test_packed_runner_equals_plain_runner(tiny):
     assert [g.tokens for g in generate(fast, prompts, cfg)] == [g.tokens for g in generate(plain, prompts, cfg)]
     with pytest.raises(ValueError):
         Runner.load(path, pack=True)  # float32: nothing exact to pack
+
+
+def test_decode_step_over_separate_caches_equals_each_row_alone(tiny):
+    """The scheduler's step: one token for each of three sequences held in their own caches, the
+    linear layers batched, equals `forward` on each alone (logits and the rows written), and a
+    `Row` sampling from its own logits draws what `decode` of that row alone draws."""
+    from rarecache.engine.generate import Row
+
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (4, 13, 9)]
+    steps = 5
+    mine, alone = [], []
+    for p in prompts:
+        mine.append(runner.prefill([p], max_len=len(p) + steps)[0])
+        alone.append(runner.prefill([p], max_len=len(p) + steps)[0])
+    tokens = torch.tensor([p[-1] for p in prompts])
+    for s in range(steps):
+        positions = torch.tensor([len(p) + s for p in prompts])
+        got = runner.decode_step(tokens, positions, mine)
+        for b in range(3):
+            want = runner.forward(tokens[b].view(1, 1), positions[b].view(1, 1), alone[b]).logits
+            torch.testing.assert_close(got[b : b + 1], want, atol=ATOL, rtol=0)
+        tokens = got.argmax(-1)
+    for c1, c2 in zip(mine, alone):
+        torch.testing.assert_close(c1.k, c2.k, atol=ATOL, rtol=0)
+        torch.testing.assert_close(c1.v, c2.v, atol=ATOL, rtol=0)
+        assert torch.equal(c1.filled, c2.filled)
+    with pytest.raises(ValueError):
+        runner.decode_step(tokens, torch.tensor([1, 2]), mine)
+
+    cfg = SamplingConfig(max_new_tokens=7, temperature=1.0, top_p=0.9, seed=5)
+    cache, first = runner.prefill([prompts[1]], max_len=len(prompts[1]) + 7)
+    row, logits, pos = Row(cfg), first.logits, len(prompts[1])
+    while row.take(logits):
+        logits = runner.decode_step(torch.tensor(row.tokens[-1:]), torch.tensor([pos]), [cache])
+        pos += 1
+    assert row.tokens == generate(runner, [prompts[1]], cfg)[0].tokens and row.finish_reason == "length"
+    assert row.fed == row.tokens[:-1]  # the last sampled token was never fed

@@ -169,6 +169,9 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F8
     assert "no map file" in capsys.readouterr().err
     assert main([*args, "--map", str(path), "--port", "0"]) == 2
     assert main(args) == 2 and "give --map" in capsys.readouterr().err  # only the bundled pair has a default
+    assert main([*args, "--map", str(path), "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
+    assert main(["bench", "load", "--model", str(pair_dir / "tgt"), "--clients", "0"]) == 2
+    assert "clients" in capsys.readouterr().err
     started = {}
     import uvicorn
 
@@ -285,9 +288,9 @@ def test_an_answer_ended_early_leaves_a_consistent_cache(chat):  # noqa: F811
     models, _ = chat
     svc = service(chat)
     messages = [{"role": "user", "content": TURNS[0]}]
-    calls = []
+    calls = []  # asked once at admission, then after each token
     first = svc.complete("large", messages, SamplingConfig(max_new_tokens=6, ignore_eos=True),
-                         cancelled=lambda: calls.append(1) or len(calls) >= 3)
+                         cancelled=lambda: calls.append(1) or len(calls) >= 4)
     assert len(first.tokens) == 3 and first.finish_reason == "stop"
     assert_rows_held(svc)
     messages += [{"role": "assistant", "content": first.text}, {"role": "user", "content": TURNS[1]}]
@@ -323,7 +326,7 @@ def test_a_full_queue_answers_503_and_frees_up(chat):  # noqa: F811
     import threading
     import time
 
-    svc = service(chat)
+    svc = service(chat, max_batch=1)
     client = TestClient(create_app(svc, max_waiting=1))
     body = {"model": "small", "messages": [{"role": "user", "content": TURNS[0]}], "max_tokens": 2}
     results = []
@@ -347,3 +350,98 @@ def test_a_full_queue_answers_503_and_frees_up(chat):  # noqa: F811
     assert "[DONE]" in client.post("/v1/chat/completions", json={**body, "stream": True}).text
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert client.get("/health").json()["requests_in_flight"] == 0
+
+
+def test_running_answers_are_decoded_in_one_batch_and_equal_alone(chat):  # noqa: F811
+    """Requests queued together are decoded together (up to max_batch answers per step), and each
+    answer, greedy or sampled with its own seed, is the one its model gives alone; the same
+    conversation asked twice at once does not share a cache being written."""
+    import threading
+
+    models, _ = chat
+    svc = service(chat, max_batch=3)
+    sizes = {name: [] for name in models}
+    originals = {name: llm.runner.decode_step for name, llm in models.items()}
+
+    def spy(name):
+        def step(tokens, positions, caches):
+            sizes[name].append(len(caches))
+            return originals[name](tokens, positions, caches)
+        return step
+
+    greedy = SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    # the first three run together and ask the same conversation, two of them sampled
+    jobs = [("large", [{"role": "user", "content": TURNS[1]}], greedy)]
+    jobs += [("large", [{"role": "user", "content": TURNS[1]}],
+              SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=k, ignore_eos=True)) for k in (3, 4)]
+    jobs += [("large", [{"role": "user", "content": TURNS[k % 3]}], greedy) for k in range(3)]
+    jobs += [("small", [{"role": "user", "content": TURNS[2]}], greedy)]
+    got = [None] * len(jobs)
+
+    def ask_(k):
+        got[k] = svc.complete(jobs[k][0], jobs[k][1], jobs[k][2])
+
+    for name, llm in models.items():
+        llm.runner.decode_step = spy(name)
+    try:
+        with svc.lock:  # all of them queue before the worker starts
+            threads = [threading.Thread(target=ask_, args=(k,)) for k in range(len(jobs))]
+            for t in threads:
+                t.start()
+            while sum(svc.load) < len(jobs) - 1:  # the worker holds one, blocked on the lock
+                threading.Event().wait(0.01)
+        for t in threads:
+            t.join()
+    finally:
+        for name, llm in models.items():
+            del llm.runner.decode_step  # back to the class's method
+    for (who, messages, cfg), reply in zip(jobs, got):
+        assert reply.tokens == models[who].generate([messages], cfg)[0].tokens
+    assert max(sizes["large"]) == 3 and 1 in sizes["large"]
+    assert svc.load == (0, 0) and not any(e.busy for es in svc.entries.values() for e in es)
+    assert_rows_held(svc)
+
+
+def test_a_failing_request_does_not_stop_the_others(chat):  # noqa: F811
+    """A stream callback that raises fails its own request only; the worker keeps serving."""
+    models, _ = chat
+    svc = service(chat, max_batch=2)
+    messages = [{"role": "user", "content": TURNS[0]}]
+
+    def broken(piece):
+        raise OSError("client socket closed")
+
+    with pytest.raises(OSError):
+        svc.complete("small", messages, SAMPLING, on_text=broken)
+    assert svc.complete("small", messages, SAMPLING).tokens == fresh_answer(models["small"], messages)
+    assert_rows_held(svc)
+    svc.close()
+    with pytest.raises(RarecacheError, match="closed"):
+        svc.complete("small", messages, SAMPLING)
+
+
+def test_load_bench_arms_agree_and_the_batched_arm_batches(chat, tmp_path):  # noqa: F811
+    """The load generator: both arms answer every request, with the same answers, and only the
+    batched arm ever decodes more than one answer in a step."""
+    from rarecache.bench.load import LoadBenchConfig, run_load_bench
+
+    models, _ = chat
+    llm = models["large"]
+    (tmp_path / "passages.txt").write_text("\n\n\n".join(f"{t} and {t} again, the lazy dog {k}"
+                                                          for k, t in enumerate(TURNS * 3)))
+    sizes = []
+    original = llm.runner.decode_step
+    llm.runner.decode_step = lambda t, p, c: sizes.append(len(c)) or original(t, p, c)
+    try:
+        lines = []
+        out = run_load_bench(llm, LoadBenchConfig(clients=3, requests=2, prompt_tokens=16, max_new_tokens=6,
+                                                  corpus=str(tmp_path / "passages.txt")), emit=lines.append)
+    finally:
+        del llm.runner.decode_step
+    assert out["requests"] == 6 and out["same_answers"] == 6
+    assert all(out["arms"][a]["tokens"] == 36 for a in out["arms"])
+    steps_alone = 6 * 5 + 3  # 5 steps per answer alone, plus the warm-up's
+    assert sizes[:steps_alone] == [1] * steps_alone and max(sizes[steps_alone:]) == 3
+    assert "throughput" in lines[-1]
+    with pytest.raises(RarecacheError):
+        LoadBenchConfig(clients=0)

@@ -2,7 +2,10 @@
 
 `decode` starts from a cache and the logits of each sequence's last prompt
 position, wherever they came from (the model's own prefill or a handoff), so
-every path into the target model shares one decoding loop.
+every path into the target model shares one decoding loop. `Row` is that loop's
+bookkeeping for one sequence, a token at a time, for callers that step sequences
+held in different caches together (the server's scheduler, via
+`Runner.decode_step`).
 """
 
 from __future__ import annotations
@@ -54,6 +57,46 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> t
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 
+class Row:
+    """One sequence's decoding state: its tokens so far and whether (and why) it has ended."""
+
+    def __init__(self, cfg: SamplingConfig, stop_check: Callable[[list[int]], bool] | None = None):
+        self.cfg, self.stop_check = cfg, stop_check
+        self.stop = set() if cfg.ignore_eos else set(cfg.stop_token_ids)
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None  # None while it runs
+        self.checked = False  # stop_check ended it
+        self._gen: torch.Generator | None = None
+
+    def accept(self, t: int) -> bool:
+        """Take the sampled token t; True while the row goes on (t is then to be fed)."""
+        if t in self.stop:
+            self.finish_reason = "stop"
+        else:
+            self.tokens.append(t)
+            if self.stop_check is not None and self.stop_check(self.tokens):
+                self.finish_reason, self.checked = "stop", True
+            elif len(self.tokens) == self.cfg.max_new_tokens:
+                self.finish_reason = "length"
+        return self.finish_reason is None
+
+    def take(self, logits: torch.Tensor) -> bool:
+        """Sample from this row's own logits (1, V) with its own generator (the same draws as
+        `decode` of this row alone) and accept the token."""
+        if self._gen is None:
+            self._gen = torch.Generator().manual_seed(self.cfg.seed)
+        return self.accept(int(sample(logits, self.cfg, self._gen)[0]))
+
+    @property
+    def fed(self) -> list[int]:
+        """The generated tokens whose rows are in the cache: all of them when an end token ended
+        the row (it is never written), else all but the last (sampled, never fed)."""
+        return self.tokens if self.finish_reason == "stop" and not self.checked else self.tokens[:-1]
+
+    def generation(self) -> Generation:
+        return Generation(self.tokens, self.finish_reason or "length")
+
+
 @torch.inference_mode()
 def decode(
     runner: Runner, cache: KVCache, logits: torch.Tensor, next_pos: torch.Tensor, cfg: SamplingConfig,
@@ -65,30 +108,20 @@ def decode(
     tokens generated so far (e.g. a task's final-answer pattern).
     """
     gen = torch.Generator().manual_seed(cfg.seed)
-    B = logits.shape[0]
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    reasons = ["length"] * B
-    stop = set() if cfg.ignore_eos else set(cfg.stop_token_ids)
+    rows = [Row(cfg, stop_check) for _ in range(logits.shape[0])]
     next_pos = next_pos.clone().to(runner.device)
-    for step in range(cfg.max_new_tokens):
-        tok = sample(logits, cfg, gen)
-        for b, t in enumerate(tok.tolist()):
-            if done[b]:
-                continue
-            if t in stop:
-                done[b], reasons[b] = True, "stop"
-            else:
-                out[b].append(t)
-                if stop_check is not None and stop_check(out[b]):
-                    done[b], reasons[b] = True, "stop"
-        if all(done) or step == cfg.max_new_tokens - 1:
+    while True:
+        tok = sample(logits, cfg, gen)  # one draw for the batch
+        for row, t in zip(rows, tok.tolist()):
+            if row.finish_reason is None:
+                row.accept(t)
+        alive = torch.tensor([r.finish_reason is None for r in rows], device=runner.device)
+        if not alive.any():
             break
-        alive = torch.tensor([not d for d in done], device=runner.device)
         pos = torch.where(alive, next_pos, -1)[:, None]  # finished rows become padding
         logits = runner.forward(tok[:, None], pos, cache).logits
         next_pos += 1
-    return [Generation(t, r) for t, r in zip(out, reasons)]
+    return [r.generation() for r in rows]
 
 
 def generate(runner: Runner, prompts: list[list[int]], cfg: SamplingConfig) -> list[Generation]:

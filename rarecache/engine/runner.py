@@ -143,6 +143,30 @@ class Runner:
                 attn[i] = probs
         return ForwardOutput(self.logits(h, positions, logits_at), attn)
 
+    @torch.inference_mode()
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """One token (B,) at positions (B,) for each of B sequences held in B separate one-row caches
+        -> last logits (B, V).
+
+        The linear layers and the MLP run as one batch (their weights are read once per step, which
+        is what decoding costs), attention runs per cache. Equals `forward` on each row alone.
+        """
+        if tokens.shape[0] != len(caches) or positions.shape[0] != len(caches):
+            raise ValueError("decode_step needs one token, one position and one cache per sequence")
+        pos = positions.to(self.device)[:, None]  # (B, 1)
+        for b, c in enumerate(caches):
+            c.mark(pos[b : b + 1])
+        h = self.embed(tokens[:, None])  # (B, 1, C)
+        cos_sin = self.cos_sin(pos)
+        for i in range(self.num_layers):
+            q, k, v = self.qkv(i, h, cos_sin)  # q (B, H, 1, D), k, v (B, Hkv, 1, D)
+            outs = []
+            for b, c in enumerate(caches):
+                c.write(i, pos[b : b + 1], k[b : b + 1], v[b : b + 1])
+                outs.append(self.attend(i, q[b : b + 1], pos[b : b + 1], c)[0])
+            h = self.finish(i, h, torch.cat(outs))
+        return self.logits(h, pos)
+
     def prefill(self, prompts: list[list[int]], max_len: int | None = None) -> tuple[KVCache, ForwardOutput]:
         """Prefill prompts of different lengths into a new batch cache; last-position logits (B, V).
 

@@ -182,8 +182,8 @@ async def _stream(service: ChatService, head: dict, ids: list[int], sampling: Sa
 
 def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
                max_waiting: int = 16) -> FastAPI:
-    """The HTTP app over `service`. Requests run one at a time; past one running and
-    `max_waiting` queued, a new request gets a 503 with Retry-After instead of a place in line."""
+    """The HTTP app over `service`. Past the service's `max_batch` running answers and
+    `max_waiting` queued requests, a new request gets a 503 with Retry-After instead of a place in line."""
     in_flight = [0]  # touched only on the event loop
 
     def release(flag: list[bool]) -> None:
@@ -205,7 +205,9 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
 
     @app.get("/health")
     def health():
+        running, waiting = service.load
         return {"status": "ok", "models": list(service.models), "requests_in_flight": in_flight[0],
+                "answers_running": running, "requests_waiting": waiting, "max_batch": service.cfg.max_batch,
                 "held_cache_bytes": service.held_bytes()}
 
     @app.get("/v1/models")
@@ -231,7 +233,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
             return _error(400, str(e))
-        if in_flight[0] > max_waiting:
+        if in_flight[0] >= service.cfg.max_batch + max_waiting:
             busy = _error(503, f"the server is busy ({in_flight[0]} requests ahead); retry later", kind="server_busy")
             busy.headers["Retry-After"] = "1"
             return busy

@@ -13,20 +13,31 @@ usual next turn of a conversation); an entry that only shares part of it (anothe
 conversation with the same system prompt, a regenerated answer) is copied up to the
 shared prefix, so concurrent conversations never overwrite each other's rows.
 Entries are evicted least recently used once their caches exceed the byte budget.
-One request runs at a time (a lock): on a CPU both cores go to it anyway.
+
+Requests are scheduled continuously: one worker thread admits a waiting request
+(its prefill or handoff runs alone, being compute-bound), then advances every
+running answer of a model by one token in one batched step (`Runner.decode_step`:
+the weights are read once for the whole batch, which is what a decode step costs),
+and repeats. An answer joins and leaves the batch at any step; each samples with
+its own generator, so it is the answer it would have been alone. All store
+operations happen on the worker, so entries need no locks; an entry a running
+answer is still writing is copied from, never extended by another request.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..engine.generate import SamplingConfig
+import torch
+
+from ..engine.generate import Row, SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
-from ..transfer.conversation import Held, check_room, common_prefix, respond
+from ..transfer.conversation import Held, Started, check_room, common_prefix, start
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 
@@ -40,6 +51,11 @@ class ServiceConfig:
     cache_bytes: int = 4 << 30  # budget for the held caches of all models together
     max_new_tokens: int = 1024  # the most one request may ask for
     max_prompt_chars: int = 200_000  # checked before tokenising
+    max_batch: int = 8  # answers decoded together; past it, requests wait for a place
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.cache_bytes <= 0 or self.max_new_tokens < 1:
+            raise ValueError("max_batch and max_new_tokens must be >= 1 and cache_bytes > 0")
 
 
 class ModelNotFound(RarecacheError):
@@ -64,6 +80,31 @@ class Reply:
 class _Entry:
     held: Held
     used: float = 0.0
+    busy: bool = False  # a running answer is writing it
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request, from submission to reply; touched by the worker only, once submitted."""
+
+    model: str
+    ids: list[int]
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    on_text: Callable[[str], None] | None
+    cancelled: Callable[[], bool] | None
+    submitted: float = field(default_factory=time.perf_counter)
+    done: threading.Event = field(default_factory=threading.Event)
+    reply: "Reply | None" = None
+    error: BaseException | None = None
+    # while running
+    held: dict[str, _Entry] = field(default_factory=dict)
+    source: str | None = None
+    started: Started | None = None
+    row: Row | None = None
+    sent: int = 0  # characters of the answer already given to on_text
+    seconds: dict[str, float] = field(default_factory=dict)
+    t_decode: float = 0.0
 
 
 class ChatService:
@@ -75,9 +116,14 @@ class ChatService:
             mapper.check_pair(models[a].runner, models[b].runner)
         self.models, self.maps, self.cfg = models, maps, cfg
         self.entries: dict[str, list[_Entry]] = {name: [] for name in models}
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by the worker while it works (one admission or one step)
+        self._waiting: deque[_Job] = deque()
+        self._running: list[_Job] = []
+        self._wake = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._closed = False
 
-    # -- the store --------------------------------------------------------------------------
+    # -- the store (worker only) -------------------------------------------------------------
 
     def _best(self, model: str, ids: list[int]) -> tuple[_Entry | None, int]:
         best, n = None, 0
@@ -88,31 +134,39 @@ class ChatService:
         return best, n
 
     def _claim(self, model: str, entry: _Entry | None, shared: int) -> _Entry:
-        """The entry to answer from: `entry` itself when the request extends all of it, else a new
-        entry with a copy of its first `shared` rows (or an empty one)."""
-        if entry is not None and shared == len(entry.held.ids):
+        """The entry to answer from: `entry` itself when the request extends all of it and no running
+        answer is writing it, else a new entry with a copy of its first `shared` rows (or an empty one)."""
+        if entry is not None and shared == len(entry.held.ids) and not entry.busy:
+            entry.busy = True
             return entry
         held = Held()
         if entry is not None and shared > 0:
             held.room(self.models[model].runner, shared).copy_prefix(entry.held.cache, shared)
             held.ids = entry.held.ids[:shared]
-        new = _Entry(held)
+        new = _Entry(held, busy=True)
         self.entries[model].append(new)
         return new
 
-    def _evict(self, keep: set[int]) -> None:
+    def _evict(self, keep: tuple[_Entry, ...] = ()) -> None:
+        """Drop least recently used entries past the byte budget; never a busy one or one in `keep`
+        (the request that just finished keeps its own, whatever the budget)."""
         entries = [(e.used, name, e) for name, es in self.entries.items() for e in es]
         total = sum(e.held.nbytes for _, _, e in entries)
         for _, name, e in sorted(entries, key=lambda t: t[0]):
             if total <= self.cfg.cache_bytes:
                 break
-            if id(e) in keep:
+            if e.busy or any(e is k for k in keep):
                 continue
             total -= e.held.nbytes
             self.entries[name].remove(e)
 
     def held_bytes(self) -> int:
-        return sum(e.held.nbytes for es in self.entries.values() for e in es)
+        return sum(e.held.nbytes for es in self.entries.values() for e in list(es))
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(answers running, requests waiting)."""
+        return len(self._running), len(self._waiting)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -157,60 +211,167 @@ class ChatService:
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None,
                cancelled: Callable[[], bool] | None = None) -> Reply:
-        """`complete` for a prompt `prepare` has already checked and tokenised."""
-        tokenizer = self.models[model].tokenizer
-        hold = max((len(x) for x in stop), default=1) - 1  # characters that may start a stop string
-        sent = 0
+        """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait."""
+        job = _Job(model, ids, sampling, tuple(stop), on_text, cancelled)
+        with self._wake:
+            if self._closed:
+                raise RarecacheError("the service is closed")
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="rarecache-scheduler", daemon=True)
+                self._worker.start()
+            self._waiting.append(job)
+            self._wake.notify()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.reply
 
-        def cut(text: str) -> int | None:
-            hits = [text.find(x) for x in stop if x in text]
-            return min(hits) if hits else None
+    def close(self) -> None:
+        """Stop the worker once the running answers end; waiting requests are refused."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._worker is not None:
+            self._worker.join()
 
-        def check(toks: list[int]) -> bool:
-            nonlocal sent
-            text = tokenizer.decode(toks)
-            end = cut(text)
-            if on_text is not None:
-                shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
-                if shown > sent:
-                    on_text(text[sent:shown])
-                    sent = shown
-            return end is not None or (cancelled is not None and cancelled())
+    # -- the worker --------------------------------------------------------------------------
 
-        t = time.perf_counter()
-        with self.lock:
-            waited = time.perf_counter() - t
+    def _work(self) -> None:
+        while True:
+            with self._wake:
+                while not self._running and not (self._waiting or self._closed):
+                    self._wake.wait()
+                if self._closed and not self._running:
+                    for job in self._waiting:
+                        self._fail(job, RarecacheError("the service is closed"))
+                    self._waiting.clear()
+                    return
+                job = None
+                if self._waiting and len(self._running) < self.cfg.max_batch and not self._closed:
+                    job = self._waiting.popleft()
+            with self.lock:
+                try:
+                    if job is not None:
+                        self._admit(job)
+                    by_model: dict[str, list[_Job]] = {}
+                    for j in self._running:
+                        by_model.setdefault(j.model, []).append(j)
+                    for model, jobs in by_model.items():
+                        self._step(model, jobs)
+                except Exception as e:  # noqa: BLE001  (a bug of ours: fail what runs, keep serving)
+                    for j in [*self._running, *([job] if job is not None and not job.done.is_set() else [])]:
+                        self._fail(j, e)
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        for name, e in job.held.items():  # its rows cannot be trusted: drop its entries
+            if e in self.entries[name]:
+                self.entries[name].remove(e)
+        if job in self._running:
+            self._running.remove(job)
+        job.error = error
+        job.done.set()
+
+    def _check(self, job: _Job, toks: list[int]) -> bool:
+        """After each token: stream what is settled; True once a stop string appears or the client left."""
+        text = self.models[job.model].tokenizer.decode(toks)
+        end = _cut(text, job.stop)
+        if job.on_text is not None:
+            hold = max((len(x) for x in job.stop), default=1) - 1  # characters that may start a stop string
+            shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
+            if shown > job.sent:
+                job.on_text(text[job.sent:shown])
+                job.sent = shown
+        return end is not None or (job.cancelled is not None and job.cancelled())
+
+    def _admit(self, job: _Job) -> None:
+        """Claim the job's entries, prefill or hand off its prompt, take its first token."""
+        job.seconds["queued"] = time.perf_counter() - job.submitted
+        model, ids = job.model, job.ids
+        try:
+            if job.cancelled is not None and job.cancelled():  # the client left while it waited
+                job.reply = Reply(model, "", [], "stop", len(ids), 0, None, None, None, dict(job.seconds))
+                job.done.set()
+                return
             own, own_n = self._best(model, ids)
             keep = min(own_n, len(ids) - 1)
-            source, src, src_n = None, None, 0
+            src, src_n = None, 0
             for other in self.models:
                 if other != model and (other, model) in self.maps:
                     e, n = self._best(other, ids)
                     if e is not None and n > max(keep, src_n):
-                        source, src, src_n = other, e, n
-            held = {model: self._claim(model, own, own_n)}
-            if source is not None:
-                held[source] = self._claim(source, src, src_n)
+                        job.source, src, src_n = other, e, n
+            job.held[model] = self._claim(model, own, own_n)
+            if job.source is not None:
+                job.held[job.source] = self._claim(job.source, src, src_n)
             now = time.monotonic()
-            for e in held.values():
+            for e in job.held.values():
                 e.used = now
-            try:
-                gen, kept, result, seconds = respond(
-                    self.models, self.maps, self.cfg.handoff, sampling, model, ids,
-                    {k: e.held for k, e in held.items()}, source,
-                    check if stop or on_text is not None or cancelled is not None else None)
-            finally:
-                for name, e in held.items():  # a failed request leaves nothing behind
-                    if not e.held.ids:
-                        self.entries[name].remove(e)
-                self._evict({id(e) for e in held.values()})
-        text = tokenizer.decode(gen.tokens)
-        end, reason = cut(text), gen.finish_reason
+            job.started = start(self.models, self.maps, self.cfg.handoff, job.sampling, model, ids,
+                                {k: e.held for k, e in job.held.items()}, job.source)
+        except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
+            self._fail(job, e)
+            return
+        finally:
+            if job.source is not None and job.source in job.held:  # the source's part is done
+                job.held[job.source].busy = False
+            self._evict()
+        job.seconds["prefill_or_handoff"] = job.started.seconds
+        job.t_decode = time.perf_counter()
+        checking = job.stop or job.on_text is not None or job.cancelled is not None
+        job.row = Row(job.started.sampling, (lambda toks: self._check(job, toks)) if checking else None)
+        self._running.append(job)
+        self._take(job, job.started.logits)
+
+    def _take(self, job: _Job, logits: torch.Tensor) -> None:
+        try:
+            going = job.row.take(logits)
+        except Exception as e:  # noqa: BLE001  (a failing on_text: the client's side)
+            self._fail(job, e)
+            return
+        if not going:
+            self._finish(job)
+
+    def _step(self, model: str, jobs: list[_Job]) -> None:
+        """One token for every running answer of `model`, in one batched step."""
+        runner = self.models[model].runner
+        try:
+            tokens = torch.tensor([j.row.tokens[-1] for j in jobs])
+            positions = torch.tensor([len(j.ids) + len(j.row.tokens) - 1 for j in jobs])
+            logits = runner.decode_step(tokens, positions, [j.started.cache for j in jobs])
+        except Exception as e:  # noqa: BLE001
+            for j in jobs:
+                self._fail(j, e)
+            return
+        for b, j in enumerate(jobs):
+            self._take(j, logits[b : b + 1])
+
+    def _finish(self, job: _Job) -> None:
+        model, row = job.model, job.row
+        entry = job.held[model]
+        entry.held.ids = job.ids + row.fed
+        entry.busy = False
+        entry.used = time.monotonic()
+        self._running.remove(job)
+        self._evict(tuple(job.held.values()))
+        job.seconds["decode"] = time.perf_counter() - job.t_decode
+        text = self.models[model].tokenizer.decode(row.tokens)
+        end, reason = _cut(text, job.stop), row.finish_reason
         if end is not None:
             text, reason = text[:end], "stop"
-        if on_text is not None and len(text) > sent:
-            on_text(text[sent:])
-        return Reply(model, text, gen.tokens, reason, len(ids), kept, source,
-                     None if result is None else len(result.positions[0]),
-                     None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
-                     {"queued": waited, **seconds})
+        try:
+            if job.on_text is not None and len(text) > job.sent:
+                job.on_text(text[job.sent:])
+        except Exception as e:  # noqa: BLE001
+            job.error = e
+        result = job.started.handoff
+        job.reply = Reply(model, text, row.tokens, reason, len(job.ids), job.started.keep, job.source,
+                          None if result is None else len(result.positions[0]),
+                          None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
+                          dict(job.seconds))
+        job.done.set()
+
+
+def _cut(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the first stop string starts in text, if any."""
+    hits = [text.find(x) for x in stop if x in text]
+    return min(hits) if hits else None

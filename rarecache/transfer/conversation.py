@@ -71,19 +71,29 @@ def check_room(llm: LLM, name: str, prompt_tokens: int, new_tokens: int) -> None
                              f"{prompt_tokens} + {new_tokens} new tokens); {name} has {limit}")
 
 
+@dataclass
+class Started:
+    """A prompt whose rows the answering model now holds, ready to decode from."""
+
+    cache: KVCache  # the answering model's cache: rows of the whole prompt
+    logits: torch.Tensor  # (1, V) at the prompt's last position
+    keep: int  # positions the model already held
+    handoff: HandoffResult | None  # set when the prompt was handed off
+    sampling: SamplingConfig  # the request's, with the model's end tokens filled in
+    seconds: float  # prefill or handoff
+
+
 @torch.inference_mode()
-def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
-            sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
-            source: str | None = None, stop_check: Callable[[list[int]], bool] | None = None,
-            ) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
-    """Let `model` answer the prompt `ids`, starting from what it holds in `held[model]`.
+def start(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
+          sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
+          source: str | None = None) -> Started:
+    """Give `model` the rows of the prompt `ids`, starting from what it holds in `held[model]`.
 
     The model keeps its rows of the longest prefix it shares with `ids`; the rest is prefilled by
     itself, or, when `source` is given, handed off from `held[source]` (the source prefills what it
     has not seen, the map translates the span the model has not seen, the model recomputes the
-    selected positions of that span). Both `held` entries then describe what their caches hold.
-    `stop_check` goes to `decode` (it sees the tokens so far after each step; True ends the answer).
-    Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
+    selected positions of that span). Both `held` entries then describe what their caches hold (the
+    prompt); the caches have room for the answer.
     """
     llm = models[model]
     check_room(llm, model, len(ids), sampling.max_new_tokens)
@@ -110,21 +120,36 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
         logits = llm.runner.forward(toks, pos, cache).logits
-    t1 = time.perf_counter()
+    st.ids = list(ids)
     if not sampling.stop_token_ids:
         sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
+    return Started(cache, logits, keep, result, sampling, time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
+            sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
+            source: str | None = None, stop_check: Callable[[list[int]], bool] | None = None,
+            ) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
+    """`start`, then decode the answer. `held[model]` then holds the prompt and the answer's fed tokens.
+
+    `stop_check` goes to `decode` (it sees the tokens so far after each step; True ends the answer).
+    Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
+    """
+    s = start(models, maps, cfg, sampling, model, ids, held, source)
+    t1 = time.perf_counter()
     checked: list[bool] = []  # whether stop_check ended the answer
 
     def check(toks: list[int]) -> bool:
         checked.append(stop_check(toks))
         return checked[-1]
 
-    gen = decode(llm.runner, cache, logits, torch.tensor([len(ids)]), sampling,
+    gen = decode(models[model].runner, s.cache, s.logits, torch.tensor([len(ids)]), s.sampling,
                  check if stop_check is not None else None)[0]
     # an end token is never written; a last token kept by the length limit or stop_check was never fed
     written = gen.tokens[:-1] if gen.finish_reason == "length" or (checked and checked[-1]) else gen.tokens
-    st.ids = ids + written
-    return gen, keep, result, {"prefill_or_handoff": t1 - t0, "decode": time.perf_counter() - t1}
+    held[model].ids = ids + written
+    return gen, s.keep, s.handoff, {"prefill_or_handoff": s.seconds, "decode": time.perf_counter() - t1}
 
 
 class Conversation:
