@@ -76,7 +76,7 @@ class Reply:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)  # entries are compared by identity
 class _Entry:
     held: Held
     used: float = 0.0
