@@ -721,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "The server keeps recent caches of both models; when a request goes to a model "
                                    "and the other one holds a longer prefix of the conversation, that cache is "
                                    "mapped and the selected positions recomputed instead of re-reading the prompt. "
-                                   "GET /v1/models lists the names, GET /health the held cache size.")
+                                   "Running answers are decoded together in one batched step (--max-batch); "
+                                   "GET /v1/models lists the names, GET /health the load and held cache size.")
     p.add_argument("--source", default="qwen2.5-coder-0.5b-instruct",
                    help="model whose cache is mapped (default: the bundled qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
