@@ -41,6 +41,7 @@ class SamplingConfig:
 class Generation:
     tokens: list[int]  # generated tokens, the stop token excluded
     finish_reason: str  # "stop" or "length"
+    fed: list[int]  # the tokens whose rows the cache holds (see Row.fed)
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
@@ -94,7 +95,7 @@ class Row:
         return self.tokens if self.finish_reason == "stop" and not self.checked else self.tokens[:-1]
 
     def generation(self) -> Generation:
-        return Generation(self.tokens, self.finish_reason or "length")
+        return Generation(self.tokens, self.finish_reason or "length", self.fed)
 
 
 @torch.inference_mode()

@@ -138,17 +138,8 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
     """
     s = start(models, maps, cfg, sampling, model, ids, held, source)
     t1 = time.perf_counter()
-    checked: list[bool] = []  # whether stop_check ended the answer
-
-    def check(toks: list[int]) -> bool:
-        checked.append(stop_check(toks))
-        return checked[-1]
-
-    gen = decode(models[model].runner, s.cache, s.logits, torch.tensor([len(ids)]), s.sampling,
-                 check if stop_check is not None else None)[0]
-    # an end token is never written; a last token kept by the length limit or stop_check was never fed
-    written = gen.tokens[:-1] if gen.finish_reason == "length" or (checked and checked[-1]) else gen.tokens
-    held[model].ids = ids + written
+    gen = decode(models[model].runner, s.cache, s.logits, torch.tensor([len(ids)]), s.sampling, stop_check)[0]
+    held[model].ids = ids + gen.fed
     return gen, s.keep, s.handoff, {"prefill_or_handoff": s.seconds, "decode": time.perf_counter() - t1}
 
 
