@@ -16,19 +16,26 @@ an unpacked copy of the model is the reference it is tested against.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether prepacking applies: bfloat16 on a CPU with oneDNN and the packing ops available."""
-    if torch.device(device).type != "cpu" or dtype != torch.bfloat16:
-        return False
+    """Whether prepacking applies: bfloat16 on a CPU whose oneDNN build can pack bf16 weights."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
+
+
+@cache
+def _cpu_packs_bf16() -> bool:
+    # The ops exist in every CPU build, but oneDNN refuses bf16 packing at call time on CPUs without
+    # AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT, so probe by packing a tiny weight.
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight
-        torch.ops.mkldnn._linear_pointwise
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16), w, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
     return True
