@@ -76,7 +76,7 @@ def run_demo(cfg: DemoConfig) -> int:
     answers = {"target alone": alone}
     timing_rows = []
     for rho in cfg.rhos:
-        outs, res = pipe.generate(prompts, HandoffConfig(rho=rho, selector=cfg.selector), sampling)
+        outs, res = pipe.generate(prompts, HandoffConfig.named(rho, cfg.selector), sampling)
         answers[f"handoff rho={rho:g}"] = outs
         t = res.timings
         handoff_s = t["map"] + t["score"] + t["recompute"]

@@ -1,4 +1,6 @@
-"""Tiny random-weight models of each family, written to a temp dir by transformers."""
+"""Shared fixtures: tiny random-weight models of each family (written to a temp dir by
+transformers), a tiny source/target pair with a fitted map, and both directions of that
+pair as chat models."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from rarecache import LLM
+from rarecache.engine.runner import Runner
+from rarecache.models.tokenizer import Tokenizer
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.corpus import load_corpus
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,7 +89,6 @@ def tok_dir(tmp_path):
     return build_tokenizer(tmp_path)
 
 
-
 @pytest.fixture(scope="session")
 def pair_dir(tmp_path_factory):
     """Two tiny Qwen2 models sharing a tokenizer (src: 3 layers, tgt: 4 layers, head_dim 24) and a corpus."""
@@ -94,3 +101,25 @@ def pair_dir(tmp_path_factory):
     docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g)) for _ in range(12)]
     (root / "corpus.txt").write_text("\n\n\n".join(docs))
     return root
+
+
+@pytest.fixture(scope="module")
+def fitted(pair_dir, tmp_path_factory):
+    """(source runner, target runner, a map fitted source -> target, two prompts of 37 and 23 tokens)."""
+    source, target = Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt")
+    tok, corpus = Tokenizer.from_dir(pair_dir / "src"), load_corpus(str(pair_dir / "corpus.txt"))
+    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
+    mapper = Calibration(source, target, tok, corpus, cfg, tmp_path_factory.mktemp("fit") / "m").run(progress=False)
+    prompts = [tok.encode(corpus.documents[-1])[:37], tok.encode(corpus.documents[-2])[:23]]
+    return source, target, mapper, prompts
+
+
+@pytest.fixture(scope="module")
+def chat(pair_dir, fitted, tmp_path_factory):
+    """({"small": LLM, "large": LLM}, maps both ways: the fitted small -> large and one fitted large -> small)."""
+    _, _, mapper, _ = fitted
+    small, large = LLM(pair_dir / "src"), LLM(pair_dir / "tgt")
+    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=4)
+    back = Calibration(large.runner, small.runner, small.tokenizer, load_corpus(str(pair_dir / "corpus.txt")), cfg,
+                       tmp_path_factory.mktemp("back") / "m").run(progress=False)
+    return {"small": small, "large": large}, {("small", "large"): mapper, ("large", "small"): back}

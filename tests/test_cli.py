@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
 from rarecache import LLM, SamplingConfig
-from rarecache.cli import main
+from rarecache.cli import build_parser, main
+from rarecache.commands.eval import TASK_NAMES
+from rarecache.eval.tasks import TASKS
 
 from .conftest import make_tiny
 
@@ -50,12 +56,83 @@ def test_missing_weights_named(model_dir, capsys):
     assert "no .safetensors weights" in capsys.readouterr().err
 
 
-def test_help_lists_commands(capsys):
+COMMANDS = ("demo", "models", "pull", "generate", "calibrate", "inspect", "ppl", "eval", "serve", "bench")
+
+
+def _parsers(parser, words=(), summary=None):
+    """Every (sub)parser under `parser`: its command words, itself, and the help line its parent lists."""
+    yield words, parser, summary
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, child in action.choices.items():
+                yield from _parsers(child, (*words, name), helps[name])
+
+
+def _flat(text: str) -> str:
+    """Without its whitespace: help wraps lines at spaces and after hyphens."""
+    return "".join(text.split())
+
+
+def test_help_lists_every_command_with_its_summary(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert all(c in out for c in ("pull", "generate", "models"))
+    assert out.startswith("usage: rarecache [-h] COMMAND ...")
+    assert "Cross-model KV-cache handoff" in out
+    assert re.findall(r"^    (\S+)", out, re.M) == list(COMMANDS)  # each once, in this order
+    helps = {words[0]: h for words, _, h in _parsers(build_parser()) if len(words) == 1}
+    assert set(helps) == set(COMMANDS) and all(helps.values())
+    assert all(_flat(f"{c} {helps[c]}") in _flat(out) for c in COMMANDS)
+
+
+def test_every_subcommand_help(capsys):
+    """`rarecache ... --help` works for every command and action, and shows what its parser holds."""
+    seen = []
+    for words, parser, summary in _parsers(build_parser()):
+        with pytest.raises(SystemExit) as e:
+            main([*words, "--help"])
+        assert e.value.code == 0 and (summary or not words), words  # every command has its one-line summary
+        out = _flat(capsys.readouterr().out)
+        assert out.startswith(_flat(f"usage: rarecache {' '.join(words)}".rstrip() + " [-h]")), words
+        if parser.description:
+            assert _flat(parser.description) in out, words
+        for action in parser._actions:
+            if action.option_strings and action.help:
+                assert _flat(action.help) in out, (words, action.option_strings)
+        seen.append(" ".join(words))
+    assert set(seen) >= {"eval run", "eval report", *(f"bench {b}" for b in ("map", "handoff", "serve", "load",
+                                                                             "ablate"))}
+    assert TASK_NAMES == tuple(TASKS)  # the names `eval run --help` lists without importing the tasks
+    with pytest.raises(SystemExit):
+        main(["eval", "run", "--help"])
+    assert _flat(f"--task TASK one of: {', '.join(TASKS)}") in _flat(capsys.readouterr().out)
+
+
+def test_help_imports_no_model_code():
+    """Every --help text comes without importing torch, the model code or the evaluation tasks."""
+    commands = [list(words) for words, _, _ in _parsers(build_parser())]
+    code = ("import contextlib, io, json, sys\n"
+            "from rarecache.cli import main\n"
+            "for words in json.loads(sys.argv[1]):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        main([*words, '--help'])\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'tokenizers')\n"
+            "             or m.startswith(('rarecache.eval', 'rarecache.engine', 'rarecache.transfer'))))\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                         check=True).stdout
+    assert len(commands) == 18 and out.splitlines()[-1] == "[]"
+
+
+def test_served_model_names(tmp_path, monkeypatch):
+    from rarecache.serve.names import model_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+    assert model_id("qwen2.5-coder-0.5b-instruct") == "qwen2.5-coder-0.5b-instruct"  # a bundled name as given
+    assert model_id(str(tmp_path / "models" / "small.gguf")) == "small"
+    assert model_id(str(tmp_path / "models" / "big")) == "big" and model_id("local") == "local"
 
 
 def test_eval_report_and_plots(tmp_path, capsys):

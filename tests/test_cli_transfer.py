@@ -24,7 +24,15 @@ def mapped(pair_dir, tmp_path_factory):
 
 def test_calibrate_writes_a_map_and_inspect_reads_it(mapped, capsys):
     assert (mapped / "m.safetensors").is_file() and not (mapped / "m.safetensors.state").exists()
+    from rarecache.transfer.mapper import Mapper
+
     capsys.readouterr()
+    assert main(["inspect", str(mapped / "m.safetensors")]) == 0
+    out = capsys.readouterr().out
+    summary = Mapper.load(mapped / "m.safetensors").summary()
+    assert out.startswith(summary + "\n") and summary.startswith("map src -> tgt: k=2 lambda=0.01 rank=4 tokens=400")
+    assert [line.split()[:2] for line in summary.splitlines()[1:]] == [["R2", "keys"], ["R2", "values"]]
+    assert "held-out mean" in summary and len(out.splitlines()) == 3 + 3 + 1 + 4  # one row per target layer
     assert main(["inspect", str(mapped / "m.safetensors"), "--json", "--plot", str(mapped / "r2.png")]) == 0
     info = json.loads(capsys.readouterr().out)
     assert len(info["r2"]["k"]) == 4 and info["info"]["k"] == 2 and info["info"]["tokens"] == 400
@@ -66,10 +74,26 @@ def test_ppl_and_its_disjointness_check(mapped, capsys):
 
 
 def test_bench_map_prints_table_then_json(mapped, capsys):
+    capsys.readouterr()
     assert main(["bench", "map", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
-                 str(mapped / "m.safetensors"), "--lengths", "32", "--repeats", "1", "--dtype", "float32"]) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert last["bench"] == "map" and last["rows"][0]["T"] == 32 and last["rows"][0]["map_over_prefill"] > 0
+                 str(mapped / "m.safetensors"), "--lengths", "32", "48", "--repeats", "2", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == "map vs target prefill, src -> tgt, float32, batch 1, median of 2 after a warm-up"
+    assert lines[1].split() == ["T", "prefill", "ms", "map", "ms", "score", "ms", "map/prefill", "(map+score)/prefill"]
+    last = json.loads(lines[-1])
+    assert {k: last[k] for k in ("bench", "source", "target", "dtype")} == {
+        "bench": "map", "source": "src", "target": "tgt", "dtype": "float32"}
+    assert [r["T"] for r in last["rows"]] == [32, 48] and len(lines) == 2 + 2 + 1
+    for r, line in zip(last["rows"], lines[2:-1]):
+        assert all(r[k] > 0 for k in ("prefill_ms", "map_ms", "score_ms"))
+        assert r["prefill_spread_ms"] >= 0 and r["map_spread_ms"] >= 0
+        assert r["map_over_prefill"] == pytest.approx(r["map_ms"] / r["prefill_ms"])
+        assert r["map_score_over_prefill"] == pytest.approx((r["map_ms"] + r["score_ms"]) / r["prefill_ms"])
+        cells = line.split()  # the table row shows the JSON row's figures, rounded
+        assert int(cells[0]) == r["T"]
+        for cell, key, digits in zip(cells[1:], ("prefill_ms", "map_ms", "score_ms", "map_over_prefill",
+                                                 "map_score_over_prefill"), (1, 1, 1, 3, 3)):
+            assert cell == f"{r[key]:.{digits}f}"
 
 
 def test_inspect_strip(mapped, capsys):
@@ -87,8 +111,9 @@ def test_inspect_strip(mapped, capsys):
 def test_bench_handoff_table_and_ceilings(mapped, capsys):
     assert main(["bench", "handoff", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
                  str(mapped / "m.safetensors"), "--lengths", "40", "--rhos", "0.3", "1", "--batches", "1", "2",
-                 "--repeats", "1", "--dtype", "float32"]) == 0
+                 "--repeats", "1", "--dtype", "float32", "--out", str(mapped / "bench" / "handoff.json")]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads((mapped / "bench" / "handoff.json").read_text()) == res  # --out holds what was printed
     assert [(r["batch"], r["rho"]) for r in res["rows"]] == [(1, 0.3), (1, 1.0), (2, 0.3), (2, 1.0)]
     assert all(r["handoff_ms"] > 0 and r["ceiling_sparse"] >= r["ceiling_dense"] for r in res["rows"])
 
@@ -157,7 +182,7 @@ def test_pipeline_batch_equals_single_requests(mapped):
 
 
 def test_eval_run_and_report_with_two_maps(mapped, capsys, monkeypatch, tmp_path):
-    from rarecache.eval.run import load_results
+    from rarecache.eval.results import load_results
     from rarecache.eval.tasks import TASKS
 
     from .test_eval import ToyChoice

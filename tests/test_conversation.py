@@ -10,24 +10,8 @@ from rarecache.transfer.conversation import Conversation
 from rarecache.transfer.handoff import HandoffConfig
 from rarecache.transfer.mapper import Mapper
 
-from .test_handoff import fitted  # noqa: F401  (fixture)
-
 SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
 TURNS = ["the quick brown fox", "jumps over the lazy dog", "def add return", "tokens and spaces"]
-
-
-@pytest.fixture(scope="module")
-def chat(pair_dir, fitted, tmp_path_factory):  # noqa: F811
-    _, _, mapper, _ = fitted
-    small, large = LLM(pair_dir / "src"), LLM(pair_dir / "tgt")
-    # the reverse direction: a map fitted large -> small
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
-
-    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=4)
-    back = Calibration(large.runner, small.runner, small.tokenizer, load_corpus(str(pair_dir / "corpus.txt")), cfg,
-                       tmp_path_factory.mktemp("back") / "m").run(progress=False)
-    return {"small": small, "large": large}, {("small", "large"): mapper, ("large", "small"): back}
 
 
 def fresh_answer(llm: LLM, messages) -> list[int]:
@@ -74,4 +58,6 @@ def test_unknown_model_and_bad_map(chat):
         Conversation(models, maps).say("hi", "huge")
     with pytest.raises(RarecacheError, match="runs"):
         Conversation(models, {("large", "small"): maps[("small", "large")]})
+    with pytest.raises(RarecacheError, match="names a model the conversation does not have"):
+        Conversation(models, {("small", "huge"): maps[("small", "large")]})
     assert isinstance(maps[("small", "large")], Mapper)

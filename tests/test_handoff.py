@@ -9,24 +9,10 @@ import torch
 
 from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
-from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
 from rarecache.transfer.features import rows
-from rarecache.transfer.handoff import HandoffConfig, budget, handoff, prefix_layers
-from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, rank_scores
+from rarecache.transfer.handoff import LAYER_PREFIX, POSITIONS, HandoffConfig, budget, handoff, prefix_layers
 from rarecache.transfer.mapper import SIDES
-
-
-
-@pytest.fixture(scope="module")
-def fitted(pair_dir, tmp_path_factory):
-    source, target = Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt")
-    tok, corpus = Tokenizer.from_dir(pair_dir / "src"), load_corpus(str(pair_dir / "corpus.txt"))
-    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
-    mapper = Calibration(source, target, tok, corpus, cfg, tmp_path_factory.mktemp("fit") / "m").run(progress=False)
-    prompts = [tok.encode(corpus.documents[-1])[:37], tok.encode(corpus.documents[-2])[:23]]
-    return source, target, mapper, prompts
+from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, rank_scores
 
 
 def own_prefill(target, prompts, max_len):
@@ -103,14 +89,14 @@ def test_score_limits_in_rank(fitted):
             mapper.sides[s].basis = saved[s]
 
 
-@pytest.mark.parametrize("selector", [*SELECTORS, "layer-prefix"])
+@pytest.mark.parametrize("name", [*SELECTORS, "layer-prefix"])
 @pytest.mark.parametrize("rho", [0.0, 0.1, 0.3, 0.5, 0.99])
-def test_selection_honours_budget_and_keeps_last(fitted, selector, rho):
+def test_selection_honours_budget_and_keeps_last(fitted, name, rho):
     source, target, mapper, prompts = fitted
-    _, _, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=rho, selector=selector))
+    _, _, res = handoff(source, target, mapper, prompts, HandoffConfig.named(rho, name))
     for chosen, prompt in zip(res.positions, prompts):
         n = len(prompt)
-        if selector == "layer-prefix":  # FLOP-matched: n·m + (L − m) ≈ ⌈ρn⌉·L token-layers
+        if name == "layer-prefix":  # FLOP-matched: n·m + (L − m) ≈ ⌈ρn⌉·L token-layers
             L, m = target.num_layers, res.prefix_layers
             assert chosen == [n - 1] and abs(n * m + (L - m) - budget(rho, n) * L) <= n * 1.5
             continue
@@ -133,18 +119,40 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(rho=1.5)
     with pytest.raises(RarecacheError, match="unknown selector"):
         HandoffConfig(selector="magic")
+    with pytest.raises(RarecacheError, match=r"unknown selector 'layer-prefix'; .*l2-oracle \(layer-prefix is a "
+                                             r"schedule: schedule='layer-prefix'\)$"):
+        HandoffConfig(selector="layer-prefix")
+    with pytest.raises(RarecacheError, match="unknown schedule 'magic'; choose from positions, layer-prefix$"):
+        HandoffConfig(schedule="magic")
+    # the one word users give: the message lists every name they may give
+    with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, "
+                                             "attn-target, l2-oracle, layer-prefix$"):
+        HandoffConfig.named(0.3, "magic")
+    with pytest.raises(RarecacheError, match=r"^rho must be in \[0, 1\], got 1.5$"):
+        HandoffConfig.named(1.5, "magic")
+
+
+def test_layer_prefix_is_a_schedule_named_like_a_selector():
+    """Users name layer-prefix where they name a selector; inside it is a schedule that scores nothing."""
+    cfg = HandoffConfig.named(0.3, "layer-prefix", seed=4)
+    assert (cfg.schedule, cfg.rho, cfg.seed, cfg.scorer, cfg.name) == (LAYER_PREFIX, 0.3, 4, None, "layer-prefix")
+    assert cfg == HandoffConfig(0.3, seed=4, schedule=LAYER_PREFIX)
+    for name in SELECTORS:
+        cfg = HandoffConfig.named(0.5, name)
+        assert cfg == HandoffConfig(0.5, name) and cfg.schedule == POSITIONS
+        assert cfg.name == name and cfg.scorer is SELECTORS[name]
 
 
 def test_layer_prefix_limits(fitted):
     """All layers for every position is the target's own prefill; none is plain transfer."""
     source, target, mapper, prompts = fitted
     assert prefix_layers(1.0, 37, 4) == 4 and prefix_layers(0.0, 37, 4) == 0
-    _, full, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0, selector="layer-prefix"))
+    _, full, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0, schedule=LAYER_PREFIX))
     _, own = target.prefill(prompts)
     assert res.prefix_layers == 4
     torch.testing.assert_close(full, own.logits, atol=1e-5, rtol=0)
     _, plain, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, selector="rank"))
-    _, none, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, selector="layer-prefix"))
+    _, none, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, schedule=LAYER_PREFIX))
     assert res.prefix_layers == 0
     torch.testing.assert_close(none, plain, atol=1e-5, rtol=0)
 
@@ -200,14 +208,14 @@ def test_variants_equal_one_handoff_each(fitted):
     own_cache = target.new_cache(1, n)
     out = target.forward(torch.tensor([ids]), torch.arange(n)[None], own_cache,
                          capture=attention_capture(target, torch.tensor([n])))
-    own = (own_cache, received(out.attn, n))
+    target_prefill = (own_cache, received(out.attn, n))
     other = scaled_map(mapper)
-    variants = [("a", HandoffConfig(0.3, s)) for s in ("rank", "random", "attn-source", "attn-target", "l2-oracle",
-                                                      "layer-prefix")]
+    variants = [("a", HandoffConfig.named(0.3, s)) for s in ("rank", "random", "attn-source", "attn-target",
+                                                            "l2-oracle", "layer-prefix")]
     variants += [("a", HandoffConfig(0.0)), ("b", HandoffConfig(0.3)), ("a", HandoffConfig(0.5)),
                  ("b", HandoffConfig(1.0))]
     cache, logits, results = handoff_variants(source, target, {"a": mapper, "b": other}, ids, variants, src,
-                                              source_attn=src_attn, own=own)
+                                              source_attn=src_attn, target_prefill=target_prefill)
     for v, (label, cfg) in enumerate(variants):
         ref_cache, ref_logits, ref = handoff(source, target, {"a": mapper, "b": other}[label], [ids], cfg)
         assert results[v].positions == ref.positions, (label, cfg)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -30,7 +31,7 @@ def test_config_fields(tmp_path):
     cfg = ModelConfig.from_dir(tmp_path)
     assert (cfg.family, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == ("qwen3", 24, True, False)
     assert cfg.kv_dim == 48
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError, match="^cannot assign to field 'num_layers'$"):
         cfg.num_layers = 4  # frozen
 
 

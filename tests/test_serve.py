@@ -16,8 +16,7 @@ from rarecache.serve.service import ChatService, ServiceConfig
 from rarecache.transfer.conversation import common_prefix
 from rarecache.transfer.handoff import HandoffConfig
 
-from .test_conversation import TURNS, chat, fresh_answer  # noqa: F401  (fixtures)
-from .test_handoff import fitted  # noqa: F401  (fixture)
+from .test_conversation import TURNS, fresh_answer
 
 fastapi = pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -27,7 +26,7 @@ from rarecache.serve.app import create_app  # noqa: E402
 SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
 
 
-def service(chat, rho=1.0, **kw):  # noqa: F811
+def service(chat, rho=1.0, **kw):
     models, maps = chat
     return ChatService(models, maps, ServiceConfig(HandoffConfig(rho=rho), **kw))
 
@@ -40,13 +39,13 @@ def ask(client, model, messages, **kw):
 
 def assert_rows_held(svc: ChatService) -> None:
     """Every held entry has a filled cache row for each token it claims, and none past them."""
-    for es in svc.entries.values():
+    for es in svc.store.entries.values():
         for e in es:
             n = len(e.held.ids)
             assert e.held.cache.filled[0, :n].all() and not e.held.cache.filled[0, n:].any()
 
 
-def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):  # noqa: F811
+def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):
     """A stateless client moves one conversation small -> large -> small: with ρ = 1 every answer
     equals the model answering the whole conversation itself, and the response says where the
     rows came from."""
@@ -72,7 +71,7 @@ def test_switching_over_http_equals_each_model_alone_at_rho_one(chat):  # noqa: 
     assert_rows_held(client.app.state.service)
 
 
-def test_partial_recompute_budget(chat):  # noqa: F811
+def test_partial_recompute_budget(chat):
     svc = service(chat, rho=0.3)
     first = [{"role": "user", "content": TURNS[0]}]
     svc.complete("small", first, SAMPLING)
@@ -82,7 +81,7 @@ def test_partial_recompute_budget(chat):  # noqa: F811
     assert reply.recomputed == math.ceil(0.3 * reply.prompt_tokens)
 
 
-def test_conversations_sharing_a_prefix_do_not_overwrite_each_other(chat):  # noqa: F811
+def test_conversations_sharing_a_prefix_do_not_overwrite_each_other(chat):
     """Two conversations interleaved on one model: each next turn keeps all its own earlier rows
     (the shared system prompt is copied, not taken over), and every answer is the model's own."""
     models, _ = chat
@@ -95,24 +94,24 @@ def test_conversations_sharing_a_prefix_do_not_overwrite_each_other(chat):  # no
             if turn == 1:  # all of its first prompt and answer, up to the re-rendered answer's end
                 assert reply.reused >= len(models["large"].encode(messages[:1])) + 1
             messages += [{"role": "assistant", "content": reply.text}, {"role": "user", "content": TURNS[2 + c]}]
-    assert len(svc.entries["large"]) == 2 and not svc.entries["small"]
+    assert len(svc.store.entries["large"]) == 2 and not svc.store.entries["small"]
 
 
-def test_eviction_keeps_answers_exact(chat):  # noqa: F811
+def test_eviction_keeps_answers_exact(chat):
     models, _ = chat
     svc = service(chat, cache_bytes=1)  # nothing survives the next request
     a = [{"role": "user", "content": TURNS[0]}]
     b = [{"role": "user", "content": TURNS[1]}]
     first = svc.complete("small", a, SAMPLING)
     svc.complete("small", b, SAMPLING)
-    assert len(svc.entries["small"]) == 1  # a's entry went
+    assert len(svc.store.entries["small"]) == 1  # a's entry went
     again = svc.complete("small", a, SAMPLING)
     shared = common_prefix(models["small"].encode(a), models["small"].encode(b))  # the system prompt
     assert 0 < again.reused == shared < again.prompt_tokens - 5  # only b's entry was left to reuse
     assert again.tokens == first.tokens == fresh_answer(models["small"], a)
 
 
-def test_concurrent_requests_equal_sequential(chat):  # noqa: F811
+def test_concurrent_requests_equal_sequential(chat):
     """Requests from several threads run one at a time over the shared store; at ρ = 1 every
     answer is the model's own whichever order they ran in and whatever was handed off."""
     models, _ = chat
@@ -125,7 +124,7 @@ def test_concurrent_requests_equal_sequential(chat):  # noqa: F811
     assert any(r.handed_off_from for r in got) and any(r.reused for r in got)
 
 
-def test_requests_are_validated(chat):  # noqa: F811
+def test_requests_are_validated(chat):
     svc = service(chat, max_new_tokens=8)
     client = TestClient(create_app(svc, default_max_tokens=4))
     user = [{"role": "user", "content": "the quick brown fox"}]
@@ -152,7 +151,7 @@ def test_requests_are_validated(chat):  # noqa: F811
     assert "temperature" in err(400, {"model": "small", "messages": user, "temperature": -1})
     r = client.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
-    assert not svc.entries["small"]  # failed requests leave no cache behind
+    assert not svc.store.entries["small"]  # failed requests leave no cache behind
     # defaults: stream false and n 1 are fine; no max_tokens -> the server default
     body = ask(client, "small", user, stream=False, n=1, max_tokens=None)
     assert body["usage"]["completion_tokens"] <= 4
@@ -160,7 +159,15 @@ def test_requests_are_validated(chat):  # noqa: F811
     assert client.get("/health").json()["held_cache_bytes"] == svc.held_bytes() > 0
 
 
-def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_maps_must_fit_the_models_the_service_has(chat):
+    models, maps = chat
+    with pytest.raises(RarecacheError, match="names a model the service does not have"):
+        ChatService(models, {("small", "huge"): maps[("small", "large")]})
+    with pytest.raises(RarecacheError, match="runs"):  # a map used in the wrong direction
+        ChatService(models, {("large", "small"): maps[("small", "large")]})
+
+
+def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):
     _, _, mapper, _ = fitted
     path = tmp_path / "m.safetensors"
     mapper.save(path)
@@ -168,6 +175,7 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F8
     assert main([*args, "--map", str(tmp_path / "none.safetensors")]) == 2
     assert "no map file" in capsys.readouterr().err
     assert main([*args, "--map", str(path), "--port", "0"]) == 2
+    assert "--port must be in 1..65535, got 0" in capsys.readouterr().err
     assert main(args) == 2 and "give --map" in capsys.readouterr().err  # only the bundled pair has a default
     assert main([*args, "--map", str(path), "--max-batch", "0"]) == 2 and "--max-batch" in capsys.readouterr().err
     assert main(["bench", "load", "--model", str(pair_dir / "tgt"), "--clients", "0"]) == 2
@@ -186,7 +194,7 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):  # noqa: F8
     assert body["rarecache"]["handed_off_from"] == "src"
 
 
-def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):  # noqa: F811
+def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):
     """The load generator's two arms: at ρ = 1 the handoff arm answers exactly what the re-reading
     arm answers, hands off at every switch (both directions with a reverse map) and keeps rows
     on the turns that stay."""
@@ -212,7 +220,7 @@ def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):  # noqa: F8
     assert out["switches"] == 4 and out["switch_same_answer"] == 4 and "speed-up" in lines[-1]
 
 
-def test_switch_bench_passages_avoid_calibration_documents(chat, pair_dir):  # noqa: F811
+def test_switch_bench_passages_avoid_calibration_documents(chat, pair_dir):
     from rarecache.bench.serve import SwitchBenchConfig, passages
     from rarecache.transfer.corpus import load_corpus
 
@@ -240,7 +248,7 @@ def events(response) -> list:
     return [x if x == "[DONE]" else json.loads(x) for x in out]
 
 
-def test_streaming_equals_the_whole_answer(chat):  # noqa: F811
+def test_streaming_equals_the_whole_answer(chat):
     """Streamed pieces add up to the answer a plain request gets; the last chunk carries the finish
     reason and the handoff record, the usage chunk comes when asked, then [DONE]."""
     messages = [{"role": "user", "content": TURNS[0]}]
@@ -263,7 +271,7 @@ def test_streaming_equals_the_whole_answer(chat):  # noqa: F811
     assert ev[-2]["usage"] == want["usage"] and ev[-2]["choices"] == []
 
 
-def test_stop_strings_cut_the_answer_streamed_or_not(chat):  # noqa: F811
+def test_stop_strings_cut_the_answer_streamed_or_not(chat):
     messages = [{"role": "user", "content": TURNS[1]}]
     full = ask(TestClient(create_app(service(chat))), "small", messages, max_tokens=10)["choices"][0]["message"]
     text = full["content"]
@@ -281,7 +289,7 @@ def test_stop_strings_cut_the_answer_streamed_or_not(chat):  # noqa: F811
     assert ev[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_an_answer_ended_early_leaves_a_consistent_cache(chat):  # noqa: F811
+def test_an_answer_ended_early_leaves_a_consistent_cache(chat):
     """A cancelled answer (or one cut by a stop string) ends before its last token is fed to
     the model: the held entry must not claim that token's row, so the next turn, which keeps
     the entry, still equals the model answering the whole conversation itself."""
@@ -301,7 +309,7 @@ def test_an_answer_ended_early_leaves_a_consistent_cache(chat):  # noqa: F811
     assert_rows_held(svc)
 
 
-def test_oversized_bodies_are_refused_before_they_are_read(chat):  # noqa: F811
+def test_oversized_bodies_are_refused_before_they_are_read(chat):
     client = TestClient(create_app(service(chat), max_body=2000))
     big = {"model": "small", "messages": [{"role": "user", "content": "x" * 3000}]}
     r = client.post("/v1/chat/completions", json=big)
@@ -320,7 +328,7 @@ def test_oversized_bodies_are_refused_before_they_are_read(chat):  # noqa: F811
                                                      "max_tokens": 2}).status_code == 200
 
 
-def test_a_full_queue_answers_503_and_frees_up(chat):  # noqa: F811
+def test_a_full_queue_answers_503_and_frees_up(chat):
     """One request runs and `max_waiting` wait; the next gets a 503 with Retry-After, and once the
     line moves, requests are taken again (streamed ones release their place too)."""
     import threading
@@ -352,7 +360,7 @@ def test_a_full_queue_answers_503_and_frees_up(chat):  # noqa: F811
     assert client.get("/health").json()["requests_in_flight"] == 0
 
 
-def test_running_answers_are_decoded_in_one_batch_and_equal_alone(chat):  # noqa: F811
+def test_running_answers_are_decoded_in_one_batch_and_equal_alone(chat):
     """Requests queued together are decoded together (up to max_batch answers per step), and each
     answer, greedy or sampled with its own seed, is the one its model gives alone; the same
     conversation asked twice at once does not share a cache being written."""
@@ -398,11 +406,11 @@ def test_running_answers_are_decoded_in_one_batch_and_equal_alone(chat):  # noqa
     for (who, messages, cfg), reply in zip(jobs, got):
         assert reply.tokens == models[who].generate([messages], cfg)[0].tokens
     assert max(sizes["large"]) == 3 and 1 in sizes["large"]
-    assert svc.load == (0, 0) and not any(e.busy for es in svc.entries.values() for e in es)
+    assert svc.load == (0, 0) and not any(e.busy for es in svc.store.entries.values() for e in es)
     assert_rows_held(svc)
 
 
-def test_a_failing_request_does_not_stop_the_others(chat):  # noqa: F811
+def test_a_failing_request_does_not_stop_the_others(chat):
     """A stream callback that raises fails its own request only; the worker keeps serving."""
     models, _ = chat
     svc = service(chat, max_batch=2)
@@ -420,7 +428,7 @@ def test_a_failing_request_does_not_stop_the_others(chat):  # noqa: F811
         svc.complete("small", messages, SAMPLING)
 
 
-def test_load_bench_arms_agree_and_the_batched_arm_batches(chat, tmp_path):  # noqa: F811
+def test_load_bench_arms_agree_and_the_batched_arm_batches(chat, tmp_path):
     """The load generator: both arms answer every request, with the same answers, and only the
     batched arm ever decodes more than one answer in a step."""
     from rarecache.bench.load import LoadBenchConfig, run_load_bench

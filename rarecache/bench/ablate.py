@@ -144,10 +144,10 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     caches = [source.prefill([p])[0] for p in prompts]
     batched_src, _ = source.prefill(prompts)
     cfg = HandoffConfig(rho=rho)
-    one_by_one = _median(lambda: [handoff(source, target, mapper, [p], cfg, source_cache=c, source_from=[len(p)])
+    one_by_one = _median(lambda: [handoff(source, target, mapper, [p], cfg, source_cache=c, source_kept=[len(p)])
                                   for p, c in zip(prompts, caches)], repeats)
     together = _median(lambda: handoff(source, target, mapper, prompts, cfg, source_cache=batched_src,
-                                       source_from=lengths), repeats)
+                                       source_kept=lengths), repeats)
     res.append({"optimisation": f"batched handoff of {batch} requests ({min(lengths)}-{max(lengths)} tokens)",
                 "before_ms": one_by_one * 1e3, "after_ms": together * 1e3})
     for r in res:

@@ -83,7 +83,7 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
         target.forward(tokens, pos, target.new_cache(batch, T))
         _sync(target)
         prefill = time.perf_counter() - t
-        _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache, source_from=[T] * batch)
+        _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache, source_kept=[T] * batch)
         _sync(target)
         if i:
             cell.prefill.append(prefill)

@@ -92,7 +92,7 @@ def run_switch_bench(source: LLM, target: LLM, forward: Mapper, backward: Mapper
         ChatService({"m": llm}, {}).complete("m", [{"role": "user", "content": texts[0][:200]}], sampling)
 
     emit(f"time to first token per turn, {names['source']} <-> {names['target']}, rho {cfg.handoff.rho:g} "
-         f"({cfg.handoff.selector}), {cfg.conversations} conversations of {len(cfg.schedule)} turns, "
+         f"({cfg.handoff.name}), {cfg.conversations} conversations of {len(cfg.schedule)} turns, "
          f"passages of {cfg.passage_tokens} tokens, {cfg.max_new_tokens} new tokens")
     emit(f"{'conv':>4} {'turn':>4} {'model':<7} {'prompt':>6}  {'baseline':<21}  {'rarecache':<40} {'speedup':>7} "
          f"{'agree':>7}")
@@ -124,7 +124,7 @@ def run_switch_bench(source: LLM, target: LLM, forward: Mapper, backward: Mapper
                  f"{row['agree_tokens']:>3}/{len(b.tokens):<3}")
     switched = [r for r in rows if r["switched"]]
     summary = {"bench": "serve-switch", "source": names["source"], "target": names["target"],
-               "rho": cfg.handoff.rho, "selector": cfg.handoff.selector, "conversations": cfg.conversations,
+               "rho": cfg.handoff.rho, "selector": cfg.handoff.name, "conversations": cfg.conversations,
                "passage_tokens": cfg.passage_tokens, "schedule": list(cfg.schedule),
                "median_switch_speedup": statistics.median(r["speedup"] for r in switched) if switched else None,
                "switch_same_answer": sum(r["same_answer"] for r in switched), "switches": len(switched),

@@ -63,15 +63,26 @@ class LLM:
             raise RarecacheError("the prompt is empty")
         return ids
 
+    def check_fits(self, prompt_tokens: int, new_tokens: int, name: str = "the model") -> None:
+        """Refuse a prompt of `prompt_tokens` plus `new_tokens` to generate that would not fit the
+        model's positions (`name`: how the error calls the model)."""
+        need, limit = prompt_tokens + new_tokens, self.config.max_position_embeddings
+        if need > limit:
+            raise RarecacheError(f"prompt + max_new_tokens = {need} tokens (prompt {prompt_tokens} + "
+                                 f"{new_tokens} new) exceeds {name}'s {limit} positions")
+
+    def with_eos(self, sampling: SamplingConfig) -> SamplingConfig:
+        """`sampling`, stopping at the model's end tokens unless it names its own stop tokens."""
+        if sampling.stop_token_ids:
+            return sampling
+        return replace(sampling, stop_token_ids=self.tokenizer.eos_token_ids)
+
     def generate(self, prompts: list[Prompt], sampling: SamplingConfig = SamplingConfig()) -> list[Completion]:
         """Generate for each prompt (a batch of any lengths); stops at the model's end tokens."""
         ids = [self.encode(p) for p in prompts]
+        self.check_fits(max(len(i) for i in ids), sampling.max_new_tokens)
         longest = max(len(i) for i in ids) + sampling.max_new_tokens
-        if longest > self.config.max_position_embeddings:
-            raise RarecacheError(f"prompt + max_new_tokens = {longest} tokens exceeds the model's "
-                                 f"{self.config.max_position_embeddings}")
-        if not sampling.stop_token_ids:
-            sampling = replace(sampling, stop_token_ids=self.tokenizer.eos_token_ids)
+        sampling = self.with_eos(sampling)
         t0 = time.perf_counter()
         cache, first = self.runner.prefill(ids, max_len=longest)
         t1 = time.perf_counter()

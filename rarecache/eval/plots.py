@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..transfer.plots import _mpl
+from ..transfer.plots import use_matplotlib
 from .report import is_oracle, split_arm, summarise
 
 
@@ -25,7 +25,7 @@ def _err(rows: list[dict]) -> list[list[float]]:
 
 def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: str = "rank",
                 lower_is_better: bool = False) -> None:
-    _mpl()
+    use_matplotlib()
     import matplotlib.pyplot as plt
 
     arms = _arms(rows, metric, lower_is_better)
@@ -53,7 +53,7 @@ def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: 
 
 def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: float = 0.3,
                    lower_is_better: bool = False) -> None:
-    _mpl()
+    use_matplotlib()
     import matplotlib.pyplot as plt
 
     arms = _arms(rows, metric, lower_is_better)

@@ -1,11 +1,10 @@
 """Resumable evaluation runs: every (item, arm) is one JSON line, written as soon as it is done.
 
-Each arm turns an item's prompt into a filled cache and last-position logits for
-the model that answers: the target's own prefill, the source's own prefill, or a
-handoff at some ρ and selector through one of the run's maps. Generation tasks then
-decode; likelihood tasks score every continuation in one batched pass over copies
-of that cache (a continuation's rows are written before they are read and
-positions past it are never visible, so each copy serves its choice exactly).
+Each arm (`arms.py`) turns an item's prompt into a filled cache and last-position
+logits for the model that answers: the target's own prefill, the source's own
+prefill, or a handoff at some ρ and selector through one of the run's maps.
+Generation tasks then decode; likelihood tasks score every continuation in one
+batched pass over copies of that cache (`scoring.py`).
 
 Arms of one item share work: one source prefill (its cache feeds every handoff,
 its captured attention the attn-source selector) and one target prefill (the
@@ -13,22 +12,19 @@ target arm, and the oracles' reference), whatever the number of maps and arms.
 
 A killed run continues where it stopped and ends with the same results file as an
 uninterrupted one (timings, which differ between runs, go to a separate file).
-`<out>.meta.json` records what produced the results (models, maps and their
-hashes, dtype, seed, versions); resuming with anything different is refused.
+`<out>.meta.json` records what produced the results (`results.py`); resuming with
+anything different is refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..engine.cache import KVCache
@@ -36,201 +32,16 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..models.loader import checkpoint_fingerprint
-from ..transfer.handoff import HandoffConfig, handoff_variants
+from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
-from ..transfer.selectors import SELECTORS, attention_capture, received
-from .report import display
+from ..transfer.selectors import attention_capture, received
+from .arms import Arm
+from .results import check_meta, read_done
+from .scoring import continuation_logprobs, template_mask
 from .tasks.base import Item, Task
-
-SEED = 0  # the random selector's seed
-
-
-@dataclass(frozen=True)
-class Arm:
-    kind: str  # "target", "source" or "handoff"
-    rho: float = 0.0
-    selector: str = "rank"
-    map: str = ""  # label of the map a handoff goes through ("" when the run has one unlabelled map)
-
-    @property
-    def name(self) -> str:
-        if self.kind != "handoff":
-            return self.kind
-        return f"rho={self.rho:g}/{self.selector}" + (f"@{self.map}" if self.map else "")
-
-    @property
-    def label(self) -> str:
-        return display(self.name)
-
-    @classmethod
-    def parse(cls, spec: str, maps: tuple[str, ...] = ("",)) -> list["Arm"]:
-        """"target", "source", "RHO:SELECTOR" (one arm per map) or "RHO:SELECTOR@MAP"."""
-        if spec in ("target", "source"):
-            return [cls(spec)]
-        body, _, label = spec.partition("@")
-        rho, _, selector = body.partition(":")
-        if label and label not in maps:
-            raise RarecacheError(f"arm {spec!r} names map {label!r}; the run's maps: {', '.join(maps) or '(none)'}")
-        try:
-            arms = [cls("handoff", float(rho), selector or "rank", m) for m in ([label] if label else maps)]
-            HandoffConfig(arms[0].rho, arms[0].selector)  # validates
-            return arms
-        except ValueError:
-            raise RarecacheError(f"bad arm {spec!r}: use target, source or RHO:SELECTOR[@MAP] "
-                                 "(e.g. 0.3:rank)") from None
-
-
-def parse_arms(specs: list[str], maps: tuple[str, ...]) -> list[Arm]:
-    arms: list[Arm] = []
-    for spec in specs:
-        arms += [a for a in Arm.parse(spec, maps) if a not in arms]
-    return arms
-
-
-def read_done(path: Path) -> set[tuple[str, str]]:
-    """(item, arm) pairs already in the results file; a line cut short by a kill is dropped."""
-    done = set()
-    if path.is_file():
-        data = path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            path.write_bytes(data[: data.rfind(b"\n") + 1])
-        for line in path.read_text().splitlines():
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                    done.add((row["item"], row["arm"]))
-                except (json.JSONDecodeError, KeyError):
-                    raise RarecacheError(f"{path} has a malformed line; it is not a results file of this run")
-    return done
-
-
-# -- what produced a results file ---------------------------------------------------------
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype: str,
-             sampling: SamplingConfig | None) -> dict:
-    from importlib.metadata import version
-
-    return {"task": task.name,
-            "source": {"name": source.path.name, "fingerprint": checkpoint_fingerprint(source.path)},
-            "target": {"name": target.path.name, "fingerprint": checkpoint_fingerprint(target.path)},
-            "maps": {label: {"file": str(p), "sha256": file_sha256(p)} for label, p in maps.items()},
-            "dtype": dtype, "seed": SEED,
-            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None,
-            "versions": {"rarecache": version("rarecache"), "torch": torch.__version__,
-                         "python": platform.python_version()}}
-
-
-def check_meta(out: Path, meta: dict) -> dict:
-    """Refuse to add to a results file made with other models, maps or settings; record this run."""
-    path = out.with_suffix(".meta.json")
-    if path.is_file():
-        try:
-            old = json.loads(path.read_text())
-        except ValueError:
-            raise RarecacheError(f"{path} is not a run record; move it away or use another --out") from None
-        for key in ("task", "source", "target", "dtype", "seed", "sampling"):
-            if old.get(key) != meta[key]:
-                raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has {meta[key]!r}: "
-                                     "use another --out")
-        for label, m in meta["maps"].items():
-            was = old.get("maps", {}).get(label)
-            if was is not None and was["sha256"] != m["sha256"]:
-                raise RarecacheError(f"{out}: map {label or '(unlabelled)'} is not the file its results came from "
-                                     f"({m['file']} sha256 {m['sha256'][:12]}, was {was['sha256'][:12]}): "
-                                     "use another --out")
-        seen = [*old.get("versions_seen", []), old.get("versions"), meta["versions"]]
-        meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
-                "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(meta, indent=1) + "\n")
-    return meta
-
-
-# -- scoring continuations ------------------------------------------------------------------
-
-SCORE_TOKENS = 512  # padded continuation tokens per scoring pass (bounds the (rows, width, vocab) logits)
-
-
-def continuation_logprobs(runner: Runner, cache: KVCache, first: torch.Tensor, start: int,
-                          continuations: list[list[int]]) -> list[list[list[float]]]:
-    """Per-token log-probabilities of each continuation placed at positions start.., for every row
-    of `cache` (A contexts whose prompt rows end at start - 1) with `first` (A, V) their last logits.
-    Returns [context][continuation][token].
-
-    Every (context, continuation) pair gets its own copy of the context's rows; pairs of similar
-    length run together as padded batches of about SCORE_TOKENS tokens (one pass reads the
-    weights once for all of them).
-    """
-    A = first.shape[0]
-    first_lp = F.log_softmax(first.float(), -1)  # (A, V)
-    out = [[[first_lp[a, cont[0]].item()] for cont in continuations] for a in range(A)]
-    pairs = sorted(((a, c) for a in range(A) for c, cont in enumerate(continuations) if len(cont) > 1),
-                   key=lambda p: len(continuations[p[1]]))
-    i = 0
-    while i < len(pairs):
-        j = i + 1
-        while j < len(pairs) and (j + 1 - i) * (len(continuations[pairs[j][1]]) - 1) <= SCORE_TOKENS:
-            j += 1
-        chunk, i = pairs[i:j], j
-        width = len(continuations[chunk[-1][1]]) - 1  # the last token of each is only predicted
-        rows = torch.tensor([a for a, _ in chunk], device=cache.k.device)
-        batch = runner.new_cache(len(chunk), start + width)
-        batch.k[:, :, :, :start] = cache.k[:, rows, :, :start]
-        batch.v[:, :, :, :start] = cache.v[:, rows, :, :start]
-        batch.filled[:, :start] = cache.filled[rows, :start]
-        toks = torch.zeros(len(chunk), width, dtype=torch.long)
-        pos = torch.full((len(chunk), width), -1, dtype=torch.long)
-        for r, (_, c) in enumerate(chunk):
-            n = len(continuations[c]) - 1
-            toks[r, :n] = torch.tensor(continuations[c][:-1])
-            pos[r, :n] = torch.arange(start, start + n)
-        lp = F.log_softmax(runner.forward(toks.to(runner.device), pos, batch, logits_at="all").logits.float(), -1)
-        for r, (a, c) in enumerate(chunk):
-            cont = continuations[c]
-            out[a][c] += lp[r, torch.arange(len(cont) - 1), torch.tensor(cont[1:])].tolist()
-    return out
-
-
-def continuation_logprobs_reference(runner: Runner, cache: KVCache, first: torch.Tensor, start: int,
-                                    continuations: list[list[int]]) -> list[list[float]]:
-    """One context (cache of batch one, `first` (V,)), one continuation at a time over that one
-    cache: the reference for `continuation_logprobs`."""
-    cache = cache.grown(start + max(len(c) for c in continuations))
-    out = []
-    for cont in continuations:
-        logits = first[None]
-        if len(cont) > 1:
-            toks = torch.tensor([cont[:-1]], device=runner.device)
-            pos = torch.arange(start, start + len(cont) - 1, device=runner.device)[None]
-            logits = torch.cat([logits, runner.forward(toks, pos, cache, logits_at="all").logits[0]])
-        lp = F.log_softmax(logits.float(), -1).gather(1, torch.tensor(cont, device=logits.device)[:, None])
-        out.append(lp[:, 0].tolist())
-    return out
 
 
 # -- shared work of one item -----------------------------------------------------------------
-
-def template_mask(ids: list[int], reference: list[int]) -> list[bool]:
-    """Positions in the text every prompt of the task shares (instruction, exemplars, chat template):
-    the common prefix and common suffix with another item's prompt."""
-    n, m = len(ids), len(reference)
-    p = 0
-    while p < min(n, m) and ids[p] == reference[p]:
-        p += 1
-    s = 0
-    while s < min(n, m) - p and ids[n - 1 - s] == reference[m - 1 - s]:
-        s += 1
-    return [i < p or i >= n - s for i in range(n)]
-
 
 @dataclass
 class _Prefill:
@@ -242,8 +53,7 @@ class _Prefill:
 class _ItemState:
     """Work shared by the arms of one item: each model's own prefill, done at most once."""
 
-    def __init__(self, item: str, ids: list[int], reference: list[int]):
-        self.item = item
+    def __init__(self, ids: list[int], reference: list[int]):
         self.ids = ids
         self.template = template_mask(ids, reference)
         self._prefills: dict[str, _Prefill] = {}
@@ -279,15 +89,14 @@ def _contexts(arms: list[Arm], st: _ItemState, source: LLM, target: LLM, maps: d
             cache.row(k).copy_prefix(pre.cache, n)
             logits[k], phases[k] = pre.logits, {"prefill": spent}
     if handoffs:
-        sels = [SELECTORS.get(arms[k].selector) for k in handoffs]
+        variants = [(arms[k].map, arms[k].config) for k in handoffs]
         src, spent = st.prefill("source", source.runner)
-        own = None
-        if any(sel is not None and sel.oracle for sel in sels):
-            tgt, own_s = st.prefill("target", target.runner)
-            own, spent = (tgt.cache, tgt.attn), spent + own_s
-        variants = [(arms[k].map, HandoffConfig(arms[k].rho, arms[k].selector, SEED)) for k in handoffs]
+        target_prefill = None
+        if any(cfg.scorer is not None and cfg.scorer.oracle for _, cfg in variants):
+            tgt, tgt_s = st.prefill("target", target.runner)
+            target_prefill, spent = (tgt.cache, tgt.attn), spent + tgt_s
         out, lg, results = handoff_variants(source.runner, target.runner, maps, ids, variants, src.cache,
-                                            source_attn=src.attn, own=own)
+                                            source_attn=src.attn, target_prefill=target_prefill)
         for j, (k, res) in enumerate(zip(handoffs, results)):
             cache.row(k).copy_prefix(out.row(j), n)
             logits[k] = lg[j]
@@ -316,7 +125,7 @@ def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, targ
     model, then one batched decode per model (decoding is bound by reading the weights, so a
     batch costs about what one sequence does)."""
     items = list({item.id: item for item, _ in chunk}.values())
-    states = {item.id: _ItemState(item.id, source.encode(item.prompt), reference) for item in items}
+    states = {item.id: _ItemState(source.encode(item.prompt), reference) for item in items}
     arms_of = {item.id: [a for i, a in chunk if i.id == item.id] for item in items}
     results: dict[tuple[str, str], tuple[dict, dict]] = {}
     for llm in (target, source):
@@ -394,26 +203,27 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
         check_meta(out, meta)
     out.parent.mkdir(parents=True, exist_ok=True)
     done = read_done(out)
-    if not sampling.stop_token_ids:
-        sampling = replace(sampling, stop_token_ids=target.tokenizer.eos_token_ids)
+    sampling = target.with_eos(sampling)
     pool = task.calibration_items()  # another prompt of the task: what every prompt shares
     reference = source.encode(pool[0].prompt) if pool else []
     jobs = [(i, a) for i in items for a in arms if (i.id, a.name) not in done]
     bar = tqdm(total=len(items) * len(arms), initial=len(items) * len(arms) - len(jobs), unit="answer",
                desc=task.name, disable=not progress, dynamic_ncols=True, file=sys.stderr)
     with open(out, "a") as res_f, open(out.with_suffix(".timings.jsonl"), "a") as time_f:
+        def write(rows: list[tuple[dict, dict]]) -> None:  # a chunk's records, then their timings
+            res_f.write("".join(json.dumps(r) + "\n" for r, _ in rows))
+            res_f.flush()
+            time_f.write("".join(json.dumps(t) + "\n" for _, t in rows))
+            time_f.flush()
+            bar.update(len(rows))
+
         if task.kind == "generate":
             order = {item.id: k for k, item in enumerate(items)}
             chunks: dict[int, list[tuple[Item, Arm]]] = {}
             for item, arm in jobs:  # fixed chunks of the item list, whatever is already done
                 chunks.setdefault(order[item.id] // batch, []).append((item, arm))
             for key in sorted(chunks):
-                rows = _generate_chunk(task, chunks[key], source, target, maps, sampling, reference)
-                res_f.write("".join(json.dumps(r) + "\n" for r, _ in rows))
-                res_f.flush()
-                time_f.write("".join(json.dumps(t) + "\n" for _, t in rows))
-                time_f.flush()
-                bar.update(len(rows))
+                write(_generate_chunk(task, chunks[key], source, target, maps, sampling, reference))
         else:
             todo: dict[str, list[Arm]] = {}
             for item, arm in jobs:
@@ -421,17 +231,9 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
             for item in items:
                 if item.id not in todo:
                     continue
-                st = _ItemState(item.id, source.encode(item.prompt), reference)
+                st = _ItemState(source.encode(item.prompt), reference)
                 conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
-                rows = _likelihood_item(task, item, todo[item.id], st, conts, source, target, maps)
-                res_f.write("".join(json.dumps(r) + "\n" for r, _ in rows))
-                res_f.flush()
-                time_f.write("".join(json.dumps(t) + "\n" for _, t in rows))
-                time_f.flush()
-                bar.update(len(rows))
+                write(_likelihood_item(task, item, todo[item.id], st, conts, source, target, maps))
     bar.close()
     return out
 
-
-def load_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

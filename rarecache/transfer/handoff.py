@@ -8,9 +8,16 @@ always selected (it yields the first token's logits) and counts inside the
 budget. ρ = 1 reproduces the target's own prefill; ρ = 0 is plain transfer.
 
 A handoff can start mid-conversation: the source cache may already hold the
-first `source_from` positions (only the rest is prefilled), and the target cache
-may already hold its own rows for the first `start` positions (only the rest is
-mapped, scored and selected from).
+first `source_kept` positions (only the rest is prefilled), and the target cache
+may already hold its own rows for the first `target_kept` positions (only the rest
+is mapped, scored and selected from).
+
+Two schedules spend the budget. `positions` (the default) recomputes the ⌈ρ·T⌉
+positions a selector picks through all the target's layers. `layer-prefix`
+(DroidSpeak-style) is not a choice of positions: it runs the target's first m
+layers for every handed-off position, m FLOP-matched to ρ. Users name either by
+one word (`--selector layer-prefix`, arm `0.3:layer-prefix`): `HandoffConfig.named`
+reads it and `HandoffConfig.name` gives it back.
 """
 
 from __future__ import annotations
@@ -25,21 +32,49 @@ from ..engine.cache import KVCache
 from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
 from .mapper import Mapper
-from .selectors import SCHEDULES, SELECTORS, SelectionContext, attention_capture, received
+from .selectors import SELECTORS, SelectionContext, Selector, attention_capture, received
+
+POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
+LAYER_PREFIX = "layer-prefix"  # the target's first m layers for every position, m FLOP-matched to ρ
+SCHEDULES = (POSITIONS, LAYER_PREFIX)
 
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    rho: float = 0.0  # share of handed-off positions the target recomputes
-    selector: str = "rank"
+    rho: float = 0.0  # share of handed-off positions the target recomputes (layer-prefix: its FLOPs)
+    selector: str = "rank"  # which positions, under the positions schedule
     seed: int = 0  # for the random selector
+    schedule: str = POSITIONS
 
     def __post_init__(self):
         if not 0 <= self.rho <= 1:
             raise RarecacheError(f"rho must be in [0, 1], got {self.rho}")
-        if self.selector not in SELECTORS and self.selector not in SCHEDULES:
-            names = ", ".join([*SELECTORS, *SCHEDULES])
-            raise RarecacheError(f"unknown selector {self.selector!r}; choose from {names}")
+        if self.schedule not in SCHEDULES:
+            raise RarecacheError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
+        if self.selector not in SELECTORS:
+            hint = f" ({LAYER_PREFIX} is a schedule: schedule={LAYER_PREFIX!r})" if self.selector == LAYER_PREFIX else ""
+            raise RarecacheError(f"unknown selector {self.selector!r}; choose from {', '.join(SELECTORS)}{hint}")
+
+    @classmethod
+    def named(cls, rho: float, name: str, seed: int = 0) -> HandoffConfig:
+        """The config a user names by one word (CLI flags, eval arms, results files): a selector's
+        name, or layer-prefix."""
+        if name == LAYER_PREFIX:
+            return cls(rho, seed=seed, schedule=LAYER_PREFIX)
+        if name in SELECTORS:
+            return cls(rho, name, seed)
+        cls(rho)  # a bad rho is reported first, as the constructor does
+        raise RarecacheError(f"unknown selector {name!r}; choose from {', '.join([*SELECTORS, LAYER_PREFIX])}")
+
+    @property
+    def name(self) -> str:
+        """The one word `named` reads: the selector's name, or the schedule's when it is not positions."""
+        return self.selector if self.schedule == POSITIONS else self.schedule
+
+    @property
+    def scorer(self) -> Selector | None:
+        """The selector that scores positions; None under layer-prefix, which scores none."""
+        return SELECTORS[self.selector] if self.schedule == POSITIONS else None
 
 
 @dataclass
@@ -48,7 +83,7 @@ class HandoffResult:
 
     positions: list[list[int]]  # positions the target recomputed through all its layers, ascending
     scores: list[torch.Tensor] | None  # selector score per handed-off position, if the selector has one
-    handed_off: list[tuple[int, int]]  # [start, end) of the positions that came from the map
+    handed_off: list[tuple[int, int]]  # [target_kept, end) of the positions that came from the map
     prefix_layers: int | None = None  # layer-prefix: layers the target ran for every position
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
@@ -91,24 +126,27 @@ def prefix_layers(rho: float, length: int, layers: int) -> int:
 @torch.inference_mode()
 def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]],
             cfg: HandoffConfig = HandoffConfig(), max_len: int | None = None,
-            source_cache: KVCache | None = None, source_from: list[int] | None = None,
-            target_cache: KVCache | None = None, start: list[int] | None = None,
-            source_attn: torch.Tensor | None = None, own: tuple[KVCache, torch.Tensor] | None = None,
+            source_cache: KVCache | None = None, source_kept: list[int] | None = None,
+            target_cache: KVCache | None = None, target_kept: list[int] | None = None,
+            source_attn: torch.Tensor | None = None, target_prefill: tuple[KVCache, torch.Tensor] | None = None,
             ) -> tuple[KVCache, torch.Tensor, HandoffResult]:
     """Hand a batch of prompts from source to target.
 
     Returns the target cache (every prompt position filled), the target's logits at
     each prompt's last position (B, V), and the record of what was done.
-    Work done elsewhere can be passed in: `source_attn` (B, S) attention received in a
-    source prefill that already happened (for attn-source), and `own`, the target's own
-    prefill cache and attention received (for the oracles).
+    `source_kept` / `target_kept`: per prompt, the first positions `source_cache` /
+    `target_cache` already hold (default none). Work done elsewhere can be passed in:
+    `source_attn` (B, S) attention received in a source prefill that already happened
+    (for attn-source), and `target_prefill`, the target's own prefill cache and
+    attention received (for the oracles).
     """
     B, lengths = len(prompts), [len(p) for p in prompts]
-    source_from = source_from or [0] * B
-    start = start or [0] * B
-    if any(not 0 <= s < n for s, n in zip(start, lengths)) or any(not 0 <= s <= n for s, n in zip(source_from, lengths)):
+    source_kept = source_kept or [0] * B
+    target_kept = target_kept or [0] * B
+    if (any(not 0 <= s < n for s, n in zip(target_kept, lengths))
+            or any(not 0 <= s <= n for s, n in zip(source_kept, lengths))):
         raise RarecacheError("handoff spans must lie inside the prompts and leave at least one position")
-    selector = SELECTORS.get(cfg.selector)
+    selector = cfg.scorer
     timings: dict[str, float] = {}
     device = target.device
 
@@ -116,8 +154,8 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     if source_cache is None:
         source_cache = source.new_cache(B, max_len or max(lengths))
     src_attn = source_attn
-    if any(f < n for f, n in zip(source_from, lengths)):
-        toks, pos = spans(prompts, [min(f, n - 1) for f, n in zip(source_from, lengths)], source.device)
+    if any(f < n for f, n in zip(source_kept, lengths)):
+        toks, pos = spans(prompts, [min(f, n - 1) for f, n in zip(source_kept, lengths)], source.device)
         cap = attention_capture(source, (pos >= 0).sum(1)) if selector and selector.needs_source_attention else None
         out = source.forward(toks, pos, source_cache, logits_at=None, capture=cap)
         if cap is not None:
@@ -128,36 +166,37 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
 
     t = _now(target)
     cache = target_cache or target.new_cache(B, max_len or max(lengths))
-    toks, positions = spans(prompts, start, device)
-    z = mapper.apply(source, source_cache, target, cache, positions)
+    toks, positions = spans(prompts, target_kept, device)
+    centred = mapper.apply(source, source_cache, target, cache, positions)
     timings["map"] = _now(target) - t
 
-    if cfg.selector == "layer-prefix":
-        return _layer_prefix(target, prompts, cfg, cache, toks, positions, start, timings)
+    if cfg.schedule == LAYER_PREFIX:
+        return _layer_prefix(target, prompts, cfg, cache, toks, positions, target_kept, timings)
 
     t = _now(target)
     whole = spans(prompts, [0] * B, device)[0]  # (B, n)
-    ctx = SelectionContext(source, target, mapper, whole, positions, cache, z, src_attn, cfg.seed, own)
+    ctx = SelectionContext(source, target, mapper, whole, positions, cache, centred, src_attn, cfg.seed,
+                           target_prefill)
     scores = selector.scores(ctx)  # (B, W)
     chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
-              for b, (s, n) in enumerate(zip(start, lengths))]
+              for b, (s, n) in enumerate(zip(target_kept, lengths))]
     timings["score"] = _now(target) - t
 
     t = _now(target)
     sel_tokens, sel_pos = subset(whole, chosen)
     logits = target.forward(sel_tokens, sel_pos, cache).logits
     timings["recompute"] = _now(target) - t
-    per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(start, lengths))]
-    return cache, logits, HandoffResult([c.tolist() for c in chosen], per_request, list(zip(start, lengths)),
+    per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(target_kept, lengths))]
+    return cache, logits, HandoffResult([c.tolist() for c in chosen], per_request, list(zip(target_kept, lengths)),
                                         timings=timings)
 
 
-def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, timings):
+def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_kept, timings):
     """DroidSpeak-style: the target's first m layers for every handed-off position (FLOP-matched
     to ρ), mapped KV above; the last position runs through all layers."""
     t = _now(target)
     lengths = [len(p) for p in prompts]
-    m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(start, lengths))
+    m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(target_kept, lengths))
     cache.mark(positions)
     h = target.embed(toks)
     cos_sin = target.cos_sin(positions)
@@ -173,13 +212,15 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, start, t
     timings["score"] = 0.0
     timings["recompute"] = _now(target) - t
     chosen = [[n - 1] for n in lengths]
-    return cache, logits, HandoffResult(chosen, None, list(zip(start, lengths)), prefix_layers=m, timings=timings)
+    return cache, logits, HandoffResult(chosen, None, list(zip(target_kept, lengths)), prefix_layers=m,
+                                        timings=timings)
 
 
 @torch.inference_mode()
 def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper], ids: list[int],
                      variants: list[tuple[str, HandoffConfig]], source_cache: KVCache,
-                     source_attn: torch.Tensor | None = None, own: tuple[KVCache, torch.Tensor] | None = None,
+                     source_attn: torch.Tensor | None = None,
+                     target_prefill: tuple[KVCache, torch.Tensor] | None = None,
                      ) -> tuple[KVCache, torch.Tensor, list[HandoffResult]]:
     """One prompt handed off under several (map label, config) variants at once, as an evaluation
     comparing selectors and budgets does. Equal to one `handoff` per variant (tested), cheaper:
@@ -187,7 +228,8 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     together as one batch (one pass over the target's weights instead of one per variant).
 
     `source_cache` (batch one) holds the source's own rows for the whole prompt; `source_attn`
-    (1, n) is its captured attention (attn-source), `own` the target's own prefill (oracles).
+    (1, n) is its captured attention (attn-source), `target_prefill` the target's own prefill
+    cache and attention received (oracles).
     Returns a cache with one row per variant, their last logits (A, V) and their records.
     """
     n = len(ids)
@@ -197,24 +239,25 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     for label in dict.fromkeys(label for label, _ in variants):
         t = _now(target)
         cache = target.new_cache(1, n)
-        z = mappers[label].apply(source, source_cache, target, cache, positions)
-        mapped[label] = (cache, z, _now(target) - t)
+        centred = mappers[label].apply(source, source_cache, target, cache, positions)
+        mapped[label] = (cache, centred, _now(target) - t)
 
     out = target.new_cache(len(variants), n)
     logits = torch.empty(len(variants), target.config.vocab_size, device=target.device)
     results: list[HandoffResult | None] = [None] * len(variants)
     groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float]]] = {}
     for v, (label, cfg) in enumerate(variants):
-        cache, z, map_s = mapped[label]
-        if cfg.selector == "layer-prefix":  # its own schedule, not a position set
+        cache, centred, map_s = mapped[label]
+        if cfg.schedule == LAYER_PREFIX:  # not a position set
             row = out.row(v)
             row.copy_prefix(cache, n)
             _, lg, res = _layer_prefix(target, [ids], cfg, row, whole, positions, [0], {"map": map_s})
             logits[v], results[v] = lg[0], res
             continue
         t = _now(target)
-        ctx = SelectionContext(source, target, mappers[label], whole, positions, cache, z, source_attn, cfg.seed, own)
-        scores = SELECTORS[cfg.selector].scores(ctx)[0]  # (n,)
+        ctx = SelectionContext(source, target, mappers[label], whole, positions, cache, centred, source_attn,
+                               cfg.seed, target_prefill)
+        scores = cfg.scorer.scores(ctx)[0]  # (n,)
         chosen = select_top(scores, budget(cfg.rho, n))
         groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), _now(target) - t))
 

@@ -133,6 +133,19 @@ class Mapper:
                              f"(configs {got_s['config']}/{got_t['config']}, weights {got_s['weights']}/"
                              f"{got_t['weights']})")
 
+    def summary(self) -> str:
+        """Direction, fitting choices, corpus and R2 per side (in-sample, and held out when measured)."""
+        i = self.info
+        lines = [f"map {i.direction}: k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
+                 f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
+                 f"{i.calibration.get('documents_used')} used)"]
+        for side, name in (("k", "keys"), ("v", "values")):
+            r2 = self.sides[side].r2
+            held = i.r2_heldout.get(side)
+            lines.append(f"  R2 {name:6s} mean {r2.mean():.4f} (min {r2.min():.4f}, max {r2.max():.4f})"
+                         + (f"   held-out mean {sum(held) / len(held):.4f}" if held else ""))
+        return "\n".join(lines)
+
     # -- application ---------------------------------------------------------------------
 
     def _tensors(self, side: str, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:

@@ -10,7 +10,6 @@ few calls, as a cascade would have it already.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,7 +20,6 @@ from ..engine.llm import LLM, Completion, Prompt
 from ..errors import RarecacheError
 from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
-from .selectors import SELECTORS
 
 _KEEP = 8  # source prefills remembered
 
@@ -51,20 +49,17 @@ class Pipeline:
     def generate(self, prompts: list[Prompt], cfg: HandoffConfig = HandoffConfig(),
                  sampling: SamplingConfig = SamplingConfig()) -> tuple[list[Completion], HandoffResult]:
         ids = [self.source.encode(p) for p in prompts]
+        self.target.check_fits(max(len(i) for i in ids), sampling.max_new_tokens, "the target")
         longest = max(len(i) for i in ids) + sampling.max_new_tokens
-        if longest > self.target.config.max_position_embeddings:
-            raise RarecacheError(f"prompt + max_new_tokens = {longest} tokens exceeds the target's "
-                                 f"{self.target.config.max_position_embeddings}")
-        if not sampling.stop_token_ids:
-            sampling = replace(sampling, stop_token_ids=self.target.tokenizer.eos_token_ids)
-        sel = SELECTORS.get(cfg.selector)
+        sampling = self.target.with_eos(sampling)
+        sel = cfg.scorer
         reads_source_attention = sel is not None and sel.needs_source_attention
         cache = self.target.runner.new_cache(len(ids), longest)
         logits, results = [], []
         for b, p in enumerate(ids):  # one request at a time into its row: no work on padding
             src, src_s = (None, 0.0) if reads_source_attention else self.source_prefill(p)
             _, lg, res = handoff(self.source.runner, self.target.runner, self.mapper, [p], cfg, source_cache=src,
-                                 source_from=None if src is None else [len(p)], target_cache=cache.row(b))
+                                 source_kept=None if src is None else [len(p)], target_cache=cache.row(b))
             if src is not None:
                 res.timings["source_prefill"] = src_s
             logits.append(lg)

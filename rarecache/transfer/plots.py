@@ -5,8 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def use_matplotlib():
+    """matplotlib, set to draw into files only (the Agg backend); a RarecacheError naming the extra
+    to install when it is missing. Call it before importing `matplotlib.pyplot`."""
+    try:
+        import matplotlib
+    except ImportError:
+        from ..errors import RarecacheError
+
+        raise RarecacheError("plots need matplotlib: pip install 'rarecache[plot]'") from None
+    matplotlib.use("Agg")
+    return matplotlib
+
+
 def plot_r2(mapper, out: Path) -> None:
-    _mpl()
+    use_matplotlib()
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -30,7 +43,7 @@ def plot_r2(mapper, out: Path) -> None:
 def plot_strip(tokens: list[str], picks: dict[str, list[int]], scores: list[float] | None, rho: float,
                out: Path, title: str = "") -> None:
     """Token strip (seed 000, fig. 13): which positions each selector recomputes, and rank scores."""
-    matplotlib = _mpl()
+    matplotlib = use_matplotlib()
     import matplotlib.pyplot as plt
     import numpy as np
 
@@ -55,14 +68,3 @@ def plot_strip(tokens: list[str], picks: dict[str, list[int]], scores: list[floa
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-def _mpl():
-    try:
-        import matplotlib
-    except ImportError:
-        from ..errors import RarecacheError
-
-        raise RarecacheError("plots need matplotlib: pip install 'rarecache[plot]'") from None
-    matplotlib.use("Agg")
-    return matplotlib

@@ -4,8 +4,8 @@ A selector scores every handed-off position (higher = recompute first); the
 handoff takes the top ⌈ρ·T⌉ with the last position forced in. Oracles look at the
 target's own prefill, which a deployment never has: they are marked `oracle` and
 labelled so wherever results are printed, and are never a default.
-`layer-prefix` (DroidSpeak-style) is not a position score; the handoff runs it
-as its own schedule.
+`layer-prefix` (DroidSpeak-style) chooses no positions, so it is not here: it is a
+schedule of the handoff (`transfer/handoff.py`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ class SelectionContext:
     tokens: torch.Tensor  # (B, n) whole prompts
     positions: torch.Tensor  # (B, W) the handed-off positions
     mapped: KVCache  # target cache after the map, before any recompute
-    z: dict[str, torch.Tensor]  # centred map outputs per side, (Lt, B, W, dt)
+    centred: dict[str, torch.Tensor]  # the map's centred outputs z per side, (Lt, B, W, dt)
     source_attn: torch.Tensor | None = None  # (B, S) attention received in the source, if captured
     seed: int = 0
-    _own: tuple[KVCache, torch.Tensor] | None = field(default=None, repr=False)
+    _target_prefill: tuple[KVCache, torch.Tensor] | None = field(default=None, repr=False)
 
     def target_prefill(self) -> tuple[KVCache, torch.Tensor]:
-        """The target's own prefill (oracles only): its cache and attention received (B, S)."""
-        if self._own is None:
+        """The target's own prefill (oracles only): its cache and attention received (B, S),
+        run here unless the handoff was given one."""
+        if self._target_prefill is None:
             n = self.tokens.shape[1]
             pos = torch.arange(n, device=self.tokens.device).expand_as(self.tokens)
             last = self.positions.max(1).values  # each row's last handed-off position
@@ -46,8 +47,8 @@ class SelectionContext:
             cache = self.target.new_cache(self.tokens.shape[0], n)
             cap = attention_capture(self.target, last + 1)
             out = self.target.forward(self.tokens, pos, cache, logits_at=None, capture=cap)
-            self._own = (cache, received(out.attn, n))
-        return self._own
+            self._target_prefill = (cache, received(out.attn, n))
+        return self._target_prefill
 
 
 def attention_capture(runner: Runner, ends: torch.Tensor) -> AttnCapture:
@@ -89,7 +90,7 @@ class RankDisagreement(Selector):
     name = "rank"
 
     def scores(self, ctx):
-        return rank_scores(ctx.mapper, ctx.z)
+        return rank_scores(ctx.mapper, ctx.centred)
 
 
 class Random(Selector):
@@ -123,10 +124,10 @@ class L2Oracle(Selector):
     oracle = True
 
     def scores(self, ctx):
-        own, _ = ctx.target_prefill()
+        true_cache, _ = ctx.target_prefill()
         slots = ctx.mapped.slots(ctx.positions)  # (B, W)
         err = 0
-        for mapped, true in ((ctx.mapped.k, own.k), (ctx.mapped.v, own.v)):
+        for mapped, true in ((ctx.mapped.k, true_cache.k), (ctx.mapped.v, true_cache.v)):
             L, B, H, _, D = true.shape
             idx = slots[None, :, None, :, None].expand(L, B, H, slots.shape[1], D)
             m = mapped.gather(3, idx).float().transpose(2, 3).flatten(3)  # (L, B, W, H·D)
@@ -135,10 +136,11 @@ class L2Oracle(Selector):
         return err / 2
 
 
-def rank_scores(mapper: Mapper, z: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W)."""
+def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W),
+    z the map's centred outputs (`centred`, per side)."""
     total = 0
-    for side, zs in z.items():  # zs (Lt, B, W, dt)
+    for side, zs in centred.items():  # zs (Lt, B, W, dt)
         Lt, B, W, dt = zs.shape
         basis = mapper.sides[side].basis.to(zs.device, zs.dtype)  # (Lt, dt, r)
         acc = torch.promote_types(zs.dtype, torch.float32)  # norms accumulate in at least float32
@@ -151,4 +153,3 @@ def rank_scores(mapper: Mapper, z: dict[str, torch.Tensor]) -> torch.Tensor:
 
 SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(),
                                                        TargetAttention(), L2Oracle())}
-SCHEDULES = ("layer-prefix",)  # not position scores; run by the handoff itself

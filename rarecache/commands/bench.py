@@ -1,0 +1,206 @@
+"""`rarecache bench map / handoff / serve / load / ablate`: speed, as ratios to a baseline timed in the same run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .common import add_model_options, add_pair_options, load_pair, print_json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="speed harness (ratios to a baseline timed in the same run)")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    _add_map(bench)
+    _add_handoff(bench)
+    _add_serve(bench)
+    _add_load(bench)
+    _add_ablate(bench)
+
+
+def _add_map(bench) -> None:
+    b = bench.add_parser("map", help="time to map a prompt's cache vs the target's own prefill")
+    add_pair_options(b)
+    b.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prompt lengths (default: 512 2048)")
+    b.add_argument("--repeats", type=int, default=3, help="timed repeats after one warm-up (default: 3)")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_map)
+
+
+def cmd_bench_map(args) -> int:
+    from ..bench.mapbench import time_map
+
+    source, target, mapper, _ = load_pair(args)
+    rows = []
+    print(f"map vs target prefill, {source.path.name} -> {target.path.name}, {args.dtype}, batch 1, "
+          f"median of {args.repeats} after a warm-up")
+    print(f"{'T':>6} {'prefill ms':>11} {'map ms':>9} {'score ms':>9} {'map/prefill':>12} {'(map+score)/prefill':>20}")
+    for length in args.lengths:
+        r = time_map(source, target, mapper, length, args.repeats).row()
+        rows.append(r)
+        print(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
+              f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
+    print_json({"bench": "map", "source": source.path.name, "target": target.path.name, "dtype": args.dtype,
+                "rows": rows})
+    return 0
+
+
+def _add_handoff(bench) -> None:
+    b = bench.add_parser("handoff", help="phase times vs the target's prefill, with the eq. 11 FLOP ceilings",
+                         description="Time map, score and recompute against the target's own prefill of the same "
+                                     "prompts in the same run, for every length x batch x rho; print a table, then "
+                                     "one JSON line.")
+    add_pair_options(b, required=False)
+    b.add_argument("--shapes", default=None,
+                   help="random weights at real shapes instead: qwen3-0.6b:qwen3-14b or llama-3.1-8b:llama-3.3-70b "
+                        "(needs a GPU's memory at full depth)")
+    b.add_argument("--max-layers", type=int, default=None, help="with --shapes: cut both models to N layers")
+    b.add_argument("--rank", type=int, default=128, help="with --shapes: probe rank (default: 128)")
+    b.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
+    b.add_argument("--rhos", type=float, nargs="+", default=[0.2, 0.3, 0.5])
+    b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--device", default="cpu")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_handoff)
+
+
+def cmd_bench_handoff(args) -> int:
+    import torch
+
+    from ..bench.handoff import time_cell
+    from ..engine.llm import DTYPES
+
+    if args.shapes:
+        from ..bench.shapes import random_mapper, random_runner
+
+        names = args.shapes.split(":")
+        if len(names) != 2:
+            raise RarecacheError("--shapes takes SOURCE:TARGET, e.g. qwen3-0.6b:qwen3-14b")
+        source, target = (random_runner(n, DTYPES[args.dtype], args.device, args.max_layers) for n in names)
+        mapper = random_mapper(source, target, rank=args.rank)
+        pair = f"{args.shapes} (random weights{f', {args.max_layers} layers' if args.max_layers else ''})"
+    else:
+        if not (args.source and args.target and args.map):
+            raise RarecacheError("give --source, --target and --map, or --shapes SOURCE:TARGET")
+        source, target, mapper, _ = load_pair(args)
+        pair = f"{source.path.name} -> {target.path.name}"
+    torch.manual_seed(0)
+    print(f"handoff vs target prefill: {pair}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, "
+          f"median of {args.repeats} after a warm-up; source prefill not counted")
+    head = (f"{'T':>5} {'rho':>4} {'B':>3} {'prefill ms':>10} {'map':>7} {'score':>6} {'recomp':>8} "
+            f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9}")
+    print(head)
+    rows = []
+    for T in args.lengths:
+        for batch in args.batches:
+            for rho in args.rhos:
+                r = time_cell(source, target, mapper, T, rho, batch, args.repeats).row(target, mapper)
+                rows.append(r)
+                print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
+                      f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
+                      f"{r['ceiling_dense']:>9.2f}x {r['ceiling_sparse']:>10.2f}x {r['of_sparse_ceiling']:>9.2f} "
+                      f"{r['map_score_share_of_prefill']:>8.1%}", flush=True)
+    print_json({"bench": "handoff", "pair": pair, "dtype": args.dtype, "device": args.device, "rows": rows},
+               args.out, indent=1)
+    return 0
+
+
+def _add_serve(bench) -> None:
+    b = bench.add_parser("serve", help="time to first token when a conversation switches model: handoff vs "
+                                       "re-reading, through the chat service",
+                         description="Scripted multi-turn conversations over held-out corpus passages, answered "
+                                     "turn by turn by the models the schedule names, twice in the same run: through "
+                                     "a service that hands off between the models and through one that re-reads. "
+                                     "Prints a row per turn, the median speed-up on switched turns, then one JSON line.")
+    add_pair_options(b)
+    b.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
+    b.add_argument("--schedule", nargs="+", default=["source", "target", "target"], choices=["source", "target"],
+                   help="who answers each turn (default: source target target)")
+    b.add_argument("--conversations", type=int, default=3, help="default: 3")
+    b.add_argument("--passage-tokens", type=int, default=1024, help="passage length in the first turn (default: 1024)")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    b.add_argument("--corpus", default="wiki", help="passages from this corpus's unused documents (default: wiki)")
+    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--selector", default="rank", help="default: rank")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args) -> int:
+    from ..bench.serve import SwitchBenchConfig, run_switch_bench
+    from ..engine.llm import LLM
+    from ..transfer.handoff import HandoffConfig
+    from ..transfer.mapper import Mapper
+
+    cfg = SwitchBenchConfig(conversations=args.conversations, passage_tokens=args.passage_tokens,
+                            schedule=tuple(args.schedule), max_new_tokens=args.max_new_tokens, corpus=args.corpus,
+                            handoff=HandoffConfig.named(args.rho, args.selector))
+    back = any(a == "target" and b == "source" for a, b in zip(cfg.schedule, cfg.schedule[1:]))
+    if back and args.reverse_map is None:
+        print("no --reverse-map: turns back to the source re-read what it has not seen", file=sys.stderr)
+    forward = Mapper.load(args.map)  # before the models, which take much longer to load
+    backward = Mapper.load(args.reverse_map) if args.reverse_map else None
+    source = LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir)
+    target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
+    print_json(run_switch_bench(source, target, forward, backward, cfg, args.cache_dir), args.out)
+    return 0
+
+
+def _add_load(bench) -> None:
+    b = bench.add_parser("load", help="throughput of the chat service under concurrent clients: batched "
+                                      "decoding vs one request at a time",
+                         description="A load generator: CLIENTS threads each send REQUESTS chat requests back to "
+                                     "back (a held-out corpus passage and a question) to one model through the "
+                                     "chat service, once with one answer decoded at a time and once with up to "
+                                     "CLIENTS decoded together, in the same run. Prints tokens/s and latencies per "
+                                     "arm, the throughput ratio and how many answers agree, then one JSON line.")
+    b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
+                   help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    b.add_argument("--clients", type=int, default=4, help="concurrent clients = the batched arm's max batch (default: 4)")
+    b.add_argument("--requests", type=int, default=2, help="requests per client, back to back (default: 2)")
+    b.add_argument("--prompt-tokens", type=int, default=128, help="passage tokens per request (default: 128)")
+    b.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer, no early end (default: 32)")
+    b.add_argument("--corpus", default="wiki", help="passages from this corpus (default: wiki)")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_load)
+
+
+def cmd_bench_load(args) -> int:
+    from ..bench.load import LoadBenchConfig, run_load_bench
+    from ..engine.llm import LLM
+
+    cfg = LoadBenchConfig(clients=args.clients, requests=args.requests, prompt_tokens=args.prompt_tokens,
+                          max_new_tokens=args.max_new_tokens, corpus=args.corpus)
+    llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
+    print_json(run_load_bench(llm, cfg, args.cache_dir), args.out)
+    return 0
+
+
+def _add_ablate(bench) -> None:
+    b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
+    add_pair_options(b)
+    b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")
+    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--batch", type=int, default=4, help="requests in the batching comparison (default: 4)")
+    b.add_argument("--repeats", type=int, default=3)
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_ablate)
+
+
+def cmd_bench_ablate(args) -> int:
+    from ..bench.ablate import ablate
+
+    source, target, mapper, _ = load_pair(args)
+    print(f"optimisations vs their references: {source.path.name} -> {target.path.name}, T={args.length}, "
+          f"rho={args.rho}, {args.dtype}, median of {args.repeats} after a warm-up")
+    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats)
+    print(f"{'optimisation':58s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
+    for r in rows:
+        print(f"{r['optimisation']:58s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
+    print_json({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "rows": rows})
+    return 0

@@ -1,0 +1,69 @@
+"""What several commands share: the model, pair and sampling flags, loading the pair
+they name, and writing a result to `--out` while printing it as one JSON line.
+
+Light on purpose: every heavy import happens inside the function that needs it, so
+building the parser (and `--help`) stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="compute dtype (default: bfloat16, about twice as fast as float32 on AVX-512 BF16 CPUs)")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="model cache directory (default: $RARECACHE_HOME or ~/.cache/rarecache)")
+
+
+def add_pair_options(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--source", required=required, help="model whose cache is mapped (name, HF dir or .gguf)")
+    p.add_argument("--target", required=required, help="model that receives the mapped cache")
+    p.add_argument("--map", type=Path, required=required, help="map file fitted for source -> target")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def load_models(args):
+    """Source and target runners named by --source/--target, and the (shared) tokenizer."""
+    from ..engine.llm import DTYPES
+    from ..engine.runner import Runner
+    from ..models.store import resolve_model
+    from ..models.tokenizer import Tokenizer
+
+    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
+    source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
+    return source, target, Tokenizer.from_dir(paths[0])
+
+
+def load_pair(args):
+    """load_models plus the --map file, checked against the pair."""
+    from ..transfer.mapper import Mapper
+
+    source, target, tokenizer = load_models(args)
+    mapper = Mapper.load(args.map)
+    mapper.check_pair(source, target)
+    return source, target, mapper, tokenizer
+
+
+def write_out(path: Path, text: str) -> None:
+    """Write `text` to an --out file, making its folder first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def print_json(result: dict, out: Path | None = None, indent: int | None = None) -> None:
+    """Print `result` as one JSON line; with an --out path, write it there first (that line, or the
+    JSON indented by `indent`)."""
+    line = json.dumps(result)
+    if out:
+        write_out(out, line + "\n" if indent is None else json.dumps(result, indent=indent))
+    print(line)

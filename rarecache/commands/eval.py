@@ -1,0 +1,178 @@
+"""`rarecache eval run` (arms over a task's items, resumable) and `rarecache eval report`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .common import add_model_options
+
+# The names in rarecache.eval.tasks.TASKS, in its order, for `eval run --help` alone: importing the tasks
+# (and the corpus and tokenizer code under them) just to print help is what this spares. A test holds the two equal.
+TASK_NAMES = ("gsm8k", "gsm8k_bpb", "arc_challenge", "arc_easy", "hellaswag", "winogrande", "mmlu", "coqa",
+              "coqa_bpb", "wiki_ppl")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="evaluation harness: accuracy kept by the handoff, resumable")
+    ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
+    _add_run(ev)
+    _add_report(ev)
+
+
+def _add_run(ev) -> None:
+    e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)",
+                      description="Evaluate the target alone, the source alone and handoffs at a grid of budgets "
+                                  "and selectors, through one or several maps, over a task's items. One JSON line "
+                                  "per (item, arm) is appended to --out as soon as it is done; rerunning the same "
+                                  "command resumes (and refuses other models, maps or dtype: see OUT.meta.json). "
+                                  "A markdown summary is written beside the results; `eval report` redraws it "
+                                  "and the plots.")
+    e.add_argument("--task", required=True, help=f"one of: {', '.join(TASK_NAMES)}")
+    e.add_argument("--source", required=True, help="model whose cache is handed off (name, HF dir or .gguf)")
+    e.add_argument("--target", required=True, help="model that answers (the direction is source -> target)")
+    e.add_argument("--map", nargs="+", required=True, metavar="[LABEL=]FILE",
+                   help="map file(s) fitted for source -> target; label several (task=A.safetensors "
+                        "wiki=B.safetensors): every handoff arm runs through each, sharing the prefills")
+    e.add_argument("--rhos", nargs="+", type=float, default=[0.0, 0.3],
+                   help="rank-disagreement budgets (default: 0 0.3)")
+    e.add_argument("--selectors", nargs="+", default=["random"],
+                   help="other selectors to run at --selector-rho: random attn-source attn-target l2-oracle "
+                        "layer-prefix (default: random)")
+    e.add_argument("--selector-rho", type=float, default=0.3, help="budget of --selectors (default: 0.3)")
+    e.add_argument("--arms", nargs="+", default=None,
+                   help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")
+    e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
+    e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
+    e.add_argument("--max-new-tokens", type=int, default=256,
+                   help="generation tasks: answer length cap (default: 256; gsm8k stops at its final sentence, "
+                        "coqa at the end of the answer line)")
+    e.add_argument("--batch", type=int, default=8,
+                   help="generation: items whose arms decode together (default: 8)")
+    e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
+    add_model_options(e)
+    e.set_defaults(func=cmd_eval_run)
+
+
+def cmd_eval_run(args) -> int:
+    from ..engine.generate import SamplingConfig
+    from ..engine.llm import LLM
+    from ..eval.report import by_turn, markdown, summarise, template_prompt_share
+    from ..eval.results import load_results, run_meta
+    from ..eval.run import run_task
+    from ..eval.tasks import TASKS
+    from ..transfer.mapper import Mapper
+
+    if args.task not in TASKS:
+        raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+    if args.limit < 1 or args.start < 0:
+        raise RarecacheError("--limit must be >= 1 and --start >= 0")
+    map_paths = _map_specs(args.map)
+    arms = _eval_arms(args, tuple(map_paths))
+    source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
+    task = TASKS[args.task](args.cache_dir, tokenizer=source.tokenizer)
+    all_items = task.items()
+    items = all_items[args.start : args.start + args.limit]
+    if not items:
+        raise RarecacheError(f"{task.name} has {len(all_items)} evaluation items; --start {args.start} is past them")
+    maps = {}
+    for label, path in map_paths.items():
+        maps[label] = Mapper.load(path)
+        maps[label].check_pair(source.runner, target.runner)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    meta = run_meta(task, source, target, map_paths, args.dtype, sampling)
+    out = run_task(task, items, source, target, maps, arms, args.out, sampling, batch=args.batch, meta=meta)
+    rows = load_results(out)
+    bpb = task.metric == "bpb"
+    maps_text = ", ".join(f"{k + '=' if k else ''}{v.name}" for k, v in map_paths.items())
+    table = markdown(summarise(rows, task.metric, task.chance, lower_is_better=bpb),
+                     f"{task.name}: {len({r['item'] for r in rows})} items, {source.path.name} -> {target.path.name}, "
+                     f"map {maps_text}", metric=task.metric, percent=not bpb,
+                     template_share=template_prompt_share(rows))
+    turns = by_turn(rows, task.metric, percent=not bpb)
+    table += f"\n\n{turns}" if turns else ""
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def _map_specs(specs: list[str]) -> dict[str, Path]:
+    """--map PATH (one unlabelled map) or --map LABEL=PATH ... -> {label: path}."""
+    maps: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        label, path = (label, path) if sep else ("", spec)
+        if sep and not label.replace("-", "").replace("_", "").isalnum():
+            raise RarecacheError(f"map label {label!r}: use letters, digits, - and _")
+        if label in maps:
+            raise RarecacheError(f"map label {label or '(none)'} given twice")
+        if not Path(path).is_file():
+            raise RarecacheError(f"no map file {path}")
+        maps[label] = Path(path)
+    if "" in maps and len(maps) > 1:
+        raise RarecacheError("several maps need labels: --map task=FILE wiki=FILE")
+    return maps
+
+
+def _eval_arms(args, labels: tuple[str, ...]) -> list:
+    from ..eval.arms import parse_arms
+
+    if args.arms:
+        specs = args.arms
+    else:
+        specs = ["target", "source", *(f"{r:g}:rank" for r in args.rhos),
+                 *(f"{args.selector_rho:g}:{s}" for s in args.selectors if s != "rank")]
+    return parse_arms(specs, labels)
+
+
+def _add_report(ev) -> None:
+    e = ev.add_parser("report", help="summarise a results JSONL")
+    e.add_argument("results", type=Path)
+    e.add_argument("--compact", action="store_true",
+                   help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed)")
+    e.add_argument("--plots", type=Path, default=None,
+                   help="also draw metric-vs-rho and selectors-at-rho-0.3 PNGs into this folder")
+    e.add_argument("--metric", default=None,
+                   help="field to summarise (default: the task's headline metric, e.g. correct_norm for "
+                        "ARC and HellaSwag; correct gives their unnormalised accuracy)")
+    e.set_defaults(func=cmd_eval_report)
+
+
+def cmd_eval_report(args) -> int:
+    from ..eval.report import by_turn, compact, markdown, summarise, template_prompt_share
+    from ..eval.results import load_results
+    from ..eval.tasks import TASKS
+
+    if not args.results.is_file():
+        raise RarecacheError(f"no results file {args.results}")
+    rows = load_results(args.results)
+    if not rows:
+        raise RarecacheError(f"{args.results} holds no results yet")
+    task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
+    metric = args.metric or (task.metric if task else "correct")
+    if not any(metric in r for r in rows):
+        fields = sorted({k for r in rows for k, v in r.items() if isinstance(v, (bool, int, float))
+                         and k not in ("gold", "prediction", "prediction_norm")})
+        raise RarecacheError(f"{args.results} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
+    bpb = metric == "bpb"
+    items = len({r["item"] for r in rows})
+    summary = summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb)
+    if args.compact:
+        print(compact(summary, metric, percent=not bpb))
+    else:
+        print(markdown(summary, f"{args.results} ({items} items)", metric=metric, percent=not bpb,
+                       template_share=template_prompt_share(rows)))
+    turns = by_turn(rows, metric, percent=not bpb)
+    if turns:
+        print(f"\n{turns}")
+    if args.plots:
+        from ..eval.plots import plot_selectors, plot_vs_rho
+
+        args.plots.mkdir(parents=True, exist_ok=True)
+        stem = args.results.stem + (f"-{metric}" if args.metric else "")
+        title = f"{stem} ({items} items)"
+        plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", title, lower_is_better=bpb)
+        plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", title, lower_is_better=bpb)
+        print(f"wrote {args.plots}/{stem}-vs-rho.png and -selectors.png", file=sys.stderr)
+    return 0

@@ -1,0 +1,185 @@
+"""Map files: `rarecache calibrate` fits one, `inspect` shows it, `ppl` scores what it keeps."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
+
+
+def register(sub) -> None:
+    _add_calibrate(sub)
+    _add_inspect(sub)
+    _add_ppl(sub)
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit a cross-model KV map (streams, checkpoints, resumes)",
+                       description="Run source and target over the same calibration text, accumulate float64 "
+                                   "statistics of their de-rotated KV rows, and fit top-K ridge maps per target "
+                                   "layer and side. Interrupted runs resume from OUT.state.")
+    p.add_argument("--source", required=True, help="model whose cache will be mapped (name, HF dir or .gguf)")
+    p.add_argument("--target", required=True, help="model that receives the mapped cache")
+    p.add_argument("--corpus", default="wiki",
+                   help="built-in (wiki, c4, tiny, technical, code, multilingual, hotpotqa), a text file or "
+                        "folder, or file.jsonl:field (default: wiki)")
+    p.add_argument("--chat", action="store_true", help="render each document as a user turn with the chat template")
+    p.add_argument("--task", default=None,
+                   help="calibrate on a task's held-apart prompts instead of --corpus (e.g. gsm8k)")
+    p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
+    p.add_argument("--heldout-tokens", type=int, default=8192,
+                   help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
+    p.add_argument("--stride", type=int, default=1, help="sample every STRIDE-th position (default: 1)")
+    p.add_argument("--skip-first", type=int, default=0, help="leave out the first N positions (default: 0)")
+    p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")
+    p.add_argument("--lam", type=float, default=0.01, help="ridge lambda (default: 0.01)")
+    p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank r (default: d_t/8)")
+    p.add_argument("--out", type=Path, required=True, help="map file to write (.safetensors)")
+    p.add_argument("--restart", action="store_true", help="discard a saved state and start over")
+    p.add_argument("--device", default="cpu", help="where statistics accumulate (default: cpu)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from ..transfer.calibrate import Calibration, CalibrationConfig
+    from ..transfer.corpus import load_corpus
+
+    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
+                            stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
+                            rank=args.rank)
+    source, target, tokenizer = load_models(args)
+    if args.task:
+        from ..eval.tasks import TASKS
+
+        if args.task not in TASKS:
+            raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+        corpus = TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
+    else:
+        corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
+    mapper = calibration.run(restart=args.restart)
+    mapper.save(args.out)
+    calibration.state_path.unlink(missing_ok=True)
+    print(mapper.summary())
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _add_inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="show a map file's metadata and R2 per layer")
+    p.add_argument("map", type=Path)
+    p.add_argument("--plot", type=Path, default=None, help="also draw R2 per target layer to this PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--strip", type=Path, default=None,
+                   help="draw the token strip of --prompt to this PNG: positions each selector picks, rank scores")
+    p.add_argument("--source", help="source model (for --strip)")
+    p.add_argument("--target", help="target model (for --strip)")
+    p.add_argument("--prompt", help="prompt text (for --strip)")
+    p.add_argument("--chat", action="store_true", help="render --prompt as a user turn")
+    p.add_argument("--rho", type=float, default=0.3, help="budget for --strip (default: 0.3)")
+    p.add_argument("--selectors", nargs="+", default=["rank", "random", "attn-source"],
+                   help="selectors to draw (default: rank random attn-source; add attn-target l2-oracle for oracles)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_inspect)
+
+
+def cmd_inspect(args) -> int:
+    from ..transfer.mapper import Mapper
+
+    mapper = Mapper.load(args.map)
+    i = mapper.info
+    if args.json:
+        print(json.dumps({"info": {**i.__dict__}, "r2": {s: mapper.sides[s].r2.tolist() for s in ("k", "v")},
+                          "sources": {s: mapper.sides[s].sources.tolist() for s in ("k", "v")}}))
+    else:
+        print(mapper.summary())
+        print(f"  source {i.source}\n  target {i.target}\n  calibration {i.calibration}")
+        print("  layer  R2_K    R2_V    held_K  held_V  key sources")
+        for l in range(mapper.sides["k"].r2.shape[0]):
+            held = [i.r2_heldout[s][l] if s in i.r2_heldout else float("nan") for s in ("k", "v")]
+            print(f"  {l:5d}  {mapper.sides['k'].r2[l]:.4f}  {mapper.sides['v'].r2[l]:.4f}  "
+                  f"{held[0]:.4f}  {held[1]:.4f}  {mapper.sides['k'].sources[l].tolist()}")
+    if args.plot:
+        from ..transfer.plots import plot_r2
+
+        plot_r2(mapper, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.strip:
+        _strip(args, mapper)
+    return 0
+
+
+def _strip(args, mapper) -> None:
+    from ..engine.llm import LLM
+    from ..transfer.handoff import HandoffConfig, handoff
+    from ..transfer.pipeline import Pipeline
+    from ..transfer.plots import plot_strip
+    from ..transfer.selectors import SELECTORS
+
+    if not (args.source and args.target and args.prompt):
+        raise RarecacheError("--strip needs --source, --target and --prompt")
+    pipe = Pipeline(LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+                    LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir), mapper)
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    ids = pipe.source.encode(prompt)
+    picks, scores = {}, None
+    for name in args.selectors:
+        sel = SELECTORS.get(name)
+        if sel is None:
+            raise RarecacheError(f"unknown selector {name!r}; choose from {', '.join(SELECTORS)}")
+        _, _, res = handoff(pipe.source.runner, pipe.target.runner, mapper, [ids],
+                            HandoffConfig(rho=args.rho, selector=name))
+        picks[sel.label] = res.positions[0]
+        if name == "rank":
+            scores = res.scores[0].tolist()
+    tokens = [pipe.source.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    plot_strip(tokens, picks, scores, args.rho, args.strip)
+    print(json.dumps({"tokens": tokens, "rho": args.rho, "picks": picks, "rank_scores": scores}))
+    print(f"wrote {args.strip}", file=sys.stderr)
+
+
+def _add_ppl(sub) -> None:
+    p = sub.add_parser("ppl", help="prefix-conditioned perplexity: own prefix vs mapped prefix vs source alone",
+                       description="Score each held-out passage's continuation with the target conditioned on its "
+                                   "own prefix cache, on the mapped source cache, and with the source alone. "
+                                   "Passages come from documents the map was not fitted on.")
+    add_pair_options(p)
+    p.add_argument("--corpus", default="wiki", help="corpus to cut passages from (default: wiki)")
+    p.add_argument("--passages", type=int, default=20, help="number of passages (default: 20)")
+    p.add_argument("--prefix", type=int, default=512, help="prefix tokens (default: 512)")
+    p.add_argument("--continuation", type=int, default=512, help="scored continuation tokens (default: 512)")
+    p.add_argument("--first-document", type=int, default=None,
+                   help="start at this document (default: the first one the map did not see)")
+    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    add_model_options(p)
+    p.set_defaults(func=cmd_ppl)
+
+
+def cmd_ppl(args) -> int:
+    from ..eval.perplexity import ARMS, heldout_passages, prefix_perplexity
+    from ..transfer.corpus import load_corpus
+
+    source, target, mapper, tokenizer = load_pair(args)
+    corpus = load_corpus(args.corpus, cache_dir=args.cache_dir)
+    passages, first = heldout_passages(corpus, tokenizer, mapper, args.passages, args.prefix + args.continuation,
+                                       args.first_document)
+    res = prefix_perplexity(source, target, mapper, passages, args.prefix, first)
+    labels = {"target": "target, own prefix prefill", "mapped": "target, mapped prefix cache",
+              "source": "source alone"}
+    print(f"prefix-conditioned perplexity: {res.passages} passages of {corpus.name} from document {first} on, "
+          f"prefix {res.prefix} + continuation {res.continuation} tokens, {args.dtype}")
+    for arm in ARMS:
+        print(f"  {labels[arm]:30s} ppl {res.ppl(arm):8.3f}")
+    if args.out:
+        write_out(args.out, json.dumps({"map": str(args.map), "corpus": corpus.describe(), "first_document": first,
+                                        "prefix": res.prefix, "continuation": res.continuation,
+                                        "dtype": args.dtype, "ppl": {a: res.ppl(a) for a in ARMS},
+                                        "nll_per_passage": res.nll}, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0

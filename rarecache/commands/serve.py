@@ -1,0 +1,106 @@
+"""`rarecache serve` (the OpenAI-compatible chat server) and `rarecache demo` (the bundled pair end to end)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .common import add_model_options
+
+
+def register_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the bundled pair end to end: pull, calibrate (cached), hand off, time",
+                       description="Pull Qwen2.5-Coder 0.5B and 1.5B if needed, calibrate a small map or load the "
+                                   "cached one, hand fixed prompts from 0.5B to 1.5B at several rho, and print the "
+                                   "answers, phase timings and speed-up over the 1.5B's own prefill.")
+    p.add_argument("--rhos", type=float, nargs="+", default=[0.0, 0.3, 1.0], help="default: 0 0.3 1")
+    p.add_argument("--selector", default="rank", help="default: rank")
+    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens for the demo map (default: 16384)")
+    p.add_argument("--max-new-tokens", type=int, default=24, help="default: 24")
+    add_model_options(p)
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    from ..demo import DemoConfig, run_demo
+
+    return run_demo(DemoConfig(rhos=tuple(args.rhos), selector=args.selector, tokens=args.tokens,
+                               max_new_tokens=args.max_new_tokens, dtype=args.dtype, cache_dir=args.cache_dir))
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible chat server; conversations move between the models by handoff",
+                       description="Serve both models behind POST /v1/chat/completions (model = either name). "
+                                   "The server keeps recent caches of both models; when a request goes to a model "
+                                   "and the other one holds a longer prefix of the conversation, that cache is "
+                                   "mapped and the selected positions recomputed instead of re-reading the prompt. "
+                                   "Running answers are decoded together in one batched step (--max-batch); "
+                                   "GET /v1/models lists the names, GET /health the load and held cache size.")
+    p.add_argument("--source", default="qwen2.5-coder-0.5b-instruct",
+                   help="model whose cache is mapped (default: the bundled qwen2.5-coder-0.5b-instruct)")
+    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
+                   help="model that receives it (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--map", type=Path, default=None,
+                   help="map fitted source -> target (default for the bundled pair: the demo's map, fitted on "
+                        "chat-formatted prompts, calibrated on first use)")
+    p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
+    p.add_argument("--rho", type=float, default=0.3, help="share of handed-off positions recomputed (default: 0.3)")
+    p.add_argument("--selector", default="rank", help="position selector (default: rank)")
+    p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
+    p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
+    p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none (default: 256)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="answers decoded together in one batched step (default: 8)")
+    p.add_argument("--max-waiting", type=int, default=16,
+                   help="requests that may queue past --max-batch running ones; more get a 503 (default: 16)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        import uvicorn
+
+        from ..serve.app import create_app
+    except ImportError as e:
+        raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
+                             "pip install 'rarecache[serve]'") from None
+    from ..demo import SOURCE, TARGET, DemoConfig, demo_map
+    from ..engine.llm import LLM
+    from ..serve.names import model_id
+    from ..serve.service import ChatService, ServiceConfig
+    from ..transfer.handoff import HandoffConfig
+    from ..transfer.mapper import Mapper
+
+    if not 1 <= args.port <= 65535:
+        raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
+    if (args.cache_gib <= 0 or args.max_waiting < 0 or args.max_batch < 1
+            or not 1 <= args.default_max_tokens <= args.max_tokens_limit):
+        raise RarecacheError("--cache-gib must be > 0, --max-batch >= 1, --max-waiting >= 0 and "
+                             "1 <= --default-max-tokens <= --max-tokens-limit")
+    if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
+        raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
+    names = model_id(args.source), model_id(args.target)
+    if names[0] == names[1]:
+        raise RarecacheError(f"source and target would both be served as {names[0]!r}")
+    cfg = ServiceConfig(HandoffConfig.named(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
+                        max_new_tokens=args.max_tokens_limit, max_batch=args.max_batch)
+    maps = {}  # map files load (and fail) before the models, which take much longer
+    if args.map is not None:
+        maps[(names[0], names[1])] = Mapper.load(args.map)
+    if args.reverse_map:
+        maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
+    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    if args.map is None:  # the bundled pair: the demo's map, fitted on chat-formatted prompts (cached after first use)
+        maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
+                                              *models.values())
+    service = ChatService(models, maps, cfg)
+    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
+          f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
+    app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,61 @@
+"""The arms of an evaluation: the target alone, the source alone, or a handoff at some ρ and
+selector (or the layer-prefix schedule) through one of the run's maps.
+
+An arm's name keys its lines in a results file ("target", "rho=0.3/rank",
+"rho=0.3/layer-prefix@wiki"), so it is spelled as users spell it and never changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RarecacheError
+from ..transfer.handoff import HandoffConfig
+from .report import arm_name, display
+
+SEED = 0  # the random selector's seed
+
+
+@dataclass(frozen=True)
+class Arm:
+    kind: str  # "target", "source" or "handoff"
+    rho: float = 0.0
+    method: str = "rank"  # a selector's name, or layer-prefix: the word HandoffConfig.named reads
+    map: str = ""  # label of the map a handoff goes through ("" when the run has one unlabelled map)
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind != "handoff" else arm_name(self.rho, self.method, self.map)
+
+    @property
+    def label(self) -> str:
+        return display(self.name)
+
+    @property
+    def config(self) -> HandoffConfig:
+        """What a handoff arm runs."""
+        return HandoffConfig.named(self.rho, self.method, SEED)
+
+    @classmethod
+    def parse(cls, spec: str, maps: tuple[str, ...] = ("",)) -> list[Arm]:
+        """"target", "source", "RHO:SELECTOR" (one arm per map) or "RHO:SELECTOR@MAP"."""
+        if spec in ("target", "source"):
+            return [cls(spec)]
+        body, _, label = spec.partition("@")
+        rho, _, method = body.partition(":")
+        if label and label not in maps:
+            raise RarecacheError(f"arm {spec!r} names map {label!r}; the run's maps: {', '.join(maps) or '(none)'}")
+        try:
+            arms = [cls("handoff", float(rho), method or "rank", m) for m in ([label] if label else maps)]
+            HandoffConfig.named(arms[0].rho, arms[0].method)  # validates
+            return arms
+        except ValueError:
+            raise RarecacheError(f"bad arm {spec!r}: use target, source or RHO:SELECTOR[@MAP] "
+                                 "(e.g. 0.3:rank)") from None
+
+
+def parse_arms(specs: list[str], maps: tuple[str, ...]) -> list[Arm]:
+    arms: list[Arm] = []
+    for spec in specs:
+        arms += [a for a in Arm.parse(spec, maps) if a not in arms]
+    return arms

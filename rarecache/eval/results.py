@@ -1,0 +1,85 @@
+"""The results file of a run and what produced it.
+
+`<out>` holds one JSON line per (item, arm); a line cut short by a kill is dropped
+when the run resumes. `<out>.meta.json` records the models, maps and their hashes,
+dtype, seed, sampling and versions; resuming with anything different is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..engine.generate import SamplingConfig
+from ..engine.llm import LLM
+from ..errors import RarecacheError
+from ..models.loader import checkpoint_fingerprint
+from ..packages import sha256_file
+from .arms import SEED
+from .tasks.base import Task
+
+
+def read_done(path: Path) -> set[tuple[str, str]]:
+    """(item, arm) pairs already in the results file; a line cut short by a kill is dropped."""
+    done = set()
+    if path.is_file():
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            path.write_bytes(data[: data.rfind(b"\n") + 1])
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                    done.add((row["item"], row["arm"]))
+                except (json.JSONDecodeError, KeyError):
+                    raise RarecacheError(f"{path} has a malformed line; it is not a results file of this run")
+    return done
+
+
+def load_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype: str,
+             sampling: SamplingConfig | None) -> dict:
+    from importlib.metadata import version
+
+    return {"task": task.name,
+            "source": {"name": source.path.name, "fingerprint": checkpoint_fingerprint(source.path)},
+            "target": {"name": target.path.name, "fingerprint": checkpoint_fingerprint(target.path)},
+            "maps": {label: {"file": str(p), "sha256": sha256_file(p)} for label, p in maps.items()},
+            "dtype": dtype, "seed": SEED,
+            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None,
+            "versions": {"rarecache": version("rarecache"), "torch": torch.__version__,
+                         "python": platform.python_version()}}
+
+
+def check_meta(out: Path, meta: dict) -> dict:
+    """Refuse to add to a results file made with other models, maps or settings; record this run."""
+    meta = json.loads(json.dumps(meta))  # compare what the file will hold: tuples read back as lists
+    path = out.with_suffix(".meta.json")
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            raise RarecacheError(f"{path} is not a run record; move it away or use another --out") from None
+        for key in ("task", "source", "target", "dtype", "seed", "sampling"):
+            if old.get(key) != meta[key]:
+                raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has {meta[key]!r}: "
+                                     "use another --out")
+        for label, m in meta["maps"].items():
+            was = old.get("maps", {}).get(label)
+            if was is not None and was["sha256"] != m["sha256"]:
+                raise RarecacheError(f"{out}: map {label or '(unlabelled)'} is not the file its results came from "
+                                     f"({m['file']} sha256 {m['sha256'][:12]}, was {was['sha256'][:12]}): "
+                                     "use another --out")
+        seen = [*old.get("versions_seen", []), old.get("versions"), meta["versions"]]
+        meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
+                "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=1) + "\n")
+    return meta

@@ -1,0 +1,80 @@
+"""The chat service's prefix-cache store: per model, the caches of recent token sequences.
+
+An entry is one model's cache of one token sequence (a `Held`). A request is answered
+from the entry that shares the longest prefix with its prompt: an entry whose whole
+sequence is a prefix of the request is extended in place (the usual next turn of a
+conversation); an entry that only shares part of it (another conversation with the
+same system prompt, a regenerated answer) is copied up to the shared prefix, so
+concurrent conversations never overwrite each other's rows. An entry a running
+answer is still writing is `busy`: copied from, never extended by another request,
+never evicted. Entries are evicted least recently used once their caches together
+exceed the byte budget.
+
+The store takes no locks: the service's worker thread is its only user.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ..engine.runner import Runner
+from ..transfer.conversation import Held, common_prefix
+
+
+@dataclass(eq=False)  # entries are compared by identity
+class Entry:
+    held: Held
+    used: float = 0.0
+    busy: bool = False  # a running answer is writing it
+
+
+class PrefixStore:
+    def __init__(self, models: Iterable[str], cache_bytes: int):
+        self.entries: dict[str, list[Entry]] = {name: [] for name in models}
+        self.cache_bytes = cache_bytes  # budget for the held caches of all models together
+
+    def best(self, model: str, ids: list[int]) -> tuple[Entry | None, int]:
+        """`model`'s entry sharing the longest prefix with `ids`, and that prefix's length (None, 0 if none)."""
+        best, n = None, 0
+        for e in self.entries[model]:
+            k = common_prefix(e.held.ids, ids)
+            if k > n:
+                best, n = e, k
+        return best, n
+
+    def claim(self, model: str, runner: Runner, entry: Entry | None, shared: int) -> Entry:
+        """The entry to answer from: `entry` itself when the request extends all of it and no running
+        answer is writing it, else a new entry with a copy of its first `shared` rows (or an empty one)."""
+        if entry is not None and shared == len(entry.held.ids) and not entry.busy:
+            entry.busy = True
+            return entry
+        held = Held()
+        if entry is not None and shared > 0:
+            held.reserve(runner, shared).copy_prefix(entry.held.cache, shared)
+            held.ids = entry.held.ids[:shared]
+        new = Entry(held, busy=True)
+        self.entries[model].append(new)
+        return new
+
+    def drop(self, model: str, entry: Entry) -> None:
+        """Forget `entry` (its rows cannot be trusted), if the store still has it."""
+        if entry in self.entries[model]:
+            self.entries[model].remove(entry)
+
+    def evict(self, keep: tuple[Entry, ...] = ()) -> None:
+        """Drop least recently used entries past the byte budget; never a busy one or one in `keep`
+        (the request that just finished keeps its own, whatever the budget)."""
+        entries = [(e.used, name, e) for name, es in self.entries.items() for e in es]
+        total = sum(e.held.nbytes for _, _, e in entries)
+        for _, name, e in sorted(entries, key=lambda t: t[0]):
+            if total <= self.cache_bytes:
+                break
+            if e.busy or any(e is k for k in keep):
+                continue
+            total -= e.held.nbytes
+            self.entries[name].remove(e)
+
+    def nbytes(self) -> int:
+        """Bytes of all held caches (safe to read from another thread)."""
+        return sum(e.held.nbytes for es in self.entries.values() for e in list(es))
