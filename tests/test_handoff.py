@@ -10,7 +10,8 @@ import torch
 from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
 from rarecache.transfer.features import rows
-from rarecache.transfer.handoff import LAYER_PREFIX, POSITIONS, HandoffConfig, budget, handoff, prefix_layers
+from rarecache.transfer.handoff import (LAYER_PREFIX, POSITIONS, HandoffConfig, budget, handoff, prefix_layers,
+                                        select_top)
 from rarecache.transfer.mapper import SIDES
 from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, rank_scores
 
@@ -256,3 +257,28 @@ def test_packed_bf16_handoff_equals_plain(fitted, pair_dir):
     torch.testing.assert_close(l1, l2, atol=0, rtol=0)
     torch.testing.assert_close(c1.k, c2.k, atol=0, rtol=0)
     torch.testing.assert_close(c1.v, c2.v, atol=0, rtol=0)
+
+
+def test_suffix_recomputes_the_newest_positions(fitted):
+    source, target, mapper, prompts = fitted
+    _, _, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.3, selector="suffix"))
+    for chosen, prompt in zip(res.positions, prompts):
+        n, k = len(prompt), budget(0.3, len(prompt))
+        assert chosen == list(range(n - k, n))
+
+
+@pytest.mark.parametrize("name", ["attn-rank", "attn+rank"])
+def test_combined_selectors_combine_attention_and_rank(fitted, name):
+    """The combined scores are a function of the two shares: recomputed by hand from the same handoff's
+    attn-source and rank scores, and the chosen set is their top-k."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[:1]
+    _, _, attn = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector="attn-source"))
+    _, _, rank = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector="rank"))
+    _, _, both = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector=name))
+    a, r = attn.scores[0].float(), rank.scores[0].float().clamp(min=0)
+    a, r = a / a.sum(), r / r.sum()
+    want = a * r if name == "attn-rank" else a + r
+    torch.testing.assert_close(both.scores[0].float(), want, rtol=1e-4, atol=1e-7)
+    k = budget(0.3, len(ids[0]))
+    assert both.positions[0] == sorted(select_top(want, k).tolist())

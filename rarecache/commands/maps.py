@@ -29,6 +29,10 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--chat", action="store_true", help="render each document as a user turn with the chat template")
     p.add_argument("--task", default=None,
                    help="calibrate on a task's held-apart prompts instead of --corpus (e.g. gsm8k)")
+    p.add_argument("--preset", choices=["general"], default=None,
+                   help="general: the chat-formatted mix meant to serve all traffic (multi-turn reading "
+                        "conversations, unevaluated few-shot tasks, math, code, prose; see docs/RESULTS.md), "
+                        "checked disjoint from every task's evaluated items, instead of --corpus")
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
@@ -52,8 +56,18 @@ def cmd_calibrate(args) -> int:
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank)
+    if args.task and args.preset:
+        raise RarecacheError("give --task or --preset, not both")
     source, target, tokenizer = load_models(args)
-    if args.task:
+    if args.preset:
+        from ..eval.mix import general_corpus
+        from ..eval.tasks import TASKS
+
+        corpus, dropped = general_corpus({n: T(args.cache_dir, tokenizer=tokenizer) for n, T in TASKS.items()},
+                                         args.cache_dir)
+        print(f"{corpus.name} mix: {len(corpus.documents)} documents ({dropped} dropped for sharing a line with "
+              f"an evaluated item of {len(TASKS)} tasks)", file=sys.stderr)
+    elif args.task:
         from ..eval.tasks import TASKS
 
         if args.task not in TASKS:
@@ -61,6 +75,10 @@ def cmd_calibrate(args) -> int:
         corpus = TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
     else:
         corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+    from ..transfer.costs import PairShape, describe
+
+    print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0),
+          file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
     mapper = calibration.run(restart=args.restart)
@@ -85,6 +103,13 @@ def _add_inspect(sub) -> None:
     p.add_argument("--rho", type=float, default=0.3, help="budget for --strip (default: 0.3)")
     p.add_argument("--selectors", nargs="+", default=["rank", "random", "attn-source"],
                    help="selectors to draw (default: rank random attn-source; add attn-target l2-oracle for oracles)")
+    p.add_argument("--diagnose", metavar="TASK", default=None,
+                   help="the mapping paper's diagnostics on TASK's first evaluation prompts (needs --source, "
+                        "--target): attention-output cosine, K/V error concentration and top-rho agreement per "
+                        "target layer")
+    p.add_argument("--prompts", type=int, default=8, help="prompts for --diagnose (default: 8)")
+    p.add_argument("--max-tokens", type=int, default=512, help="--diagnose cuts prompts to this length (default: 512)")
+    p.add_argument("--diagnose-plot", type=Path, default=None, help="draw the --diagnose curves to this PNG")
     add_model_options(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -112,7 +137,42 @@ def cmd_inspect(args) -> int:
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.strip:
         _strip(args, mapper)
+    if args.diagnose:
+        _diagnose(args, mapper)
     return 0
+
+
+def _diagnose(args, mapper) -> None:
+    from ..eval.tasks import TASKS
+    from ..transfer.diagnostics import diagnose, plot_diagnostics
+
+    if not (args.source and args.target):
+        raise RarecacheError("--diagnose needs --source and --target")
+    if args.diagnose not in TASKS:
+        raise RarecacheError(f"unknown task {args.diagnose!r}; tasks: {', '.join(TASKS)}")
+    if args.prompts < 1 or args.max_tokens < 2:
+        raise RarecacheError("--prompts must be >= 1 and --max-tokens >= 2")
+    source, target, tokenizer = load_models(args)
+    mapper.check_pair(source, target)
+    task = TASKS[args.diagnose](args.cache_dir, tokenizer=tokenizer)
+    items = task.items()[: args.prompts]
+    task.check_map(mapper, items)
+    prompts = [(tokenizer.encode_chat(list(i.prompt)) if i.text is None else tokenizer.encode(i.prompt))
+               [: args.max_tokens] for i in items]
+    d = diagnose(source, target, mapper, prompts, args.rho)
+    print(f"diagnostics on {d.prompts} {task.name} prompts ({d.tokens} tokens), rho {args.rho:g}")
+    print("  layer  cosine  K-conc  V-conc  rank-agree  error-agree")
+    for l in range(len(d.cosine)):
+        print(f"  {l:5d}  {d.cosine[l]:.4f}  {d.k_concentration[l]:6.3f}  {d.v_concentration[l]:6.3f}  "
+              f"{d.rank_agreement[l]:10.3f}  {d.error_agreement[l]:11.3f}")
+    print(json.dumps({"diagnostics": task.name, "prompts": d.prompts, "tokens": d.tokens, "rho": args.rho,
+                      "mean": d.summary(), "per_layer": {"cosine": d.cosine, "k_concentration": d.k_concentration,
+                                                         "v_concentration": d.v_concentration,
+                                                         "rank_agreement": d.rank_agreement,
+                                                         "error_agreement": d.error_agreement}}))
+    if args.diagnose_plot:
+        plot_diagnostics(d, args.diagnose_plot, f"{mapper.info.direction}: {d.prompts} {task.name} prompts")
+        print(f"wrote {args.diagnose_plot}", file=sys.stderr)
 
 
 def _strip(args, mapper) -> None:

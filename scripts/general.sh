@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The general map (#15): every long CPU run behind docs/RESULTS.md §8, in priority order. Idempotent and
+# resumable like results.sh: a map that exists is kept, a calibration resumes from its .state, an evaluation
+# resumes from its results file. Run it in the background and rerun it after an interruption:
+#   nohup bash scripts/general.sh >> runs/logs/general.log 2>&1 &
+# Each task runs to 100 items first, then all tasks continue to 300 (the same files: --limit grows), so an
+# interrupted queue still has every task at a stated n. float32: on CPUs without AVX-512 BF16 it is the faster
+# dtype (this machine: 4.6x faster than bf16). RUNS=DIR puts maps and results elsewhere.
+set -euxo pipefail
+cd "$(dirname "$0")/.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-runs}; M=$R/maps; E=$R/eval
+mkdir -p $M $E
+DT=(--dtype float32)
+gen() {  # source target tokens out
+  [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general --tokens "$3" \
+      --heldout-tokens 8192 "${DT[@]}" --out "$4"
+}
+GENERAL=$M/general-64k-0.5b-to-1.5b.safetensors
+REVERSE=$M/general-64k-1.5b-to-0.5b.safetensors
+ARMS=(target source 0:rank 0.1:rank 0.2:rank 0.3:rank 0.1:attn-source 0.2:attn-source 0.3:attn-source
+      0.3:suffix 0.1:attn-rank 0.2:attn-rank 0.3:attn-rank 0.1:attn+rank 0.2:attn+rank 0.3:attn+rank)
+ev() {  # source target task items out map
+  rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${ARMS[@]}" \
+      --limit "$4" "${DT[@]}" --out "$5" >/dev/null
+}
+gen $S $T 65536 $GENERAL
+for n in 100 300; do
+  for task in gsm8k_bpb hellaswag arc_challenge mmlu; do
+    ev $S $T $task $n $E/general-$task.jsonl $GENERAL
+  done
+done
+# large -> small on the tasks where the 0.5B is above chance
+gen $T $S 65536 $REVERSE
+for task in hellaswag arc_challenge; do
+  ev $T $S $task 300 $E/general-$task-reverse.jsonl $REVERSE
+done
+# how the fit moves with the number of positions (held-out R2 on the documents after each fit)
+gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
+gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
+for f in $E/general-*.jsonl; do
+  rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
+  rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"
+done
+echo GENERAL DONE
