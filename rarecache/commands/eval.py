@@ -51,6 +51,10 @@ def _add_run(ev) -> None:
     e.add_argument("--batch", type=int, default=8,
                    help="generation: items whose arms decode together (default: 8)")
     e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
+    e.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for this run (torch.set_num_threads; default: torch's own, one per core). "
+                        "Running several evaluations on one machine, give each 1: more threads than cores "
+                        "cost CPU time and gain no wall time")
     add_model_options(e)
     e.set_defaults(func=cmd_eval_run)
 
@@ -68,6 +72,12 @@ def cmd_eval_run(args) -> int:
         raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
     if args.limit < 1 or args.start < 0:
         raise RarecacheError("--limit must be >= 1 and --start >= 0")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RarecacheError(f"--threads must be >= 1 (got {args.threads})")
+        import torch
+
+        torch.set_num_threads(args.threads)  # before any model loads
     map_paths = _map_specs(args.map)
     arms = _eval_arms(args, tuple(map_paths))
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
@@ -130,7 +140,8 @@ def _add_report(ev) -> None:
     e = ev.add_parser("report", help="summarise a results JSONL")
     e.add_argument("results", type=Path)
     e.add_argument("--compact", action="store_true",
-                   help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed)")
+                   help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed, "
+                        "p vs target and vs rank)")
     e.add_argument("--plots", type=Path, default=None,
                    help="also draw metric-vs-rho and selectors-at-rho-0.3 PNGs into this folder")
     e.add_argument("--metric", default=None,

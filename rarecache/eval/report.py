@@ -1,13 +1,22 @@
 """Summaries of a results file: the metric per arm with bootstrap intervals, retention against the
 target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests against
-the target and between selectors, and where the recompute budget went."""
+the target and between selectors, and where the recompute budget went.
+
+A ratio with nothing to divide by (no gap to close, a target not above chance) is
+undefined and prints as —. A p-value prints with the number of paired items it rests
+on, and at the bootstrap's floor as a bound ("< 0.001"): with no resample on the other
+side of zero, the bootstrap can say no more.
+"""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 from ..transfer.selectors import SELECTORS
-from .metrics import mean_ci, paired_diff_ci
+from .metrics import mean_ci, p_floor, paired_diff_ci
+
+GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
 
 
 def split_arm(arm: str) -> tuple[float, str, str] | None:
@@ -56,9 +65,10 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             t, a = _mean_over(target, shared), _mean_over(vals, shared)
             if not lower_is_better:
                 row["retention"] = a / t if t else None  # undefined: printed as —
-                row["floor_retention"] = (a - chance) / (t - chance) if t != chance else None
+                # a target not above chance has no headroom over guessing to retain
+                row["floor_retention"] = (a - chance) / (t - chance) if t > chance else None
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
-            row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p)
+            row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p, p_n=len(shared))
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
@@ -72,7 +82,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             common = [i for i in items if i in rank]
             if selector != "rank" and common:  # this selector against rank disagreement at the same budget
                 d, dlo, dhi, p = paired_diff_ci([vals[i] for i in common], [rank[i] for i in common])
-                row.update(vs_rank=d, vs_rank_lo=dlo, vs_rank_hi=dhi, vs_rank_p=p)
+                row.update(vs_rank=d, vs_rank_lo=dlo, vs_rank_hi=dhi, vs_rank_p=p, vs_rank_n=len(common))
         out.append(row)
     return sorted(out, key=_order)
 
@@ -105,6 +115,18 @@ def template_prompt_share(rows: list[dict]) -> float | None:
     return sum(t for t, _ in seen.values()) / total if total else None
 
 
+def format_p(p: float) -> str:
+    """Three decimals; at the bootstrap's floor, a bound ("< 0.001") rather than the floor itself."""
+    if p <= p_floor() * (1 + 1e-9):
+        return f"< {math.ceil(p_floor() * 1000 - 1e-9) / 1000:.3f}"
+    return f"{p:.3f}"
+
+
+def _p_cell(r: dict, key: str = "p", n_key: str = "p_n") -> str:
+    """A p-value with the number of paired items it rests on, or — when there is none."""
+    return f"{format_p(r[key])} (n={r[n_key]})" if r.get(key) is not None else "—"
+
+
 def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", percent: bool = True,
              template_share: float | None = None) -> str:
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
@@ -114,17 +136,18 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
         head += [f"Shared template (instruction, exemplars, chat markup) is {template_share:.0%} of the prompt "
                  "positions; the last column is its share of the positions each arm recomputed.", ""]
     lines = head + [
-        f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | gap closed | Δ vs target (95% CI) | p "
-        "| Δ vs rank (p) | pos 0 chosen | template share of picks |",
+        f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {GAP_CLOSED} | Δ vs target (95% CI) "
+        "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         def opt(key, fmt="{:.1%}"):
             return fmt.format(r[key]) if r.get(key) is not None else "—"
         diff = f"{fd(r['diff'])} ({fd(r['diff_lo'])}, {fd(r['diff_hi'])})" if "diff" in r else "—"
-        vs_rank = f"{fd(r['vs_rank'])} ({r['vs_rank_p']:.3f})" if "vs_rank" in r else "—"
+        vs_rank = (f"{fd(r['vs_rank'])} (p {format_p(r['vs_rank_p'])}, n={r['vs_rank_n']})" if "vs_rank" in r
+                   else "—")
         lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
                      f"{opt('retention')} | "
-                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {opt('p', '{:.3f}')} | {vs_rank} | "
+                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | {vs_rank} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} |")
     return "\n".join(lines)
 
@@ -150,31 +173,33 @@ def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
 
 def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
     """One row per arm, one column group per map: the metric with its interval, floor-normalised
-    retention (or, for lower-is-better metrics, the difference to the target) and gap closed."""
+    retention (or, for lower-is-better metrics, the difference to the target), gap closed and the
+    p-values against the target and against rank disagreement at the same budget."""
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
-    labels = sorted({split_arm(r["arm"])[2] for r in summary if split_arm(r["arm"])})
+    labels = sorted({split_arm(r["arm"])[2] for r in summary if split_arm(r["arm"])}) or [""]  # "": no handoff arm
     cells: dict[str, dict[str, dict]] = defaultdict(dict)
     for r in summary:
         parts = split_arm(r["arm"])
         key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
         cells[key][parts[2] if parts else ""] = r
     second = "floor-norm. ret." if percent else "Δ vs target"
-    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | gap closed" for lab in labels)
+    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {GAP_CLOSED} | p vs target (n) | p vs rank (n)"
+              for lab in labels)
     head = "| arm | " + " | ".join(groups) + " |"
-    lines = [head, "|---" * (1 + 3 * len(labels)) + "|"]
+    lines = [head, "|---" * (1 + 5 * len(labels)) + "|"]
     for key, by_label in cells.items():
         row = [display(key)]
         for lab in labels:
             r = by_label.get(lab) or by_label.get("")
             if r is None:
-                row += ["—"] * 3
+                row += ["—"] * 5
                 continue
             val = f"{f(r['mean'])} ({f(r['lo'])}–{f(r['hi'])})"
-            if not percent and "diff" in r:
-                other = f"{r['diff']:+.4f} (p {r['p']:.3f})"
+            if not percent:
+                other = f"{r['diff']:+.4f}" if "diff" in r else "—"
             else:
                 other = f"{r['floor_retention']:.0%}" if r.get("floor_retention") is not None else "—"
             gap = f"{r['gap_closed']:.0%}" if r.get("gap_closed") is not None else "—"
-            row += [val, other, gap]
+            row += [val, other, gap, _p_cell(r), _p_cell(r, "vs_rank_p", "vs_rank_n")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

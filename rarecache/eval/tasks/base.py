@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,16 @@ def gold_bpb(item: Item, logprobs: list[float]) -> dict[str, Any]:
     """Bits per byte of an item's one gold continuation, from its total log-probability (nats)."""
     n_bytes = len(item.continuations[0].encode("utf-8"))
     return {"bpb": -logprobs[0] / (math.log(2) * n_bytes), "bytes": n_bytes}
+
+
+def minus_evaluated(pool: list[Item], evaluated: list[Item], what: str) -> list[Item]:
+    """A calibration pool read from a file that also holds the evaluated items (a full validation split
+    of which a subset is evaluated), without them; how many were removed is printed. Disjointness is
+    still checked where the pool is used (`Task.calibration_corpus`, `Task.check_map`)."""
+    ids = {i.id for i in evaluated}
+    kept = [i for i in pool if i.id not in ids]
+    print(f"{what} minus the evaluated items: {len(pool) - len(kept)} of {len(pool)} removed", file=sys.stderr)
+    return kept
 
 
 def check_disjoint(calibration_ids, evaluated_ids, what: str) -> None:

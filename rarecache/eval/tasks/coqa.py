@@ -18,7 +18,7 @@ import re
 import string
 from collections import Counter
 
-from ..data import olmo_requests
+from ..data import olmo_documents
 from .base import Item, Task, gold_bpb
 
 INSTRUCTION = "Read the passage, then answer each question in a few words, using the passage.\n\n"
@@ -46,7 +46,7 @@ def f1(prediction: str, gold: str) -> float:
 def _stories(cache_dir) -> list[tuple[str, str, list[dict], dict[int, list[str]]]]:
     """(story id, passage, every turn's question and answer, annotators' answers per turn)."""
     stories: dict[str, tuple[str, list[dict], dict[int, list[str]]]] = {}
-    for r in olmo_requests("coqa/bpb_0shot", cache_dir):
+    for r in olmo_documents("coqa/bpb_0shot", cache_dir):  # a document is one turn
         doc = r["doc"]
         story, _, index = doc["id"].rpartition("_turn")  # 0-based: "_turn0" is the first question
         if story not in stories:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from ..data import olmo_requests
+from ..data import olmo_documents
 from .base import Item, Task, gold_bpb
 
 INSTRUCTION = ("Solve the last question. Think step by step like the examples, and end with "
@@ -41,7 +41,7 @@ class GSM8K(Task):
     metric = "correct"
 
     def _all(self) -> list[Item]:
-        rows = olmo_requests("gsm8k/gold_bpb_5shot", self.cache_dir)
+        rows = olmo_documents("gsm8k/gold_bpb_5shot", self.cache_dir)
         items = []
         for r in rows:
             doc = r["doc"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 
 from ..data import olmo_arrow_tables
-from .base import Item, Task
+from .base import Item, Task, minus_evaluated
 
 LETTERS = "ABCD"
 
@@ -63,8 +63,7 @@ class MMLU(Task):
         return self._split("test")
 
     def calibration_items(self) -> list[Item]:
-        evaluated = {i.id for i in self.items()}
-        return [i for i in self._split("validation") if i.id not in evaluated]
+        return minus_evaluated(self._split("validation"), self.items(), f"{self.name}: calibration pool (validation)")
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
         pick = max(range(len(logprobs)), key=logprobs.__getitem__)
