@@ -49,16 +49,16 @@ def _add_calibrate(sub) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
-def cmd_calibrate(args) -> int:
-    from ..transfer.calibrate import Calibration, CalibrationConfig
-    from ..transfer.corpus import load_corpus
-
-    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
-                            stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
-                            rank=args.rank)
+def _check_corpus_flags(args) -> None:
+    """Before any model loads: the calibration text is named once."""
     if args.task and args.preset:
         raise RarecacheError("give --task or --preset, not both")
-    source, target, tokenizer = load_models(args)
+
+
+def _corpus(args, tokenizer):
+    """The calibration text --preset, --task or --corpus names (flags checked by _check_corpus_flags)."""
+    from ..transfer.corpus import load_corpus
+
     if args.preset:
         from ..eval.mix import general_corpus
         from ..eval.tasks import TASKS
@@ -67,14 +67,25 @@ def cmd_calibrate(args) -> int:
                                          args.cache_dir)
         print(f"{corpus.name} mix: {len(corpus.documents)} documents ({dropped} dropped for sharing a line with "
               f"an evaluated item of {len(TASKS)} tasks)", file=sys.stderr)
-    elif args.task:
+        return corpus
+    if args.task:
         from ..eval.tasks import TASKS
 
         if args.task not in TASKS:
             raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
-        corpus = TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
-    else:
-        corpus = load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+        return TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
+    return load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
+
+
+def cmd_calibrate(args) -> int:
+    from ..transfer.calibrate import Calibration, CalibrationConfig
+
+    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
+                            stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
+                            rank=args.rank)
+    _check_corpus_flags(args)
+    source, target, tokenizer = load_models(args)
+    corpus = _corpus(args, tokenizer)
     from ..transfer.costs import PairShape, describe
 
     print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0),
