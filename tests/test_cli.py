@@ -38,6 +38,11 @@ def test_generate_prints_what_the_api_returns(model_dir, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/no/such/model", "hi"], "model"),
     (["generate", "--model", "MODEL", "--temperature", "-1", "hi"], "temperature"),
+    (["generate", "--model", "MODEL", "--temperature", "nan", "hi"], "temperature"),
+    (["generate", "--model", "MODEL", "--temperature", "inf", "hi"], "temperature"),
+    (["generate", "--model", "MODEL", "--top-p", "nan", "hi"], "top_p"),
+    (["generate", "--model", "MODEL", "--seed", str(2**70), "hi"], "seed"),
+    (["generate", "--model", "MODEL", "--max-new-tokens", "0", "hi"], "max_new_tokens"),
     (["generate", "--model", "MODEL", "--max-new-tokens", "1000", "hi"], "exceeds the model's 256"),
     (["generate", "--model", "MODEL", ""], "the prompt is empty"),
     (["pull", "no-such-model"], "unknown model 'no-such-model'"),
@@ -50,13 +55,22 @@ def test_user_mistakes_are_one_line_errors(model_dir, capsys, argv, message):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("temperature", ["1e-40", "5e-324", "1e-300"])
+def test_tiny_temperatures_are_greedy(model_dir, capsys, temperature):
+    base = ["generate", "--model", str(model_dir), "--dtype", "float32", "--max-new-tokens", "6", "--json", "hi"]
+    assert main(base) == 0
+    greedy = capsys.readouterr().out
+    assert main([*base, "--temperature", temperature, "--top-p", "1e-300"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
 def test_missing_weights_named(model_dir, capsys):
     (model_dir / "model.safetensors").unlink()
     assert main(["generate", "--model", str(model_dir), "hi"]) == 2
     assert "no .safetensors weights" in capsys.readouterr().err
 
 
-COMMANDS = ("demo", "models", "pull", "generate", "calibrate", "inspect", "ppl", "eval", "serve", "bench")
+COMMANDS = ("demo", "models", "pull", "generate", "calibrate", "mlp", "inspect", "ppl", "eval", "serve", "bench")
 
 
 def _parsers(parser, words=(), summary=None):
@@ -102,7 +116,7 @@ def test_every_subcommand_help(capsys):
             if action.option_strings and action.help:
                 assert _flat(action.help) in out, (words, action.option_strings)
         seen.append(" ".join(words))
-    assert set(seen) >= {"eval run", "eval report", *(f"bench {b}" for b in ("map", "handoff", "serve", "load",
+    assert set(seen) >= {"eval run", "eval report", *(f"bench {b}" for b in ("map", "handoff", "serve", "load", "soak",
                                                                              "ablate"))}
     assert TASK_NAMES == tuple(TASKS)  # the names `eval run --help` lists without importing the tasks
     with pytest.raises(SystemExit):
@@ -122,7 +136,7 @@ def test_help_imports_no_model_code():
             "             or m.startswith(('rarecache.eval', 'rarecache.engine', 'rarecache.transfer'))))\n")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          check=True).stdout
-    assert len(commands) == 18 and out.splitlines()[-1] == "[]"
+    assert len(commands) == 20 and out.splitlines()[-1] == "[]"
 
 
 def test_served_model_names(tmp_path, monkeypatch):

@@ -30,7 +30,7 @@ def test_calibrate_writes_a_map_and_inspect_reads_it(mapped, capsys):
     assert main(["inspect", str(mapped / "m.safetensors")]) == 0
     out = capsys.readouterr().out
     summary = Mapper.load(mapped / "m.safetensors").summary()
-    assert out.startswith(summary + "\n") and summary.startswith("map src -> tgt: k=2 lambda=0.01 rank=4 tokens=400")
+    assert out.startswith(summary + "\n") and summary.startswith("map src -> tgt: ridge, k=2 lambda=0.01 rank=4 tokens=400")
     assert [line.split()[:2] for line in summary.splitlines()[1:]] == [["R2", "keys"], ["R2", "values"]]
     assert "held-out mean" in summary and len(out.splitlines()) == 3 + 3 + 1 + 4  # one row per target layer
     assert main(["inspect", str(mapped / "m.safetensors"), "--json", "--plot", str(mapped / "r2.png")]) == 0
@@ -210,3 +210,122 @@ def test_eval_run_and_report_with_two_maps(mapped, capsys, monkeypatch, tmp_path
         capsys.readouterr()
         assert main(base + bad) == 2, bad
         assert msg in capsys.readouterr().err
+
+
+# -- a map is untrusted input (#18): checked against both models, every tensor finite, data unchanged
+
+
+def _edited(mapper, **per_tensor):
+    """A copy of `mapper` whose named tensors (both sides) are replaced by fn(tensor), its held-out R2
+    cut to as many target layers as the new weights have (self-consistent, as a bad fit would be)."""
+    import dataclasses
+
+    from rarecache.transfer.mapper import Mapper
+
+    sides = {s: dataclasses.replace(f, **{n: fn(getattr(f, n).clone()) for n, fn in per_tensor.items()})
+             for s, f in mapper.sides.items()}
+    lt = sides["k"].weight.shape[0]
+    info = dataclasses.replace(mapper.info, r2_heldout={s: v[:lt] for s, v in mapper.info.r2_heldout.items()})
+    return Mapper(info, sides)
+
+
+def _set(index, value):
+    def fn(t):
+        t[index] = value
+        return t
+    return fn
+
+
+def _wider(t):  # rows 2x as wide as the target's, shapes kept consistent across tensors
+    import torch
+
+    return torch.cat([t, t], dim=-1)
+
+
+BAD_MAPS = {  # edit -> what the one-line error says
+    "fewer target layers": (dict(sources=lambda t: t[:3], weight=lambda t: t[:3], bias=lambda t: t[:3],
+                                 mean=lambda t: t[:3], basis=lambda t: t[:3], eigenvalues=lambda t: t[:3],
+                                 r2=lambda t: t[:3], r2_single=lambda t: t[:3]), "does not fit"),
+    "weight rows too narrow": (dict(weight=lambda t: t[:, : t.shape[1] // 2]), "does not fit"),
+    "target rows too wide": (dict(weight=_wider, bias=_wider, mean=_wider, eigenvalues=_wider,
+                                  basis=lambda t: __import__("torch").cat([t, t], dim=1)), "does not fit"),
+    "source layer 99": (dict(sources=_set((0, 0), 99)), "source layer"),
+    "negative source layer": (dict(sources=_set((0, 0), -1)), "source layer"),
+    "nan in a bias": (dict(bias=_set((1, 3), float("nan"))), "not finite"),
+    "nan in the basis": (dict(basis=_set((0, 2, 1), float("nan"))), "not finite"),
+    "inf in r2": (dict(r2=_set(0, float("inf"))), "not finite"),
+    "float sources": (dict(sources=lambda t: t.float()), "dtype"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(BAD_MAPS))
+def test_a_map_that_does_not_fit_is_refused(mapped, tmp_path, capsys, edit):
+    """Maps with the right identity but tensors that do not fit the models (or hold NaN) are refused with
+    one line and exit 2, by generate and by the server at startup, instead of answering garbage."""
+    from rarecache.transfer.mapper import Mapper
+
+    change, message = BAD_MAPS[edit]
+    bad = tmp_path / "bad.safetensors"
+    _edited(Mapper.load(mapped / "m.safetensors"), **change).save(bad)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(mapped / "tgt"), "--source", str(mapped / "src"), "--map", str(bad),
+                 "--dtype", "float32", "--max-new-tokens", "2", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rarecache: error:") and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_server_refuses_a_map_that_does_not_fit(mapped, tmp_path, capsys, monkeypatch):
+    import uvicorn
+
+    from rarecache.transfer.mapper import Mapper
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: pytest.fail("the server started"))
+    bad = tmp_path / "bad.safetensors"
+    _edited(Mapper.load(mapped / "m.safetensors"), **BAD_MAPS["fewer target layers"][0]).save(bad)
+    capsys.readouterr()
+    assert main(["serve", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map", str(bad),
+                 "--dtype", "float32"]) == 2
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_a_flipped_bit_in_a_map_is_refused(mapped, tmp_path, capsys):
+    data = bytearray((mapped / "m.safetensors").read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    bad = tmp_path / "flipped.safetensors"
+    for at in (8 + header + 5, len(data) - 3):  # the first tensor's data, the last one's
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        bad.write_bytes(flipped)
+        capsys.readouterr()
+        assert main(["inspect", str(bad)]) == 2
+        assert "checksum" in capsys.readouterr().err
+
+
+def test_a_rerun_removes_what_a_killed_calibration_left(mapped, tmp_path, capsys):
+    """kill -9 during a checkpoint leaves `OUT.state.partial` (1 GB for the bundled pair), during the map
+    write `OUT.partial`: the next run over OUT removes both before anything else, even one stopped early
+    or refused."""
+    from rarecache.engine.runner import Runner
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.corpus import load_corpus
+
+    out = tmp_path / "m.safetensors"
+    left = [tmp_path / "m.safetensors.partial", tmp_path / "m.safetensors.state.partial"]
+    other = tmp_path / "other.safetensors.partial"  # another output's: not ours to touch
+    for p in (*left, other):
+        p.write_bytes(b"\0" * 4096)
+    source, target = Runner.load(mapped / "src"), Runner.load(mapped / "tgt")
+    cfg = CalibrationConfig(tokens=400, heldout_tokens=0, seq_len=48, k=2, rank=4)
+    calib = Calibration(source, target, Tokenizer.from_dir(mapped / "src"), load_corpus(str(mapped / "corpus.txt")),
+                        cfg, out)
+    assert calib.run(progress=False, max_sequences=1) is None  # stopped early: the state is saved
+    assert not any(p.exists() for p in left) and other.exists() and (tmp_path / "m.safetensors.state").is_file()
+    for p in left:
+        p.write_bytes(b"\0" * 4096)
+    (tmp_path / "m.safetensors.state").write_bytes(b"not a state")  # a refused rerun cleans up too
+    args = ["calibrate", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--corpus",
+            str(mapped / "corpus.txt"), "--tokens", "400", "--heldout-tokens", "0", "--seq-len", "48", "--k", "2",
+            "--rank", "4", "--dtype", "float32", "--out", str(out)]
+    assert main(args) == 2 and "not a calibration state" in capsys.readouterr().err
+    assert not any(p.exists() for p in left) and other.exists()

@@ -57,6 +57,34 @@ def test_bad_config_is_a_clear_error(tmp_path, change, message):
         ModelConfig.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(hidden_size="64"), "hidden_size must be an integer"),
+    (dict(hidden_size=64.5), "hidden_size must be an integer"),
+    (dict(num_hidden_layers=True), "num_hidden_layers must be an integer"),
+    (dict(num_hidden_layers=0), "num_layers must be an integer in 1"),
+    (dict(num_hidden_layers=10**9), "at most 1024"),
+    (dict(vocab_size=10**400), "vocab_size"),
+    (dict(num_key_value_heads=3), "do not split"),
+    (dict(head_dim=15), "odd"),
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps must be a finite number"),
+    (dict(rope_parameters="x"), "rope_parameters"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "big"}), "rope_theta must be a number"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": float("inf")}), "rope theta"),
+    (dict(rope_parameters={"rope_type": ["llama3"]}), "unsupported RoPE type"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    (dict(eos_token_id=["a"]), "eos token ids"),
+    (dict(eos_token_id={"x": 1}), "eos token ids"),
+])
+def test_bad_config_values_are_clear_errors(tmp_path, change, message):
+    """config.json is untrusted: a wrong type or an out-of-range value is a RarecacheError naming the key
+    (not a ValueError, a TypeError, or a model built with a billion layers)."""
+    make_tiny("qwen2", tmp_path)
+    edit_config(tmp_path, **change)
+    with pytest.raises(RarecacheError, match=message):
+        load_model(tmp_path)
+
+
 def test_missing_and_unexpected_tensors_are_named(tmp_path):
     make_tiny("llama", tmp_path)
     file = tmp_path / "model.safetensors"

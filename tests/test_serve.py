@@ -453,3 +453,163 @@ def test_load_bench_arms_agree_and_the_batched_arm_batches(chat, tmp_path):
     assert "throughput" in lines[-1]
     with pytest.raises(RarecacheError):
         LoadBenchConfig(clients=0)
+
+
+# -- hardening (#18): numerically safe sampling, one error shape, strict types, tenants kept apart
+
+
+def _no_error_events(response) -> bool:
+    return not any(isinstance(e, dict) and "error" in e for e in events(response))
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1e-40}, {"temperature": 5e-324}, {"temperature": 1e-300},
+                                      {"temperature": 0.7, "top_p": 1e-300}, {"temperature": 2, "top_p": 5e-324}])
+def test_tiny_sampling_values_are_answered(chat, sampling):
+    """Temperatures too small to divide by are greedy; a top_p below every probability keeps the top
+    token. Streamed or not, the answer is a 200 with no error event."""
+    client = TestClient(create_app(service(chat)))
+    messages = [{"role": "user", "content": TURNS[0]}]
+    body = ask(client, "small", messages, max_tokens=3, **sampling)
+    if sampling["temperature"] < 1e-5:
+        assert body["choices"][0]["message"]["content"] == ask(client, "small", messages, max_tokens=3)[
+            "choices"][0]["message"]["content"]
+    r = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3,
+                                                  "stream": True, **sampling})
+    assert r.status_code == 200 and _no_error_events(r) and events(r)[-1] == "[DONE]"
+
+
+def _openai_error(r, status: int) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"]["message"], str) and body["error"]["type"]
+    return body["error"]["message"]
+
+
+def test_every_error_has_the_openai_shape(chat):
+    client = TestClient(create_app(service(chat)))
+    post = "/v1/chat/completions"
+    deep = b'{"model": "small", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    json_headers = {"content-type": "application/json"}
+    assert "JSON" in _openai_error(client.post(post, content=deep, headers=json_headers), 400)
+    bad_utf8 = b'{"model": "small", "messages": [{"role": "user", "content": "\xff\xfe"}]}'
+    assert "UTF-8" in _openai_error(client.post(post, content=bad_utf8, headers=json_headers), 400)
+    nan = b'{"model": "small", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    assert "temperature" in _openai_error(client.post(post, content=nan, headers=json_headers), 400)
+    huge_int = b'{"model": "small", "messages": [], "max_tokens": 1' + b"0" * 5000 + b"}"
+    _openai_error(client.post(post, content=huge_int, headers=json_headers), 400)
+    _openai_error(client.post(post, content=b"[]", headers=json_headers), 400)
+    _openai_error(client.get("/no/such/path"), 404)
+    _openai_error(client.get(post), 405)
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", True), ("max_tokens", "2"), ("max_tokens", 2.0),
+                                          ("stream", "yes"), ("stream", 1), ("temperature", "0.5"),
+                                          ("temperature", True), ("seed", 1.5), ("seed", "3"), ("top_p", False),
+                                          ("stop", 5), ("stop", ["a", 5]), ("model", 7), ("user", 1),
+                                          ("stream_options", {"include_usage": "yes"}), ("cache_salt", 5),
+                                          ("cache_salt", ""), ("max_completion_tokens", "4")])
+def test_no_silent_coercion(chat, field, value):
+    client = TestClient(create_app(service(chat)))
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], field: value}
+    if field not in ("max_tokens", "max_completion_tokens"):
+        body["max_tokens"] = 2
+    assert field in _openai_error(client.post("/v1/chat/completions", json=body), 400)
+    content = {"model": "small", "messages": [{"role": "user", "content": 5}], "max_tokens": 2}
+    assert "content" in _openai_error(client.post("/v1/chat/completions", json=content), 400)
+
+
+def test_integers_are_numbers_for_float_fields(chat):
+    client = TestClient(create_app(service(chat)))
+    ask(client, "small", [{"role": "user", "content": "hi"}], max_tokens=2, temperature=1, top_p=1)
+
+
+def test_cache_salt_keeps_tenants_apart(chat):
+    """Prefix-cache entries, and the other model's rows a handoff would reuse, are shared only
+    between requests with the same salt; no salt is a salt of its own."""
+    svc = service(chat)
+    client = TestClient(create_app(svc))
+    messages = [{"role": "user", "content": TURNS[0]}]
+    ask(client, "small", messages, cache_salt="tenant-a")
+    for salt in ("tenant-b", None):
+        info = ask(client, "small", messages, **({"cache_salt": salt} if salt else {}))["rarecache"]
+        assert info["reused_tokens"] == 0
+        info = ask(client, "large", messages, cache_salt=f"tenant-c-{salt}")["rarecache"]
+        assert info["handed_off_from"] is None and info["reused_tokens"] == 0
+    assert ask(client, "small", messages, cache_salt="tenant-a")["rarecache"]["reused_tokens"] > 0
+    assert ask(client, "large", messages, cache_salt="tenant-a")["rarecache"]["handed_off_from"] == "small"
+    assert svc.complete("small", messages, SAMPLING, salt="tenant-a").reused > 0
+    assert svc.complete("small", messages, SAMPLING, salt="tenant-d").reused == 0
+
+
+def test_api_key(chat, monkeypatch):
+    client = TestClient(create_app(service(chat), api_key="s3cret"))
+    body = {"model": "small", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                    {"authorization": "Bearer s3cret2"}, {"authorization": "Basic s3cret"}):
+        r = client.post("/v1/chat/completions", json=body, headers=headers)
+        assert "API key" in _openai_error(r, 401) and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        _openai_error(client.get("/v1/models", headers=headers), 401)
+        _openai_error(client.get("/docs", headers=headers), 401)
+    auth = {"authorization": "Bearer s3cret"}
+    assert client.post("/v1/chat/completions", json=body, headers=auth).status_code == 200
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert client.get("/health").status_code == 200  # for load balancers; it shows no conversation
+
+
+def test_serve_cli_api_key_and_public_host_warning(pair_dir, fitted, tmp_path, monkeypatch, capsys):
+    import uvicorn
+
+    _, _, mapper, _ = fitted
+    path = tmp_path / "m.safetensors"
+    mapper.save(path)
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    args = ["serve", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--dtype", "float32",
+            "--map", str(path)]
+    monkeypatch.delenv("RARECACHE_API_KEY", raising=False)
+    assert main([*args, "--host", "0.0.0.0"]) == 0
+    assert "without an API key" in capsys.readouterr().err
+    assert TestClient(started["app"]).get("/v1/models").status_code == 200
+    assert main([*args, "--host", "0.0.0.0", "--api-key", "k1"]) == 0
+    assert "without an API key" not in capsys.readouterr().err
+    assert TestClient(started["app"]).get("/v1/models").status_code == 401
+    monkeypatch.setenv("RARECACHE_API_KEY", "k2")
+    assert main(args) == 0
+    client = TestClient(started["app"])
+    assert client.get("/v1/models", headers={"authorization": "Bearer k2"}).status_code == 200
+    assert client.get("/v1/models", headers={"authorization": "Bearer k1"}).status_code == 401
+    assert main([*args, "--api-key", ""]) == 2 and "--api-key" in capsys.readouterr().err
+
+
+def test_soak_on_the_tiny_pair(pair_dir, fitted, tmp_path, capsys):
+    """`rarecache bench soak` end to end at tiny settings: a real server subprocess kept full, then
+    overloaded (accepted requests complete, refusals are 503 with Retry-After), killed with SIGKILL
+    under load and restarted, then answering."""
+    pytest.importorskip("psutil")
+    import json
+
+    _, _, mapper, _ = fitted
+    path = tmp_path / "m.safetensors"
+    mapper.save(path)
+    out = tmp_path / "soak.json"
+    assert main(["bench", "soak", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"),
+                 "--map", str(path), "--dtype", "float32", "--saturation", "1.5", "--duration", "2",
+                 "--overload", "10", "--max-requests", "200", "--max-tokens", "4", "--max-batch", "1",
+                 "--max-waiting", "0", "--kill-after", "0.5", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(printed[-1])
+    assert result == json.loads(out.read_text()) and result["ok"] and result["models"] == ["src", "tgt"]
+    over = result["overload"]
+    assert over["sent"] > 0 and over["answered"] == over["whole"] > 0
+    assert over["refused_503"] == over["refused_with_retry_after"] > 0  # 10x the rate overflows one place
+    assert over["other_status"] == over["no_answer"] == 0
+    assert result["rss_mib"]["max"] > 0 and result["after_restart"] == {"status": 200, "whole": True}
+    assert any(line.startswith("result") and line.endswith("ok") for line in printed)
+
+
+def test_soak_refuses_to_pick_a_host(tmp_path):
+    from rarecache.bench.soak import SoakConfig
+
+    with pytest.raises(RarecacheError, match="127.0.0.1"):
+        SoakConfig(serve_args=("--host", "0.0.0.0"))

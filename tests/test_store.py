@@ -416,3 +416,55 @@ def test_real_pull_small_model():
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]) == (24, 896, 2)
     assert cfg["vocab_size"] == 151936
+
+
+# ---------------------------------------------------------------- bad GGUF files (#18)
+
+
+BAD_GGUF = {
+    "random bytes": bytes(range(256)) * 8,
+    "magic and garbage": b"GGUF" + b"\x03\x00\x00\x00" + bytes(range(7, 250)) * 4,
+    "empty": b"",
+    "magic only": b"GGUF",
+    "truncated header": b"GGUF\x03\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_GGUF))
+def test_a_bad_gguf_is_a_one_line_error(tmp_path, name, capsys):
+    """A file that is not a GGUF model is refused with a RarecacheError (one line, exit 2 from the CLI), by
+    the real converter, and leaves no temporary folder behind."""
+    pytest.importorskip("transformers")
+    from rarecache.cli import main
+
+    g = tmp_path / "bad.gguf"
+    g.write_bytes(BAD_GGUF[name])
+    cache = tmp_path / "cache"
+    with pytest.raises(RarecacheError, match="bad.gguf"):
+        store.resolve_model(str(g), cache)
+    assert main(["generate", "--model", str(g), "--cache-dir", str(cache), "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rarecache: error:") and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list(cache.glob("models/.*"))
+
+
+def test_killed_writes_are_cleaned_up_by_the_next_pull(fake):
+    """kill -9 mid-conversion leaves `.tmp-NAME-*` (and mid-swap `.old-NAME-*`) folders, mid-join a
+    `.gguf.partial`: the next pull of that model removes them, and nothing else."""
+    index, export, cache = fake
+    store.pull(FAKE.name, cache, progress=False)
+    shutil.rmtree(cache / "models" / FAKE.name)
+    models = cache / "models"
+    left = [models / f".tmp-{FAKE.name}-k1ll3d", models / f".old-{FAKE.name}-abc123",
+            models / f".tmp-gguf-0123456789abcdef-x"]
+    for d in left:
+        (d / "sub").mkdir(parents=True)
+        (d / "sub" / "model.safetensors").write_bytes(b"x" * 1000)
+    partial = cache / "gguf" / f"{FAKE.name}.gguf.partial"
+    partial.write_bytes(b"half a gguf")
+    mine = models / f".tmp-{FAKE.name}x-other"  # another model's name: not ours to touch
+    mine.mkdir()
+    store.pull(FAKE.name, cache, progress=False)
+    assert not left[0].exists() and not left[1].exists() and not partial.exists()
+    assert left[2].exists() and mine.exists()  # other models' folders stay
+    assert len(index.calls) == 3  # the verified GGUF was kept

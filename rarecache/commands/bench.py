@@ -1,4 +1,5 @@
-"""`rarecache bench map / handoff / serve / load / ablate`: speed, as ratios to a baseline timed in the same run."""
+"""`rarecache bench map / handoff / serve / load / ablate`: speed, as ratios to a baseline timed in the same run;
+`rarecache bench soak`: the server under overload, killed and restarted (counts, not speed)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def register(sub) -> None:
     _add_serve(bench)
     _add_load(bench)
     _add_ablate(bench)
+    _add_soak(bench)
 
 
 def _add_map(bench) -> None:
@@ -204,3 +206,42 @@ def cmd_bench_ablate(args) -> int:
         print(f"{r['optimisation']:58s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
     print_json({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "rows": rows})
     return 0
+
+
+def _add_soak(bench) -> None:
+    b = bench.add_parser("soak", help="the server under twice the load it can take, then killed and restarted",
+                         description="Start `rarecache serve` on 127.0.0.1 (a free port), measure the rate it answers "
+                                     "when kept full, offer --duration seconds of requests at --overload times that "
+                                     "rate (small answers), recording its memory, then kill -9 it under load, "
+                                     "restart it and send one request. Every accepted request must complete, every "
+                                     "refusal must be a 503 with Retry-After. Prints a table, then one JSON line; "
+                                     "exit 1 if a check fails. Loopback only.")
+    b.add_argument("--source", default=None, help="as for serve (default: the bundled pair)")
+    b.add_argument("--target", default=None, help="as for serve")
+    b.add_argument("--map", type=Path, default=None, help="as for serve (default for the bundled pair: the demo's map)")
+    b.add_argument("--saturation", type=float, default=20.0, help="seconds of the closed-loop rate measurement (20)")
+    b.add_argument("--duration", type=float, default=180.0, help="seconds of overload (default: 180)")
+    b.add_argument("--overload", type=float, default=2.0, help="offered rate over the measured one (default: 2)")
+    b.add_argument("--max-requests", type=int, default=5000, help="at most this many overload requests (5000)")
+    b.add_argument("--max-tokens", type=int, default=8, help="max_tokens of each request (default: 8)")
+    b.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch (default: 8)")
+    b.add_argument("--max-waiting", type=int, default=16, help="the server's --max-waiting (default: 16)")
+    b.add_argument("--kill-after", type=float, default=5.0, help="seconds of load before the kill -9 (default: 5)")
+    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_soak)
+
+
+def cmd_bench_soak(args) -> int:
+    from ..bench.soak import SoakConfig, run_soak
+
+    serve = [*(("--source", args.source) if args.source else ()), *(("--target", args.target) if args.target else ()),
+             *(("--map", str(args.map)) if args.map else ()), "--dtype", args.dtype,
+             *(("--cache-dir", str(args.cache_dir)) if args.cache_dir else ()),
+             "--max-batch", str(args.max_batch), "--max-waiting", str(args.max_waiting)]
+    cfg = SoakConfig(serve_args=tuple(serve), saturation_s=args.saturation, duration_s=args.duration,
+                     overload=args.overload, max_requests=args.max_requests, max_tokens=args.max_tokens,
+                     kill_after_s=args.kill_after)
+    result = run_soak(cfg, emit=lambda line: print(line, flush=True))
+    print_json(result, args.out, indent=1)
+    return 0 if result["ok"] else 1

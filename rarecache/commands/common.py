@@ -45,11 +45,11 @@ def load_models(args):
 
 
 def load_pair(args):
-    """load_models plus the --map file, checked against the pair."""
+    """load_models plus the --map file, checked against the pair (identity and fit)."""
     from ..transfer.mapper import Mapper
 
+    mapper = Mapper.load(args.map)  # a bad file fails before the models, which take much longer to load
     source, target, tokenizer = load_models(args)
-    mapper = Mapper.load(args.map)
     mapper.check_pair(source, target)
     return source, target, mapper, tokenizer
 

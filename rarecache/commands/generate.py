@@ -42,11 +42,8 @@ def cmd_generate(args) -> int:
     if args.chat:
         messages = [{"role": "system", "content": args.system}] if args.system else []
         prompts = [[*messages, {"role": "user", "content": p}] for p in prompts]
-    try:
-        sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.seed)
-    except ValueError as e:
-        raise RarecacheError(str(e)) from None
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                              top_p=args.top_p, seed=args.seed)  # a bad value is refused here, before loading
     if args.source or args.map:
         return _generate_handoff(args, prompts, sampling)
     llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)

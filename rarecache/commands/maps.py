@@ -12,6 +12,7 @@ from .common import add_model_options, add_pair_options, load_models, load_pair,
 
 def register(sub) -> None:
     _add_calibrate(sub)
+    _add_mlp(sub)
     _add_inspect(sub)
     _add_ppl(sub)
 
@@ -97,6 +98,71 @@ def cmd_calibrate(args) -> int:
     calibration.state_path.unlink(missing_ok=True)
     print(mapper.summary())
     print(f"wrote {args.out}")
+    return 0
+
+
+def _add_mlp(sub) -> None:
+    p = sub.add_parser("mlp", help="add the nonlinear option to a ridge map: a residual MLP per target layer and side",
+                       description="Collect both models' rows on the map's own calibration text (its fit documents "
+                                   "for training, the documents after them for early stopping and held-out R2), "
+                                   "train an MLP per target layer and side on ridge's residual, and write a map "
+                                   "that applies ridge + MLP (seed 002, §4.4). Give the same text as the map's "
+                                   "calibration (--preset, --task or --corpus): it is checked by fingerprint.")
+    p.add_argument("map", type=Path, help="ridge map fitted by `rarecache calibrate`")
+    p.add_argument("--source", required=True, help="the map's source model")
+    p.add_argument("--target", required=True, help="the map's target model")
+    p.add_argument("--corpus", default="wiki", help="the map's calibration corpus (default: wiki)")
+    p.add_argument("--chat", action="store_true", help="as the map's calibration was run with --chat")
+    p.add_argument("--task", default=None, help="the map's calibration task")
+    p.add_argument("--preset", choices=["general"], default=None, help="the map's calibration preset")
+    p.add_argument("--tokens", type=int, default=16384, help="training positions (default: 16384)")
+    p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out positions (default: 4096)")
+    p.add_argument("--hidden", type=int, default=256, help="hidden units (default: 256)")
+    p.add_argument("--epochs", type=int, default=30, help="at most (early stopping on held-out; default: 30)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
+    p.add_argument("--out", type=Path, required=True, help="map file to write (ridge + MLP)")
+    add_model_options(p)
+    p.set_defaults(func=cmd_mlp)
+
+
+def cmd_mlp(args) -> int:
+    from ..transfer.fit import Layout
+    from ..transfer.mapper import SIDES, Mapper
+    from ..transfer.mlp import MLPConfig, collect_rows, train_side
+
+    _check_corpus_flags(args)
+    if args.tokens < 1 or args.heldout_tokens < 1:
+        raise RarecacheError("--tokens and --heldout-tokens must be >= 1")
+    try:
+        cfg = MLPConfig(hidden=args.hidden, epochs=args.epochs)
+    except ValueError as e:
+        raise RarecacheError(str(e)) from None
+    mapper = Mapper.load(args.map)
+    source, target, tokenizer = load_models(args)
+    mapper.check_pair(source, target)
+    corpus = _corpus(args, tokenizer)
+    if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
+        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
+                             f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}): "
+                             "give the map's own calibration text")
+    train = collect_rows(source, target, tokenizer, corpus, args.tokens, args.seq_len)
+    held = collect_rows(source, target, tokenizer, corpus, args.heldout_tokens, args.seq_len,
+                        first_document=mapper.info.calibration.get("documents_used", 0))
+    src = Layout(source.num_layers, source.config.kv_dim)
+    tgt = Layout(target.num_layers, target.config.kv_dim)
+    mlps, r2 = {}, {}
+    for s in SIDES:
+        fit = mapper.sides[s]
+        mlps[s], r2[s] = train_side(fit, *train[s], *held[s], src, tgt, cfg)
+    out = mapper.with_mlp(mlps, cfg.hidden)
+    out.save(args.out)
+    print(f"held-out R2, mean over {tgt.layers} target layers ({args.heldout_tokens} positions after the map's "
+          f"fit documents):")
+    for s, name in (("k", "keys"), ("v", "values")):
+        ridge, mlp = (sum(r2[s][k]) / len(r2[s][k]) for k in ("ridge", "mlp"))
+        print(f"  {name:6s} ridge {ridge:.4f}  ridge + MLP {mlp:.4f}  ({mlp - ridge:+.4f})")
+    print(json.dumps({"mlp": str(args.out), "hidden": cfg.hidden, "heldout_r2": r2}))
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +50,9 @@ def register(sub) -> None:
     p.add_argument("--rho", type=float, default=0.3, help="share of handed-off positions recomputed (default: 0.3)")
     p.add_argument("--selector", default="rank", help="position selector (default: rank)")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send Authorization: Bearer KEY (every route but /health; default: "
+                        "$RARECACHE_API_KEY, else none); see the README's threat model")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
     p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
@@ -81,6 +86,12 @@ def cmd_serve(args) -> int:
             or not 1 <= args.default_max_tokens <= args.max_tokens_limit):
         raise RarecacheError("--cache-gib must be > 0, --max-batch >= 1, --max-waiting >= 0 and "
                              "1 <= --default-max-tokens <= --max-tokens-limit")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RARECACHE_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise RarecacheError("--api-key (or $RARECACHE_API_KEY) is empty")
+    if api_key is None and not _loopback(args.host):
+        print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
+              "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
         raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
     names = model_id(args.source), model_id(args.target)
@@ -101,6 +112,17 @@ def cmd_serve(args) -> int:
     service = ChatService(models, maps, cfg)
     print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
           f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
-    app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting)
+    app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
+                     api_key=api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False

@@ -6,35 +6,58 @@ every path into the target model shares one decoding loop. `Row` is that loop's
 bookkeeping for one sequence, a token at a time, for callers that step sequences
 held in different caches together (the server's scheduler, via
 `Runner.decode_step`).
+
+Sampling is numerically safe for every value `SamplingConfig` accepts, and it refuses
+the rest when it is built (before any work starts): a temperature too small to divide
+by is greedy (its limit; dividing float32 logits by any larger one cannot overflow), and
+the top token always survives top-p, however small top_p is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from numbers import Integral, Real
 from typing import Callable
 
 import torch
 
+from ..errors import RarecacheError
 from .cache import KVCache
 from .runner import Runner
+
+GREEDY_BELOW = 1e-5  # temperatures under this decode greedily, as vLLM's do
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or anything below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()  # empty: the model's own end tokens (via LLM)
     ignore_eos: bool = False  # never stop early (benchmarks, parity tests)
 
     def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
+        def whole(x) -> bool:
+            return isinstance(x, Integral) and not isinstance(x, bool)
+
+        def real(x) -> bool:
+            return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not whole(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise RarecacheError(f"max_new_tokens must be an integer >= 1, not {self.max_new_tokens!r}")
+        if not real(self.temperature) or self.temperature < 0:
+            raise RarecacheError(f"temperature must be a finite number >= 0, not {self.temperature!r}")
+        if not real(self.top_p) or not 0 < self.top_p <= 1:
+            raise RarecacheError(f"top_p must be a number in (0, 1], not {self.top_p!r}")
+        if not whole(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise RarecacheError(f"seed must be an integer in [-2**63, 2**64), not {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -46,13 +69,14 @@ class Generation:
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,)."""
-    if cfg.temperature == 0:
+    if cfg.greedy:
         return logits.argmax(-1)
-    probs = (logits.float() / cfg.temperature).softmax(-1)
+    probs = (logits.float() / cfg.temperature).softmax(-1)  # finite: |logit| / GREEDY_BELOW < float32 max
     if cfg.top_p < 1:
         sorted_p, order = probs.sort(-1, descending=True)
-        # drop a token once the mass before it already reaches top_p (the top token always stays)
+        # drop a token once the mass before it already reaches top_p; the top token always stays
         drop = (sorted_p.cumsum(-1) - sorted_p) >= cfg.top_p
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)

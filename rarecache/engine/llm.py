@@ -53,9 +53,15 @@ class LLM:
         ids = list(self.config.eos_token_ids)
         file = self.path / "generation_config.json"
         if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
+            try:
+                raw = json.loads(file.read_text())
+            except (ValueError, RecursionError) as e:
+                raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
+            eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
             ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return tuple(int(i) for i in ids)
+        if any(type(i) is not int or i < 0 for i in ids):
+            raise RarecacheError(f"{file}: eos_token_id must be integers >= 0, not {ids!r}"[:300])
+        return tuple(ids)
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode_chat(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)

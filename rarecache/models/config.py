@@ -4,12 +4,18 @@ One frozen dataclass covers the three families we run (Llama, Qwen2, Qwen3): the
 differ only in biases, q/k norms and RoPE scaling. Unknown keys are dropped; a
 missing required key or an unsupported feature is a clear error rather than a
 silently different model.
+
+config.json is untrusted input: a value of the wrong type (a string, a bool, 64.5
+where an integer belongs) or out of range (no layers, NaN epsilon, more KV heads than
+heads, a million layers to build) is a RarecacheError naming the key, never a
+traceback or a model that computes garbage.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,8 @@ from ..errors import RarecacheError
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3")
+MAX_LAYERS = 1024  # far above any real model; a bound on the modules a config can make us build
+MAX_SIZE = 2**31 - 1  # any other size or count: products of two stay within int64 shapes
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,13 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        for key in ("theta", "factor", "low_freq_factor", "high_freq_factor"):
+            _positive_real(f"rope {key}", getattr(self, key))
+        _whole(self.original_max_position_embeddings, "rope original_max_position_embeddings")
+        if self.type == "llama3" and self.high_freq_factor == self.low_freq_factor:
+            raise RarecacheError("llama3 RoPE needs high_freq_factor != low_freq_factor")
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,22 @@ class ModelConfig:
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                    "head_dim", "max_position_embeddings"):
+            _whole(getattr(self, key), key)
+        _positive_real("rms_norm_eps", self.rms_norm_eps)
+        if self.num_layers > MAX_LAYERS:
+            raise RarecacheError(f"config.json asks for {self.num_layers} layers; rarecache builds at most "
+                                 f"{MAX_LAYERS}")
+        if self.num_heads % self.num_kv_heads:
+            raise RarecacheError(f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV heads")
+        if self.head_dim % 2:
+            raise RarecacheError(f"head_dim {self.head_dim} is odd; rotary embeddings need an even one")
+        ids = [*self.eos_token_ids, *([] if self.bos_token_id is None else [self.bos_token_id])]
+        if any(type(i) is not int or i < 0 for i in ids):
+            raise RarecacheError(f"config.json: bos/eos token ids must be integers >= 0, not {ids}")
 
     @property
     def kv_dim(self) -> int:
@@ -74,29 +105,33 @@ class ModelConfig:
                 raise RarecacheError(f"config.json ({family}) is missing required key {key!r}")
             return raw[key]
 
+        def opt(key: str, default: Any) -> Any:  # null counts as absent
+            return default if raw.get(key) is None else raw[key]
+
         if raw.get("use_sliding_window"):
             raise RarecacheError("sliding-window attention is not supported (use_sliding_window=true)")
-        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = raw.get("head_dim") or hidden // heads
+        hidden = _int(need("hidden_size"), "hidden_size")
+        heads = _int(need("num_attention_heads"), "num_attention_heads")
+        head_dim = _int(raw.get("head_dim") or hidden // max(heads, 1), "head_dim")
         eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        attention_bias = bool(raw.get("attention_bias", False))
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        attention_bias = _bool(opt("attention_bias", False), "attention_bias")
         return cls(
             family=family,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=_int(need("vocab_size"), "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=_int(need("intermediate_size"), "intermediate_size"),
+            num_layers=_int(need("num_hidden_layers"), "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_kv_heads=_int(raw.get("num_key_value_heads") or heads, "num_key_value_heads"),
+            head_dim=head_dim,
+            rms_norm_eps=_real(opt("rms_norm_eps", 1e-6), "rms_norm_eps"),
             rope=_rope_from_dict(raw),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            max_position_embeddings=_int(opt("max_position_embeddings", 32768), "max_position_embeddings"),
+            tie_word_embeddings=_bool(opt("tie_word_embeddings", False), "tie_word_embeddings"),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=family != "qwen2" and attention_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=_bool(opt("mlp_bias", False), "mlp_bias"),
             qk_norm=family == "qwen3",
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -109,8 +144,8 @@ class ModelConfig:
             raise RarecacheError(f"no config.json in {path}")
         try:
             raw = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise RarecacheError(f"{file} is not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # bad JSON, bad UTF-8, a 5000-digit number, deep nesting
+            raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(raw, dict):
             raise RarecacheError(f"{file} does not hold a JSON object")
         return cls.from_dict(raw)
@@ -119,16 +154,57 @@ class ModelConfig:
 def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters` (theta inside); 4.x wrote
     # `rope_theta` + optional `rope_scaling`.
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise RarecacheError("config.json: rope_parameters / rope_scaling must be an object")
+
+    def opt(key: str, default: Any) -> Any:  # null counts as absent
+        return default if params.get(key) is None else params[key]
+
+    theta = opt("rope_theta", raw.get("rope_theta") if raw.get("rope_theta") is not None else 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise RarecacheError(f"unsupported RoPE type {kind!r}; supported: {', '.join(ROPE_TYPES)}")
     return RopeConfig(
-        theta=float(theta),
+        theta=_real(theta, "rope_theta"),
         type=kind,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        factor=_real(opt("factor", 1.0), "rope factor"),
+        low_freq_factor=_real(opt("low_freq_factor", 1.0), "rope low_freq_factor"),
+        high_freq_factor=_real(opt("high_freq_factor", 4.0), "rope high_freq_factor"),
+        original_max_position_embeddings=_int(opt("original_max_position_embeddings", 8192),
+                                              "rope original_max_position_embeddings"),
     )
+
+
+def _int(value: Any, key: str) -> int:
+    """An integer as JSON writes one (7, or 7.0), never a bool, a string or 7.5."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int:
+        raise RarecacheError(f"config.json: {key} must be an integer, not {value!r}"[:200])
+    return value
+
+
+def _real(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RarecacheError(f"config.json: {key} must be a number, not {value!r}"[:200])
+    try:
+        return float(value)
+    except OverflowError:
+        raise RarecacheError(f"config.json: {key} is out of range") from None
+
+
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise RarecacheError(f"config.json: {key} must be true or false, not {value!r}"[:200])
+    return value
+
+
+def _whole(value: int, key: str) -> None:
+    if type(value) is not int or not 1 <= value <= MAX_SIZE:
+        raise RarecacheError(f"config.json: {key} must be an integer in 1..{MAX_SIZE}, not {value!r}"[:200])
+
+
+def _positive_real(key: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise RarecacheError(f"config.json: {key} must be a finite number > 0, not {value!r}")

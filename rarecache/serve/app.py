@@ -1,12 +1,19 @@
 """HTTP front of the chat service: an OpenAI-compatible subset, validated at the door.
 
 `POST /v1/chat/completions` takes the usual body (model, messages, max_tokens,
-temperature, top_p, seed, stop, stream) and answers in the usual shape, with one
-extra object, `rarecache`, saying where the prompt's rows came from (kept, handed
-off from which model, how many positions were recomputed) and what each phase cost.
-A streamed answer (server-sent events) carries it in its last chunk. Anything the
-service does not do (n > 1, tools, penalties, logprobs) is refused with a 400
-rather than silently ignored. Errors use OpenAI's `{"error": {...}}` body.
+temperature, top_p, seed, stop, stream, and vLLM's cache_salt) and answers in the
+usual shape, with one extra object, `rarecache`, saying where the prompt's rows came
+from (kept, handed off from which model, how many positions were recomputed) and
+what each phase cost. A streamed answer (server-sent events) carries it in its last
+chunk. Anything the service does not do (n > 1, tools, penalties, logprobs) is
+refused with a 400 rather than silently ignored.
+
+The body is as strict as OpenAI's: no coercion (`"2"`, `2.0` or `true` is not an
+integer, `"yes"` is not a boolean; an integer is a number), no NaN or Infinity. Every
+error, whatever raised it (validation, malformed JSON or UTF-8, an unknown path, a
+missing API key), uses OpenAI's `{"error": {...}}` body. With an API key, every
+route but `/health` needs `Authorization: Bearer KEY` (compared in constant time);
+`/health` stays open for load balancers and shows no conversation.
 
 Every check runs before a stream starts. A client that disconnects mid-stream ends
 its decoding at the next token, so it does not hold the models.
@@ -15,6 +22,7 @@ its decoding at the next token, so it does not hold the models.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import threading
 import time
@@ -27,10 +35,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
-from .service import ChatService, ModelNotFound, Reply, Role
+from .service import MAX_SALT, ChatService, ModelNotFound, Reply, Role
 
 UNSUPPORTED = ("n", "tools", "tool_choice", "functions", "function_call", "logprobs",
                "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
@@ -43,18 +52,22 @@ def _asked(key: str, value) -> bool:
     return value is not None and value is not False and value not in (0, "", [], {})
 
 
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # as OpenAI: no coercion (an int is a float), no NaN
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**STRICT, extra="forbid")
     role: Role
     content: str = Field(max_length=1_000_000)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unsupported OpenAI fields are named in the error, not ignored
+    model_config = ConfigDict(**STRICT, extra="allow")  # unsupported OpenAI fields are named in the error
     model: str = Field(max_length=256)
     messages: list[Message] = Field(min_length=1, max_length=4096)
     max_tokens: int | None = Field(None, ge=1)
@@ -66,13 +79,36 @@ class ChatRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # caches are shared within one salt
 
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
+def _error(status: int, message: str, kind: str | None = None, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class BearerAuth:
+    """ASGI middleware: every path but /health needs `Authorization: Bearer <key>` (as vLLM's --api-key),
+    else a 401 before the body is read. The key is compared in constant time."""
+
+    OPEN = ("/health",)
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                denied = _error(401, "Incorrect or missing API key: send the header Authorization: Bearer KEY",
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await denied(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 MAX_BODY = 8 << 20  # bytes; far above what max_prompt_chars lets through
@@ -122,6 +158,15 @@ class _TooBig(Exception):
     pass
 
 
+def _why_unparsed(cause: BaseException | None) -> str:
+    """Why the framework could not parse a body (its own message only says that it could not)."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the body is not valid UTF-8 ({cause.reason} at byte {cause.start})"
+    if isinstance(cause, RecursionError):
+        return "the body is not valid JSON (nested too deeply)"
+    return f"the body is not valid JSON ({cause})" if cause is not None else "the body could not be parsed"
+
+
 def _usage(reply: Reply) -> dict:
     return {"prompt_tokens": reply.prompt_tokens, "completion_tokens": len(reply.tokens),
             "total_tokens": reply.prompt_tokens + len(reply.tokens)}
@@ -146,8 +191,8 @@ async def _stream(service: ChatService, head: dict, ids: list[int], sampling: Sa
     def work() -> None:
         try:
             reply = service.answer(req.model, ids, sampling, req.stops(),
-                                     on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
-                                     cancelled=gone.is_set)
+                                   on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
+                                   cancelled=gone.is_set, salt=req.cache_salt)
             loop.call_soon_threadsafe(queue.put_nowait, ("done", reply))
         except Exception as e:  # noqa: BLE001  (reported to the client, which is already streaming)
             loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
@@ -181,9 +226,10 @@ async def _stream(service: ChatService, head: dict, ids: list[int], sampling: Sa
 
 
 def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
-               max_waiting: int = 16) -> FastAPI:
+               max_waiting: int = 16, api_key: str | None = None) -> FastAPI:
     """The HTTP app over `service`. Past the service's `max_batch` running answers and
-    `max_waiting` queued requests, a new request gets a 503 with Retry-After instead of a place in line."""
+    `max_waiting` queued requests, a new request gets a 503 with Retry-After instead of a place in line.
+    With `api_key`, every route but /health needs it as a bearer token."""
     in_flight = [0]  # touched only on the event loop
 
     def release(flag: list[bool]) -> None:
@@ -194,14 +240,30 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
     app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
     app.state.service = service
     app.add_middleware(BodyLimit, limit=max_body)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)  # added last: runs first, before the body is read
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         parts = []
         for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                parts.append(f"the body is not valid JSON ({err.get('ctx', {}).get('error', 'malformed')})")
+                continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         return _error(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(HTTPException)  # unknown paths, wrong methods, a body the framework cannot parse
+    async def _http(request: Request, exc: HTTPException):
+        message = str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            message = _why_unparsed(exc.__cause__)
+        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)  # a bug of ours: still the one error shape (and still logged)
+    async def _bug(request: Request, exc: Exception):
+        return _error(500, f"internal error: {type(exc).__name__}")
 
     @app.get("/health")
     def health():
@@ -228,7 +290,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             sampling = SamplingConfig(max_new_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
                                       temperature=req.temperature, top_p=req.top_p, seed=req.seed)
             messages = [m.model_dump() for m in req.messages]
-            ids = service.prepare(req.model, messages, sampling, req.stops())  # tokenised once, checked
+            ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
@@ -244,7 +306,8 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             return StreamingResponse(_stream(service, head, ids, sampling, req), media_type="text/event-stream",
                                      background=BackgroundTask(release, done))
         try:
-            reply = await run_in_threadpool(service.answer, req.model, ids, sampling, req.stops())
+            reply = await run_in_threadpool(service.answer, req.model, ids, sampling, req.stops(),
+                                            salt=req.cache_salt)
         except RarecacheError as e:
             return _error(400, str(e))
         finally:

@@ -8,6 +8,9 @@ with a map into the requested one. In the second case the conversation is handed
 off (map + selective recompute) instead of being re-read, which is the point of
 rarecache: a router can move a conversation between models at every turn. The
 entries, how a request claims one and how they are evicted are in `serve/store.py`.
+A request's `salt` (the API's `cache_salt`) scopes both starting points: only entries
+written under the same salt are reused or handed off, so tenants with different salts
+never read, extend or time each other's rows.
 
 Requests are scheduled continuously: one worker thread admits a waiting request
 (its prefill or handoff runs alone, being compute-bound), then advances every
@@ -40,6 +43,7 @@ from .store import Entry, PrefixStore
 Role = Literal["system", "user", "assistant"]  # what a message's role may be (the HTTP front's schema too)
 ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
+MAX_SALT = 1024  # characters of a cache salt
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class _Job:
     stop: tuple[str, ...]
     on_text: Callable[[str], None] | None
     cancelled: Callable[[], bool] | None
+    salt: str | None = None  # entries are shared only within one salt
     submitted: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     reply: "Reply | None" = None
@@ -136,33 +141,37 @@ class ChatService:
             raise RarecacheError(f"max_tokens is at most {self.cfg.max_new_tokens} on this server")
 
     def prepare(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
-                stop: tuple[str, ...] = ()) -> list[int]:
+                stop: tuple[str, ...] = (), salt: str | None = None) -> list[int]:
         """Validate a request and tokenise it: every mistake a client can make is raised here,
         before any work is queued (a streamed answer has no way to report one later)."""
         self.validate(model, messages, sampling)
-        if len(stop) > MAX_STOP or any(not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+        if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
             raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
+            raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
         ids = self.models[model].encode([{"role": m["role"], "content": m["content"]} for m in messages])
         self.models[model].check_fits(len(ids), sampling.max_new_tokens, model)
         return ids
 
     def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
                  stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None) -> Reply:
+                 cancelled: Callable[[], bool] | None = None, salt: str | None = None) -> Reply:
         """Answer the conversation `messages` with `model` (greedy unless sampling says otherwise).
 
         `stop`: strings that end the answer (left out of it). `on_text(piece)` is called with each
         new piece of the answer as it is decoded (streaming): never half a character, never the
         start of what may become a stop string. `cancelled()` returning True ends decoding early
-        (a client that went away), which frees the service for the next request.
+        (a client that went away), which frees the service for the next request. `salt`: the
+        answer reuses (and leaves) cached rows only among requests with the same salt.
         """
-        return self.answer(model, self.prepare(model, messages, sampling, stop), sampling, stop, on_text, cancelled)
+        return self.answer(model, self.prepare(model, messages, sampling, stop, salt), sampling, stop, on_text,
+                           cancelled, salt)
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None,
-               cancelled: Callable[[], bool] | None = None) -> Reply:
+               cancelled: Callable[[], bool] | None = None, salt: str | None = None) -> Reply:
         """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait."""
-        job = _Job(model, ids, sampling, tuple(stop), on_text, cancelled)
+        job = _Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt)
         with self._wake:
             if self._closed:
                 raise RarecacheError("the service is closed")
@@ -241,17 +250,18 @@ class ChatService:
                 job.reply = Reply(model, "", [], "stop", len(ids), 0, None, None, None, dict(job.seconds))
                 job.done.set()
                 return
-            own, own_n = self.store.best(model, ids)
+            own, own_n = self.store.best(model, ids, job.salt)
             keep = min(own_n, len(ids) - 1)
             src, src_n = None, 0
             for other in self.models:
                 if other != model and (other, model) in self.maps:
-                    e, n = self.store.best(other, ids)
+                    e, n = self.store.best(other, ids, job.salt)
                     if e is not None and n > max(keep, src_n):
                         job.source, src, src_n = other, e, n
-            job.held[model] = self.store.claim(model, self.models[model].runner, own, own_n)
+            job.held[model] = self.store.claim(model, self.models[model].runner, own, own_n, job.salt)
             if job.source is not None:
-                job.held[job.source] = self.store.claim(job.source, self.models[job.source].runner, src, src_n)
+                job.held[job.source] = self.store.claim(job.source, self.models[job.source].runner, src, src_n,
+                                                        job.salt)
             now = time.monotonic()
             for e in job.held.values():
                 e.used = now

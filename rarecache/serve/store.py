@@ -10,6 +10,12 @@ answer is still writing is `busy`: copied from, never extended by another reques
 never evicted. Entries are evicted least recently used once their caches together
 exceed the byte budget.
 
+Every entry belongs to one salt (a tenant's `cache_salt`; None is a salt of its own):
+`best` looks only at entries of the request's salt and `claim` makes entries of it, so
+requests with different salts never share, copy or extend each other's rows, and no
+request can learn from how fast it is answered whether another salt sent its prompt
+(eviction and queueing still show how busy the server is, not what it was asked).
+
 The store takes no locks: the service's worker thread is its only user.
 """
 
@@ -25,6 +31,7 @@ from ..transfer.conversation import Held, common_prefix
 @dataclass(eq=False)  # entries are compared by identity
 class Entry:
     held: Held
+    salt: str | None = None  # only requests with this salt see the entry
     used: float = 0.0
     busy: bool = False  # a running answer is writing it
 
@@ -34,18 +41,24 @@ class PrefixStore:
         self.entries: dict[str, list[Entry]] = {name: [] for name in models}
         self.cache_bytes = cache_bytes  # budget for the held caches of all models together
 
-    def best(self, model: str, ids: list[int]) -> tuple[Entry | None, int]:
-        """`model`'s entry sharing the longest prefix with `ids`, and that prefix's length (None, 0 if none)."""
+    def best(self, model: str, ids: list[int], salt: str | None = None) -> tuple[Entry | None, int]:
+        """`model`'s entry of `salt` sharing the longest prefix with `ids`, and that prefix's length
+        (None, 0 if none)."""
         best, n = None, 0
         for e in self.entries[model]:
+            if e.salt != salt:
+                continue
             k = common_prefix(e.held.ids, ids)
             if k > n:
                 best, n = e, k
         return best, n
 
-    def claim(self, model: str, runner: Runner, entry: Entry | None, shared: int) -> Entry:
-        """The entry to answer from: `entry` itself when the request extends all of it and no running
-        answer is writing it, else a new entry with a copy of its first `shared` rows (or an empty one)."""
+    def claim(self, model: str, runner: Runner, entry: Entry | None, shared: int, salt: str | None = None) -> Entry:
+        """The entry of `salt` to answer from: `entry` (one `best` gave for that salt) itself when the
+        request extends all of it and no running answer is writing it, else a new entry with a copy
+        of its first `shared` rows (or an empty one)."""
+        if entry is not None and entry.salt != salt:
+            raise ValueError("an entry is claimed only by a request with its salt")
         if entry is not None and shared == len(entry.held.ids) and not entry.busy:
             entry.busy = True
             return entry
@@ -53,7 +66,7 @@ class PrefixStore:
         if entry is not None and shared > 0:
             held.reserve(runner, shared).copy_prefix(entry.held.cache, shared)
             held.ids = entry.held.ids[:shared]
-        new = Entry(held, busy=True)
+        new = Entry(held, salt, busy=True)
         self.entries[model].append(new)
         return new
 

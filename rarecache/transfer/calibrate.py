@@ -5,6 +5,8 @@ the sampled positions feed float64 sufficient statistics (stats.py). The state i
 checkpointed to `<out>.state` (safetensors, atomically replaced) every few
 sequences; a killed run resumes at the next sequence and ends with exactly the
 statistics of an uninterrupted one, because sums are added in the same order.
+A run killed mid-write leaves `<out>.state.partial` or `<out>.partial` (a GB and
+tens of MB for the bundled pair); the next run over `<out>` deletes both first.
 
 Memory: per side, XᵀX is (Ls·ds)² and XᵀY is (Ls·ds)×(Lt·dt) float64 numbers.
 For Qwen2.5-Coder 0.5B -> 1.5B that is 3072² + 3072·7168 ≈ 31M numbers (250 MB)
@@ -32,7 +34,7 @@ from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
 from .features import rows
 from .fit import Layout, fit_side, heldout_r2
-from .mapper import SIDES, Mapper, MapInfo, identity
+from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
 
@@ -98,7 +100,7 @@ class Calibration:
             tensors.update({k: v.cpu().contiguous() for k, v in st.tensors(name).items()})
         meta = {"run": self.run_id, "sequences_done": self.sequences_done, "documents_used": self.documents_used,
                 "fit_documents": self.fit_documents}
-        tmp = self.state_path.with_name(self.state_path.name + ".partial")
+        tmp = partial_path(self.state_path)
         save_file(tensors, str(tmp), metadata={"rarecache.calibration": json.dumps(meta)})
         os.replace(tmp, self.state_path)
 
@@ -124,6 +126,8 @@ class Calibration:
     def run(self, progress: bool = True, restart: bool = False, max_sequences: int | None = None) -> Mapper | None:
         """Accumulate until the token budgets are met, then fit. Returns None if stopped by
         `max_sequences` first (the state is saved; call again to continue)."""
+        for leftover in (partial_path(self.state_path), partial_path(self.out)):  # of a killed write
+            leftover.unlink(missing_ok=True)
         if restart:
             self.state_path.unlink(missing_ok=True)
         elif self._load_state() and progress:

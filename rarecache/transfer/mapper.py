@@ -4,12 +4,22 @@ A map file is safetensors (data only, no pickle) with JSON metadata naming the
 source and target (config and weight fingerprints), the direction and every
 fitting choice. Loading it against another pair, or the other way round, is
 refused with a message naming both.
+
+A map file is untrusted input: a bad one must be refused, never answer garbage or
+end in a traceback. `load` checks what the file alone can show (metadata types,
+tensor dtypes and shapes against each other, every value finite, and the sha256 of
+the tensor data that `save` records, so a flipped bit is caught; files written
+before the checksum load without it); `check_pair` checks it against the two models
+(identity, then `check_fits`: layer counts, row widths, source-layer indices). Every
+path that runs a map calls `check_pair` first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass, field, fields
+import math
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +33,29 @@ from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
 from .features import rows, write_rows
 from .fit import SideFit
+from .mlp import SideMLP
 
 FORMAT_VERSION = 1
 SIDES = ("k", "v")
 _META_KEY = "rarecache.map"
+_SUM_KEY = "rarecache.map.sha256"  # of the tensor data, beside the metadata (older files lack it)
 _TENSORS = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
+_MLP = ("w1", "b1", "w2", "b2")
+
+
+def partial_path(path: Path) -> Path:
+    """Where a file is written before it is renamed into place (and what a killed write leaves)."""
+    return path.with_name(path.name + ".partial")
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def identity(runner: Runner) -> dict[str, str]:
@@ -49,6 +77,7 @@ class MapInfo:
     calibration: dict[str, Any] = field(default_factory=dict)  # seq_len, stride, dtype, documents used, ...
     r2_heldout: dict[str, list[float]] = field(default_factory=dict)  # side -> per target layer
     format_version: int = FORMAT_VERSION
+    mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/mlp.py)
 
     @property
     def direction(self) -> str:
@@ -56,66 +85,132 @@ class MapInfo:
 
 
 class Mapper:
-    def __init__(self, info: MapInfo, sides: dict[str, SideFit]):
+    def __init__(self, info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | None = None):
         self.info = info
         self.sides = sides
+        self.mlp = mlp  # residual MLPs per side when info.mlp_hidden > 0
         self._cast: dict[tuple[str, torch.dtype, Any], tuple[torch.Tensor, ...]] = {}
 
     # -- file format -------------------------------------------------------------------
 
+    def with_mlp(self, mlp: dict[str, SideMLP], hidden: int) -> "Mapper":
+        """This ridge map plus residual MLPs (the nonlinear option)."""
+        return Mapper(replace(self.info, mlp_hidden=hidden), self.sides, mlp)
+
     def save(self, path: str | Path) -> None:
         tensors = {f"{s}.{name}": getattr(self.sides[s], name).contiguous() for s in SIDES for name in _TENSORS}
+        if self.mlp:
+            tensors.update({k: v.contiguous() for s in SIDES for k, v in self.mlp[s].tensors(s).items()})
         tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
         meta = {f.name: getattr(self.info, f.name) for f in fields(MapInfo)}
         path = Path(path)
-        tmp = path.with_name(path.name + ".partial")
-        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta)})
+        tmp = partial_path(path)
+        save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta), _SUM_KEY: tensors_sha256(tensors)})
         tmp.chmod(0o644)  # safetensors writes 0600; a map is meant to be shared
         tmp.replace(path)
 
     @classmethod
     def load(cls, path: str | Path) -> "Mapper":
+        """Read a map file and check it on its own (see the module docstring); `check_pair` then
+        checks it against the models."""
         path = Path(path)
         if not path.is_file():
             raise RarecacheError(f"no map file {path}")
         try:
             with safe_open(str(path), framework="pt") as f:
-                raw = (f.metadata() or {}).get(_META_KEY)
+                header = f.metadata() or {}
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except (OSError, SafetensorError) as e:
+        except (OSError, SafetensorError, ValueError, TypeError, RuntimeError) as e:
             raise RarecacheError(f"{path} is not a map file: {e}") from None
         try:
-            meta = json.loads(raw)
+            meta = json.loads(header.get(_META_KEY))
+            if not isinstance(meta, dict):
+                raise TypeError("the metadata is not a JSON object")
             if meta.get("format_version") != FORMAT_VERSION:
-                raise RarecacheError(f"{path}: map format {meta.get('format_version')}, "
+                raise RarecacheError(f"{path}: map format {meta.get('format_version')!r}, "
                                      f"this rarecache reads {FORMAT_VERSION}")
             info = MapInfo(**meta)
-        except (TypeError, json.JSONDecodeError) as e:
+            _check_info(info)
+        except (TypeError, ValueError) as e:
             raise RarecacheError(f"{path} has no valid rarecache map metadata ({e})") from None
-        try:
-            sides = {s: SideFit(**{n: tensors[f"{s}.{n}"] for n in _TENSORS}) for s in SIDES}
-        except KeyError as e:
-            raise RarecacheError(f"{path} lacks tensor {e}") from None
-        mapper = cls(info, sides)
+        want = header.get(_SUM_KEY)
+        if want is not None and tensors_sha256(tensors) != want:
+            raise RarecacheError(f"{path} is damaged: its tensor data does not match its sha256 checksum")
+        missing = sorted({f"{s}.{n}" for s in SIDES for n in _TENSORS} - set(tensors))
+        if missing:
+            raise RarecacheError(f"{path} lacks tensor(s) {', '.join(missing)}")
+        sides = {s: SideFit(**{n: tensors[f"{s}.{n}"] for n in _TENSORS}) for s in SIDES}
+        mlp = None
+        if info.mlp_hidden:
+            names = sorted({f"{s}.mlp.{n}" for s in SIDES for n in _MLP} - set(tensors))
+            if names:
+                raise RarecacheError(f"{path} lacks tensor(s) {', '.join(names)}")
+            mlp = {s: SideMLP(*(tensors[f"{s}.mlp.{n}"] for n in _MLP)) for s in SIDES}
+        mapper = cls(info, sides, mlp)
         mapper._validate(path)
         return mapper
 
-    def _validate(self, path: Path) -> None:
+    def _validate(self, where: Path | str) -> None:
+        """The tensors agree with each other and with the metadata: dtypes, shapes, finite values, and
+        source-layer indices within the source layers the file scores (r2_single)."""
+        k, rank = self.info.k, self.info.rank
         for s, fit in self.sides.items():
+            for name in _TENSORS:
+                t = getattr(fit, name)
+                if name == "sources":
+                    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+                        raise RarecacheError(f"{where}: {s}.sources has dtype {t.dtype}, expected integers")
+                elif not t.is_floating_point():
+                    raise RarecacheError(f"{where}: {s}.{name} has dtype {t.dtype}, expected floating point")
+                elif not torch.isfinite(t).all():
+                    raise RarecacheError(f"{where}: {s}.{name} holds values that are not finite (NaN or inf)")
+            if fit.weight.dim() != 3 or fit.r2_single.dim() != 2:
+                raise RarecacheError(f"{where}: {s}.weight or {s}.r2_single has the wrong number of dimensions")
             lt, kd, dt = fit.weight.shape
-            shapes = {"sources": (lt, self.info.k), "bias": (lt, dt), "mean": (lt, dt),
-                      "basis": (lt, dt, self.info.rank), "eigenvalues": (lt, dt), "r2": (lt,)}
+            ls = fit.r2_single.shape[1]
+            shapes = {"sources": (lt, k), "bias": (lt, dt), "mean": (lt, dt), "basis": (lt, dt, rank),
+                      "eigenvalues": (lt, dt), "r2": (lt,), "r2_single": (lt, ls)}
             for name, shape in shapes.items():
                 if tuple(getattr(fit, name).shape) != shape:
-                    raise RarecacheError(f"{path}: {s}.{name} has shape {tuple(getattr(fit, name).shape)}, "
+                    raise RarecacheError(f"{where}: {s}.{name} has shape {tuple(getattr(fit, name).shape)}, "
                                          f"expected {shape}")
-            if kd % self.info.k or not torch.isfinite(fit.weight).all():
-                raise RarecacheError(f"{path}: {s}.weight is malformed")
+            if lt < 1 or dt < 1 or kd < 1 or kd % k or rank > dt or k > ls:
+                raise RarecacheError(f"{where}: {s}.weight has shape {(lt, kd, dt)}, which does not fit "
+                                     f"k={k} of {ls} source layers and rank {rank}")
+            src = fit.sources.long()
+            if len(src) and (src.min() < 0 or src.max() >= ls):
+                raise RarecacheError(f"{where}: {s}.sources names a source layer outside 0..{ls - 1}")
+            fit.sources = src
+        for s, m in (self.mlp or {}).items():
+            lt, kd, dt = self.sides[s].weight.shape
+            h = self.info.mlp_hidden
+            for name, shape in {"w1": (lt, kd, h), "b1": (lt, h), "w2": (lt, h, dt), "b2": (lt, dt)}.items():
+                t = getattr(m, name)
+                if tuple(t.shape) != shape or not t.is_floating_point() or not torch.isfinite(t).all():
+                    raise RarecacheError(f"{where}: {s}.mlp.{name} is not a finite float tensor of shape {shape}")
+        if self.info.r2_heldout and any(len(v) != self.sides["k"].weight.shape[0]
+                                        for v in self.info.r2_heldout.values()):
+            raise RarecacheError(f"{where}: r2_heldout does not have one value per target layer")
+
+    def check_fits(self, source: Runner, target: Runner) -> None:
+        """Refuse a map whose tensors do not fit these models: target layers, target row width, source
+        layers and source row width (what `map_rows` and `apply` rely on)."""
+        cs, ct, k = source.config, target.config, self.info.k
+        want = (ct.num_layers, ct.kv_dim, k * cs.kv_dim, cs.num_layers)
+        for s, fit in self.sides.items():
+            (lt, kd, dt), ls = fit.weight.shape, fit.r2_single.shape[1]
+            if (lt, dt, kd, ls) != want:
+                raise RarecacheError(
+                    f"this map ({self.info.direction}) does not fit {_name(source)} -> {_name(target)}: its {s} "
+                    f"side has {lt} target layers with rows {dt} wide, read from {ls} source layers in rows "
+                    f"{kd // k} wide; these models have {want[0]} target layers with rows {want[1]} wide and "
+                    f"{want[3]} source layers with rows {cs.kv_dim} wide")
 
     # -- identity ------------------------------------------------------------------------
 
     def check_pair(self, source: Runner, target: Runner) -> None:
-        """Refuse to run with models other than the ones this map was fitted for."""
+        """Refuse to run with models other than the ones this map was fitted for, or that its tensors do
+        not fit (`check_fits`)."""
         got_s, got_t = identity(source), identity(target)
         want_s, want_t = self.info.source, self.info.target
 
@@ -123,6 +218,7 @@ class Mapper:
             return a["config"] == b["config"] and a["weights"] == b["weights"]
 
         if same(got_s, want_s) and same(got_t, want_t):
+            self.check_fits(source, target)
             return
         if same(got_s, want_t) and same(got_t, want_s):
             raise RarecacheError(f"this map runs {self.info.direction}; you asked for "
@@ -136,7 +232,8 @@ class Mapper:
     def summary(self) -> str:
         """Direction, fitting choices, corpus and R2 per side (in-sample, and held out when measured)."""
         i = self.info
-        lines = [f"map {i.direction}: k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
+        lines = [f"map {i.direction}: {'ridge + MLP ' + str(i.mlp_hidden) if i.mlp_hidden else 'ridge'}, "
+                 f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
                  f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
                  f"{i.calibration.get('documents_used')} used)"]
         for side, name in (("k", "keys"), ("v", "values")):
@@ -163,8 +260,12 @@ class Mapper:
         Lt, kd, dt = weight.shape
         layers = x.reshape(B * T, -1, kd // self.info.k)  # (B·T, Ls, ds)
         y = torch.empty(Lt, B * T, dt, dtype=x.dtype, device=x.device)
+        mlp = self.mlp[side] if self.mlp else None
         for l in range(Lt):  # one gather of whole source-layer rows and one matmul per target layer
-            torch.addmm(bias[l], layers.index_select(1, sources[l]).reshape(B * T, kd), weight[l], out=y[l])
+            xl = layers.index_select(1, sources[l]).reshape(B * T, kd)
+            torch.addmm(bias[l], xl, weight[l], out=y[l])
+            if mlp is not None:
+                y[l] += mlp.residual(l, xl)
         y = y.view(Lt, B, T, dt)
         return y, y - mean[:, None, None]
 
@@ -182,3 +283,30 @@ class Mapper:
             out[side] = self.map_rows(side, x)
         write_rows(target, target_cache, positions, out["k"][0], out["v"][0])
         return {side: z for side, (_, z) in out.items()}
+
+
+def _name(runner: Runner) -> str:
+    return runner.path.name if runner.path else "unnamed"
+
+
+def _check_info(info: MapInfo) -> None:
+    """The metadata has the types the code reads (it comes from a file: anything may be there)."""
+    def whole(x, low: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+    for side in (info.source, info.target):
+        if not (isinstance(side, dict) and all(isinstance(side.get(k), str) for k in ("name", "config", "weights"))):
+            raise TypeError("source and target must each give a name, config and weights string")
+    if not (whole(info.k, 1) and whole(info.rank, 0) and whole(info.tokens, 0) and whole(info.mlp_hidden, 0)):
+        raise TypeError("k (>= 1), rank, tokens and mlp_hidden (>= 0) must be integers")
+    if not (isinstance(info.lam, (int, float)) and not isinstance(info.lam, bool) and math.isfinite(info.lam)):
+        raise TypeError("lam must be a finite number")
+    if not all(isinstance(x, dict) for x in (info.corpus, info.calibration, info.r2_heldout)):
+        raise TypeError("corpus, calibration and r2_heldout must be JSON objects")
+    used = info.calibration.get("documents_used", 0)
+    if not whole(used, 0) or not isinstance(info.calibration.get("document_ids", []), list):
+        raise TypeError("calibration.documents_used must be an integer >= 0 and document_ids a list")
+    for side, values in info.r2_heldout.items():
+        if side not in SIDES or not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise TypeError("r2_heldout maps k and v to lists of numbers")
