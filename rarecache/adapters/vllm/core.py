@@ -1,0 +1,278 @@
+"""The connector's engine-free half: its settings, which prefix to claim, and the handoff of claimed rows.
+
+`connector.py` only wires these to vLLM's hooks. Everything here runs without vLLM and is
+tested against the plain transfer and the handoff core (transfer/).
+
+How the ρ budget is spent inside an engine. vLLM computes every prompt position after the
+tokens a connector claims, and it must compute at least the last one; claims are whole
+blocks. So for a prompt of P tokens with a claim of n (block aligned, n < P), the target's
+own weights compute ⌈ρ·P⌉ positions in all, as in `transfer.handoff`: the unclaimed tail
+P − n (vLLM's own prefill, which includes the last position) counts inside that budget, and
+the rest, max(0, ⌈ρ·P⌉ − (P − n)), goes to the claimed positions the selector scores highest,
+recomputed by our Runner over the mapped cache. ρ = 1 is then the target's own prefill and
+ρ = 0 plain transfer (whatever the tail holds). The `suffix` selector needs no Runner at
+all: it claims only the first P − ⌈ρ·P⌉ positions (rounded down to a block) and lets vLLM
+recompute the rest natively, so it can recompute up to a block more than the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ...engine.cache import KVCache
+from ...engine.runner import Runner
+from ...errors import RarecacheError
+from ...models.config import ModelConfig
+from ...models.rope import Rope
+from ...transfer.features import rows, write_rows
+from ...transfer.handoff import budget
+from ...transfer.mapper import Mapper
+from ...transfer.selectors import SELECTORS, SelectionContext
+from .store import model_identity, same_model
+
+RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
+NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
+ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
+DEFAULT_RHO = 0.3  # as `rarecache serve`
+KEYS = ("store", "model", "maps", "rho", "selector", "seed", "capture")
+REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug")
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A model this engine takes handoffs from: the map fitted peer -> this model."""
+
+    name: str
+    path: Path
+    mapper: Mapper
+
+    @property
+    def identity(self) -> dict[str, str]:
+        return self.mapper.info.source
+
+
+@dataclass(frozen=True)
+class Settings:
+    """`kv_connector_extra_config`, checked."""
+
+    store: Path
+    model: Path
+    identity: dict[str, str]
+    config: ModelConfig
+    peers: dict[str, Peer] = field(default_factory=dict)
+    rho: float = DEFAULT_RHO
+    selector: str = "rank"
+    seed: int = 0
+    capture: bool = True
+
+
+def _number(value: Any, key: str, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RarecacheError(f"{key} must be a number in [{low:g}, {high:g}], not {value!r}"[:200])
+    return float(value)
+
+
+def _whole(value: Any, key: str) -> int:
+    if type(value) is not int:
+        raise RarecacheError(f"{key} must be an integer, not {value!r}"[:200])
+    return value
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise RarecacheError(f"{key} must be true or false, not {value!r}"[:200])
+    return value
+
+
+def check_selector(name: Any, where: str = "selector") -> str:
+    """A selector the engine adapter can run, or a clear error saying why not."""
+    if name in ENGINE_SELECTORS:
+        return name
+    sel = SELECTORS.get(name) if isinstance(name, str) else None
+    if sel is not None and sel.needs_source_attention:
+        why = "needs the source's attention, which the row store does not hold"
+    elif sel is not None and sel.oracle:
+        why = "is an oracle (it reads the target's own prefill): not for serving"
+    elif name == "layer-prefix":
+        why = "is a schedule that runs the first layers for every position; the vLLM adapter has positions only"
+    else:
+        why = "is not a selector"
+    raise RarecacheError(f"{where} {name!r} {why}; the vLLM adapter runs {', '.join(ENGINE_SELECTORS)}")
+
+
+def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
+    """Check the connector's extra config and load its maps (each must map a peer into this model).
+
+    `engine_model` is the model vLLM was started with; `model` in the config overrides it (it
+    must be the checkpoint directory, whose fingerprints key the rows and tie the maps)."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise RarecacheError("kv_connector_extra_config must be a JSON object")
+    unknown = sorted(set(extra) - set(KEYS))
+    if unknown:
+        raise RarecacheError(f"unknown RarecacheConnector setting(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(KEYS)}")
+    store = extra.get("store")
+    if not isinstance(store, (str, Path)) or not str(store):
+        raise RarecacheError("RarecacheConnector needs 'store': a directory shared by the engines "
+                             "(e.g. under /dev/shm)")
+    model = Path(extra.get("model") or engine_model or "")
+    if not (model / "config.json").is_file():
+        raise RarecacheError(f"RarecacheConnector: {str(model) or 'the model'} is not a checkpoint directory "
+                             "(config.json + safetensors); give the directory as 'model'")
+    identity = model_identity(model)
+    config = ModelConfig.from_dir(model)
+    rho = _number(extra.get("rho", DEFAULT_RHO), "rho", 0, 1)
+    selector = check_selector(extra.get("selector", "rank"))
+    seed = _whole(extra.get("seed", 0), "seed")
+    capture = _flag(extra.get("capture", True), "capture")
+    maps = extra.get("maps") or {}
+    if not isinstance(maps, dict) or not all(isinstance(k, str) and isinstance(v, (str, Path))
+                                             for k, v in maps.items()):
+        raise RarecacheError("maps must be an object {peer model name: map file fitted peer -> this model}")
+    peers = {}
+    for name, path in maps.items():
+        mapper = Mapper.load(path)
+        check_map(mapper, identity, config, where=f"maps[{name!r}] ({path})")
+        peers[name] = Peer(name, Path(path), mapper)
+    return Settings(Path(store), model, identity, config, peers, rho, selector, seed, capture)
+
+
+def check_map(mapper: Mapper, identity: dict[str, str], config: ModelConfig, where: str = "the map") -> None:
+    """Refuse a map that does not map into this model (wrong target, wrong direction, wrong shape)."""
+    info = mapper.info
+    if not same_model(info.target, identity):
+        if same_model(info.source, identity):
+            raise RarecacheError(f"{where} runs {info.direction}, out of this engine's model {identity['name']}: "
+                                 f"this engine needs maps into it (peer -> {identity['name']})")
+        raise RarecacheError(
+            f"{where} was fitted for {info.direction} (target config {info.target['config']}, weights "
+            f"{info.target['weights']}), not for this engine's model {identity['name']} (config "
+            f"{identity['config']}, weights {identity['weights']})")
+    if same_model(info.source, identity):
+        raise RarecacheError(f"{where} maps {identity['name']} into itself")
+    for side, fit in mapper.sides.items():
+        lt, _, dt = fit.weight.shape
+        if (lt, dt) != (config.num_layers, config.kv_dim):
+            raise RarecacheError(f"{where}: its {side} side writes {lt} layers of rows {dt} wide; this model has "
+                                 f"{config.num_layers} layers of rows {config.kv_dim} wide")
+
+
+def check_peer_fits(mapper: Mapper, peer: ModelConfig, target: ModelConfig) -> None:
+    """The map reads rows of the peer's shape (its config comes from the store)."""
+    mapper.check_fits(SimpleNamespace(config=peer, path=None), SimpleNamespace(config=target, path=None))
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """Per-request `kv_transfer_params["rarecache"]`, checked; None fields take the engine's settings."""
+
+    handoff: bool = True
+    scope: str | None = None  # the salt the store files rows under; default: the request's cache_salt
+    rho: float | None = None
+    selector: str | None = None
+    seed: int | None = None
+    capture: bool = True
+    debug: bool = False  # report the claimed block ids in the output
+
+
+def request_params(raw: Any) -> RequestParams:
+    if raw is None:
+        return RequestParams()
+    if not isinstance(raw, dict):
+        raise RarecacheError("kv_transfer_params['rarecache'] must be an object")
+    unknown = sorted(set(raw) - set(REQUEST_KEYS))
+    if unknown:
+        raise RarecacheError(f"unknown rarecache request parameter(s) {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(REQUEST_KEYS)}")
+    scope = raw.get("scope")
+    if scope is not None and (not isinstance(scope, str) or not scope):
+        raise RarecacheError("rarecache scope must be a non-empty string")
+    return RequestParams(
+        handoff=_flag(raw.get("handoff", True), "rarecache handoff"), scope=scope,
+        rho=None if raw.get("rho") is None else _number(raw["rho"], "rarecache rho", 0, 1),
+        selector=None if raw.get("selector") is None else check_selector(raw["selector"], "rarecache selector"),
+        seed=None if raw.get("seed") is None else _whole(raw["seed"], "rarecache seed"),
+        capture=_flag(raw.get("capture", True), "rarecache capture"),
+        debug=_flag(raw.get("debug", False), "rarecache debug"))
+
+
+def claim(prompt_len: int, matched: int, block_size: int, rho: float, selector: str) -> tuple[int, int]:
+    """How many prompt tokens to claim from a peer whose rows cover the first `matched`, and how
+    many of the claimed positions our Runner recomputes (see the module docstring). (0, 0): none."""
+    total = budget(rho, prompt_len)
+    limit = prompt_len - (total if selector in NATIVE_SELECTORS else 1)
+    n = min(matched, limit) // block_size * block_size
+    if n <= 0:
+        return 0, 0
+    k = 0 if selector in NATIVE_SELECTORS else max(0, total - (prompt_len - n))
+    return n, k
+
+
+@dataclass
+class Handed:
+    """The target rows for the claimed positions, and which of them the target recomputed."""
+
+    k: torch.Tensor  # (L, Hkv, n, D), rotated with the target's RoPE
+    v: torch.Tensor
+    recomputed: list[int]
+
+
+@torch.inference_mode()
+def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfig, k_src: torch.Tensor,
+              v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0) -> Handed:
+    """Map the peer's rows k_src, v_src (Ls, Hs, n, Ds) of `tokens` into the target and recompute
+    the `recompute` positions the selector scores highest with the target's weights, over the
+    mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
+    selective recompute), with rows from the store instead of a source Runner.
+
+    `target` is a Runner (our own or `weights.runner_over` vLLM's model); with recompute = 0 a
+    namespace holding its `config`, `rope`, `dtype` and `device` is enough."""
+    Ls, Hs, n, Ds = k_src.shape
+    if n != len(tokens):
+        raise RarecacheError(f"{n} rows for {len(tokens)} tokens")
+    device, dtype = target.device, target.dtype
+    positions = torch.arange(n, device=device)[None]  # (1, n)
+    src_cache = KVCache(Ls, 1, Hs, Ds, n, k_src.dtype, device)
+    src_cache.k[:, 0, :, :n], src_cache.v[:, 0, :, :n] = k_src.to(device), v_src.to(device)
+    src_cache.mark(positions)
+    source = SimpleNamespace(rope=Rope(peer.rope, peer.head_dim, device))
+    out = {}
+    for side in ("k", "v"):  # as Mapper.apply: each source layer de-rotated once, in the target's dtype
+        x = rows(source, src_cache, positions, side).to(dtype)  # (1, n, Ls·Hs·Ds)
+        out[side] = mapper.map_rows(side, x)
+    cfg = target.config
+    cache = KVCache.for_model(cfg, 1, n, dtype, device)
+    write_rows(target, cache, positions, out["k"][0], out["v"][0])
+    chosen: list[int] = []
+    if recompute > 0:
+        if not isinstance(target, Runner):
+            raise RarecacheError("recomputing positions needs the target's Runner")
+        whole = torch.tensor([tokens], device=device)  # (1, n)
+        centred = {side: z for side, (_, z) in out.items()}
+        ctx = SelectionContext(None, target, mapper, whole, positions, cache, centred, None, seed)
+        scores = SELECTORS[selector].scores(ctx)[0].float()  # (n,)
+        pos = scores.topk(min(recompute, n)).indices.sort().values  # (K,)
+        target.forward(whole[:, pos], pos[None], cache, logits_at=None)
+        chosen = pos.tolist()
+    return Handed(cache.k[:, 0, :, :n], cache.v[:, 0, :, :n], chosen)
+
+
+def target_namespace(cfg: ModelConfig, dtype: torch.dtype, device="cpu") -> SimpleNamespace:
+    """What `write_rows` / `hand_rows` read of a target when nothing is recomputed."""
+    return SimpleNamespace(config=cfg, rope=Rope(cfg.rope, cfg.head_dim, device), dtype=dtype,
+                           device=torch.device(device))
+
+
+def describe(identity: dict[str, str]) -> str:
+    return f"{identity.get('name')} (config {identity.get('config')}, weights {identity.get('weights')})"
+
+
+__all__ = ["Settings", "Peer", "RequestParams", "read_settings", "request_params", "claim", "hand_rows",
+           "check_map", "check_peer_fits", "check_selector", "target_namespace", "model_identity"]

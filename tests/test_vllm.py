@@ -1,0 +1,632 @@
+"""The vLLM adapter (rarecache/adapters/vllm): the row store, the budget, the settings and the
+scheduler's request-only rules without an engine; then two real vLLM engines on a tiny random
+Qwen2 pair (head_dim 64, what vLLM's CPU kernels take) with a map fitted by our Calibration.
+
+Engines take about a minute each to start here, so they are module-scoped and run one at a
+time: the source engine answers and captures, is shut down, then the target engine serves
+every handoff test. What needs vllm is skipped without it (the store, the budget, the settings
+and the row handoff still run); the engine tests carry the `vllm` marker.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rarecache.engine.runner import Runner, pad_batch
+from rarecache.errors import RarecacheError
+
+from .conftest import build_tokenizer, make_tiny
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'rarecache[vllm]'; "
+                                                      "see docs/VLLM.md)")
+
+BS = 32  # vLLM block size in these tests (CPU: a multiple of 32)
+NEW = 8  # tokens decoded per request
+SIZES = {  # hidden = heads · 64: vLLM derives head_dim from them
+    "src": dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                intermediate_size=256),
+    "tgt": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
+                intermediate_size=512),
+}
+CONNECTOR = "rarecache.adapters.vllm.connector"
+EXTENSION = "rarecache.adapters.vllm.debug.WorkerExtension"
+
+
+# ---------------------------------------------------------------------------------------
+# the pair, the map, the prompts (no engine)
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vpair(tmp_path_factory):
+    """Tiny Qwen2 source (2 layers, 1 KV head) and target (3 layers, 2 KV heads), head_dim 64, a map
+    fitted source -> target, one fitted target -> source, random prompts and a chat turn."""
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.corpus import load_corpus
+
+    root = tmp_path_factory.mktemp("vpair")
+    for seed, (name, kw) in enumerate(SIZES.items(), 1):  # initializer_range 0.1: outputs that vary
+        build_tokenizer(root / name)
+        make_tiny("qwen2", root / name, seed=seed, vocab_size=400, max_position_embeddings=512,
+                  initializer_range=0.1, **kw)
+    build_tokenizer(root / "other")  # the target's architecture with other weights
+    make_tiny("qwen2", root / "other", seed=9, vocab_size=400, max_position_embeddings=512, initializer_range=0.1,
+              **SIZES["tgt"])
+    words = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
+    g = torch.Generator().manual_seed(0)
+    docs = [" ".join(words[i] for i in torch.randint(0, len(words), (60,), generator=g)) for _ in range(12)]
+    (root / "corpus.txt").write_text("\n\n\n".join(docs))
+    src, tgt = Runner.load(root / "src"), Runner.load(root / "tgt")
+    tok, corpus = Tokenizer.from_dir(root / "src"), load_corpus(str(root / "corpus.txt"))
+    cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
+    fwd = Calibration(src, tgt, tok, corpus, cfg, root / "fwd").run(progress=False)
+    back = Calibration(tgt, src, tok, corpus, cfg, root / "back").run(progress=False)
+    fwd.save(root / "src-tgt.map")
+    back.save(root / "tgt-src.map")
+    prompts = [torch.randint(3, 400, (n,), generator=g).tolist() for n in (100, 75)]
+    turn1 = tok.encode_chat([{"role": "user", "content": docs[0]}])
+    turn2 = tok.encode("<|im_end|>\n<|im_start|>user\nthe lazy dog again<|im_end|>\n<|im_start|>assistant\n")
+    return SimpleNamespace(root=root, src=src, tgt=tgt, map=fwd, back=back, prompts=prompts, turn1=turn1,
+                           turn2=turn2, store=root / "store")
+
+
+# ---------------------------------------------------------------------------------------
+# the row store
+# ---------------------------------------------------------------------------------------
+
+
+def _rows(L=2, H=1, n=40, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
+
+
+ID_A = {"name": "a", "config": "c" * 16, "weights": "w" * 16}
+ID_B = {"name": "b", "config": "c" * 16, "weights": "x" * 16}
+
+
+def test_store_round_trip_and_prefix_lookup(tmp_path):
+    from rarecache.adapters.vllm.store import CHUNK, RowStore
+
+    store = RowStore(tmp_path)
+    tokens = list(range(100, 140))  # 40 tokens: two whole chunks and a bit
+    k, v = _rows()
+    assert store.put(ID_A, "s", tokens, k, v) is not None
+    hit = store.lookup(ID_A, "s", tokens + [7, 8, 9])  # a longer prompt that starts with them
+    assert (hit.length, hit.stored) == (40, 40)
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=8)
+    k2, v2 = store.load(hit, 33, cfg)
+    assert torch.equal(k2, k[:, :, :33]) and torch.equal(v2, v[:, :, :33])
+    # diverging after 20 tokens: the common prefix, token-exact
+    assert store.lookup(ID_A, "s", tokens[:20] + [1] * 30).length == 20
+    assert store.lookup(ID_A, "s", tokens[: CHUNK - 1]) is None  # less than a chunk is never found
+    assert store.lookup(ID_A, "s", [1] + tokens[1:]) is None
+    # already covered: nothing written
+    assert store.put(ID_A, "s", tokens[:32], k[:, :, :32], v[:, :, :32]) is None
+
+
+def test_store_keys_carry_model_identity_and_salt(tmp_path):
+    from rarecache.adapters.vllm.store import RowStore
+
+    store = RowStore(tmp_path)
+    tokens = list(range(50))
+    store.put(ID_A, "s", tokens, *_rows(n=50))
+    assert store.lookup(ID_A, "s", tokens).length == 50
+    assert store.lookup(ID_B, "s", tokens) is None  # same architecture, other weights
+    assert store.lookup(ID_A, "t", tokens) is None  # other salt
+    assert store.lookup(ID_A, None, tokens) is None  # no salt is its own scope
+    assert RowStore(tmp_path).lookup(ID_A, "s", tokens).length == 50  # another process, same directory
+
+
+def test_store_refuses_what_it_cannot_trust(tmp_path):
+    from rarecache.adapters.vllm.store import RowStore
+
+    store = RowStore(tmp_path)
+    tokens = list(range(32))
+    path = store.put(ID_A, "s", tokens, *_rows(n=32))
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=8)
+    hit = store.lookup(ID_A, "s", tokens)
+    with pytest.raises(RarecacheError, match="do not fit"):
+        store.load(hit, 32, SimpleNamespace(num_layers=3, num_kv_heads=1, head_dim=8))
+    path.write_bytes(b"not safetensors")
+    assert store.lookup(ID_A, "s", tokens) is None
+    with pytest.raises(RarecacheError, match="not a row entry"):
+        store.load(hit, 32, cfg)
+    k, v = _rows(n=32)
+    k[0, 0, 3, 1] = float("nan")
+    store.put(ID_A, "s", tokens, k, v)  # a NaN written by someone is refused on read
+    with pytest.raises(RarecacheError, match="not finite"):
+        store.load(store.lookup(ID_A, "s", tokens), 32, cfg)
+
+
+def test_model_identity_is_the_maps(vpair):
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.transfer.mapper import identity
+
+    assert model_identity(vpair.root / "tgt") == identity(vpair.tgt) == vpair.map.info.target
+
+
+# ---------------------------------------------------------------------------------------
+# the paged layout, the budget, the settings, the handoff of rows
+# ---------------------------------------------------------------------------------------
+
+
+def _vec_write(key, value, block, slot_mapping):
+    """The CPU `vec` ISA layout (FINDINGS §5): per (block, head) K as (D, bs), then V as (bs, D)."""
+    nb, H, bs, D2 = block.shape
+    kv = block.view(nb, H, 2 * bs, D2 // 2)
+    for i, s in enumerate(slot_mapping.tolist()):
+        b, t = divmod(s, bs)
+        kv[b, :, :bs].view(H, -1, bs)[:, :, t] = key[i]
+        kv[b, :, bs + t] = value[i]
+
+
+def test_layout_probe_reads_what_the_kernel_wrote():
+    from rarecache.adapters.vllm.paged import Layout
+
+    for dtype in (torch.float32, torch.bfloat16):
+        layout = Layout.probe(_vec_write, 2, 32, 64, dtype)
+        cache = torch.zeros(3, 2, 32, 128, dtype=dtype)
+        k, v = torch.randn(70, 2, 64).to(dtype), torch.randn(70, 2, 64).to(dtype)
+        block_ids = [2, 0, 1]
+        slots = torch.tensor([block_ids[p // 32] * 32 + p % 32 for p in range(70)])
+        _vec_write(k, v, cache, slots)
+        k2, v2 = layout.read(cache, block_ids, 70)
+        assert torch.equal(k2, k.transpose(0, 1)) and torch.equal(v2, v.transpose(0, 1))
+
+
+@needs_vllm
+def test_layout_probe_with_vllms_own_kernel():
+    from vllm import _custom_ops as ops
+    from vllm.platforms import current_platform
+
+    from rarecache.adapters.vllm.paged import Layout
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU attention kernel")
+    current_platform.import_kernels()
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for dtype, bs in ((torch.float32, 32), (torch.bfloat16, 32), (torch.float32, 16)):
+        isa = _get_attn_isa(dtype, bs, 64)
+
+        def write(key, value, block, slot_mapping):
+            nb, H, b, _ = block.shape
+            kc, vc = block.view(nb, H, 2 * b, -1).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), kc, vc, slot_mapping, isa)
+
+        layout = Layout.probe(write, 2, bs, 64, dtype)
+        cache = torch.zeros(2, 2, bs, 128, dtype=dtype)
+        k, v = torch.randn(bs + 5, 2, 64).to(dtype), torch.randn(bs + 5, 2, 64).to(dtype)
+        write(k, v, cache, torch.arange(bs + 5, dtype=torch.int64))
+        k2, v2 = layout.read(cache, [0, 1], bs + 5)
+        assert torch.equal(k2, k.transpose(0, 1)) and torch.equal(v2, v.transpose(0, 1)), (dtype, bs, isa)
+        if isa == "vec":  # the layout the probe found is the one FINDINGS describes
+            ref = torch.zeros(2, 2, bs, 128, dtype=dtype)
+            _vec_write(k, v, ref, torch.arange(bs + 5))
+            assert torch.equal(ref, cache)
+
+
+def test_claim_spends_the_budget_like_the_handoff():
+    from rarecache.adapters.vllm.core import claim
+    from rarecache.transfer.handoff import budget
+
+    # P = 100, rows for 100: claim 96 (never the last token), tail 4 computed by vLLM
+    assert claim(100, 100, 32, 1.0, "rank") == (96, 96)  # rho 1: every claimed position recomputed
+    assert claim(100, 100, 32, 0.0, "rank") == (96, 0)  # rho 0: plain transfer (+ the tail)
+    n, k = claim(100, 100, 32, 0.3, "rank")
+    assert (n, k) == (96, budget(0.3, 100) - 4)  # the tail counts inside the budget
+    assert claim(100, 50, 32, 0.3, "rank") == (32, 0)  # rows for 50 tokens: one block
+    assert claim(100, 31, 32, 0.3, "rank") == (0, 0)
+    # suffix: vLLM recomputes the newest ceil(rho P) natively; the claim stops before them
+    assert claim(100, 100, 32, 0.5, "suffix") == (32, 0)
+    assert claim(100, 100, 32, 0.0, "suffix") == (96, 0)
+
+
+def test_settings_are_checked(vpair, tmp_path):
+    from rarecache.adapters.vllm.core import read_settings
+
+    tgt = vpair.root / "tgt"
+    ok = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
+    assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (0.3, "rank")
+    for extra, match in [
+        ({}, "needs 'store'"),
+        ({"store": str(tmp_path), "rh0": 1}, "unknown RarecacheConnector setting.*'rh0'"),
+        ({"store": str(tmp_path), "rho": 1.5}, r"rho must be a number in \[0, 1\]"),
+        ({"store": str(tmp_path), "selector": "attn-source"}, "needs the source's attention"),
+        ({"store": str(tmp_path), "selector": "l2-oracle"}, "is an oracle"),
+        ({"store": str(tmp_path), "selector": "layer-prefix"}, "is a schedule"),
+        ({"store": str(tmp_path), "maps": ["x"]}, "maps must be an object"),
+        ({"store": str(tmp_path), "maps": {"src": str(tmp_path / "none.map")}}, "no map file"),
+    ]:
+        with pytest.raises(RarecacheError, match=match):
+            read_settings(extra, tgt)
+    with pytest.raises(RarecacheError, match="not a checkpoint directory"):
+        read_settings({"store": str(tmp_path)}, "Qwen/Qwen2.5-0.5B")  # a hub name: say which directory
+    # (e) the pair identity check: a map into another model, or the other way round, is refused
+    with pytest.raises(RarecacheError, match=r"runs src -> tgt, out of this engine's model src"):
+        read_settings({"store": str(tmp_path), "maps": {"tgt": str(vpair.root / "src-tgt.map")}}, vpair.root / "src")
+    with pytest.raises(RarecacheError, match=r"runs tgt -> src, out of this engine's model tgt"):
+        read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "tgt-src.map")}}, tgt)
+    with pytest.raises(RarecacheError, match=r"was fitted for src -> tgt \(target config \w+, weights \w+\), not for "
+                                             r"this engine's model other \(config \w+, weights \w+\)"):
+        read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, vpair.root / "other")
+
+
+def _stand_in_config(extra, model, tp=1):
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR, kv_role="kv_both",
+                           kv_connector_extra_config=extra)
+    return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model=str(model)),
+                           cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+
+
+@needs_vllm
+def test_connector_init_refuses_a_mismatched_map(vpair, tmp_path):
+    """(e) at connector init, the constructor vLLM calls (with a stand-in for its config)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from rarecache.adapters.vllm.connector import RarecacheConnector
+
+    good = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(RarecacheError, match="was fitted for src -> tgt .* not for this engine's model other"):
+            RarecacheConnector(_stand_in_config(good, vpair.root / "other"), role, None)
+    with pytest.raises(RarecacheError, match="one rank"):
+        RarecacheConnector(_stand_in_config(good, vpair.root / "tgt", tp=2), KVConnectorRole.SCHEDULER, None)
+    RarecacheConnector(_stand_in_config(good, vpair.root / "tgt"), KVConnectorRole.SCHEDULER, None)
+
+
+class _Blocks:
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+def _request(rid, tokens, salt=None, params=None, computed=0):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, all_token_ids=tokens, cache_salt=salt,
+                           kv_transfer_params={"rarecache": params} if params is not None else None,
+                           num_computed_tokens=computed, num_in_flight_tokens=0)
+
+
+@needs_vllm
+def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
+    """The request-only rules on the scheduler half, with a stand-in for vLLM's cache manager."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from rarecache.adapters.vllm.connector import RarecacheConnector
+    from rarecache.adapters.vllm.store import RowStore, model_identity
+
+    prompt = vpair.prompts[0]
+    src_id = model_identity(vpair.root / "src")
+    store = RowStore(tmp_path)
+    store.register_model(src_id, vpair.src.config)
+    cache = vpair.src.new_cache(1, len(prompt))
+    vpair.src.forward(*pad_batch([prompt]), cache, logits_at=None)
+    store.put(src_id, "conv", prompt, cache.k[:, 0, :, : len(prompt)], cache.v[:, 0, :, : len(prompt)])
+    extra = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}
+    c = RarecacheConnector(_stand_in_config(extra, vpair.root / "tgt"), KVConnectorRole.SCHEDULER, None)
+    evicted, blocks = [], {}
+    c._kv_cache_manager = SimpleNamespace(evict_blocks=lambda ids: evicted.append(sorted(ids)),
+                                          get_block_ids=lambda rid: (blocks[rid],))
+
+    def handed(req):
+        return c.get_num_new_matched_tokens(req, req.num_computed_tokens)[0]
+
+    assert handed(_request("plain", prompt, None, {"scope": "conv"})) == 0  # no salt: no handoff
+    assert handed(_request("a", prompt, "u1", {"scope": "conv"})) == 96
+    assert handed(_request("b", prompt, "u1", {"scope": "conv"})) == 0  # the salt was used: refused
+    assert handed(_request("c", prompt, "u2", {"scope": "conv"}, computed=32)) == 0  # a local hit: not fresh
+    assert handed(_request("d", prompt, "u3", {"scope": "elsewhere"})) == 0  # no rows in that scope
+    assert handed(_request("e", prompt, "u4", {"scope": "conv", "handoff": False})) == 0
+    req = _request("a", prompt, "u1", {"scope": "conv"})
+    blocks["a"] = [7, 6, 5, 9]
+    c.update_state_after_alloc(req, _Blocks(blocks["a"]), 96)
+    assert evicted == [[5, 6, 7]]  # unpublished at allocation, before any other lookup
+    meta = c.build_connector_meta(None)
+    assert [(s.req_id, s.block_ids, len(s.tokens), s.recompute) for s in meta.loads] == [("a", [7, 6, 5], 96, 26)]
+    assert evicted[-1] == [5, 6, 7, 9]  # and every block of the request, every step
+    delay, out = c.request_finished(req, [7, 6, 5, 9])
+    assert delay is False and out["rarecache"]["captured"] == 0 and out["rarecache"]["handoff"]["tokens"] == 96
+    assert not c.build_connector_meta(None).saves  # a handed-off request is never captured
+    # an ordinary request is: its blocks are held until the worker has saved them
+    plain = _request("p", prompt + [1, 2, 3], "v", None, computed=len(prompt) + 2)
+    c.get_num_new_matched_tokens(plain, 0)
+    delay, out = c.request_finished(plain, [1, 2, 3, 4])
+    assert delay is True and out["rarecache"]["captured"] == len(prompt) + 2
+    (save,) = c.build_connector_meta(None).saves
+    assert (save.scope, len(save.tokens), save.block_ids) == ("v", len(prompt) + 2, [1, 2, 3, 4])
+
+
+def test_hand_rows_is_the_transfer(vpair):
+    """No recompute: the plain transfer's rows; every position recomputed: the target's own prefill."""
+    from rarecache.adapters.vllm.core import hand_rows, target_namespace
+
+    src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
+    prompt = vpair.prompts[0][:96]
+    n = len(prompt)
+    sc = src.new_cache(1, n)
+    src.forward(*pad_batch([prompt]), sc, logits_at=None)
+    k_src, v_src = sc.k[:, 0, :, :n], sc.v[:, 0, :, :n]
+    ref = tgt.new_cache(1, n)
+    mapper.apply(src, sc, tgt, ref, torch.arange(n)[None])
+    plain = hand_rows(target_namespace(tgt.config, tgt.dtype), mapper, src.config, k_src, v_src, prompt, 0, "rank")
+    assert torch.equal(plain.k, ref.k[:, 0, :, :n]) and torch.equal(plain.v, ref.v[:, 0, :, :n])
+    full = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, n, "rank")
+    own = tgt.new_cache(1, n)
+    tgt.forward(*pad_batch([prompt]), own, logits_at=None)
+    assert full.recomputed == list(range(n))
+    torch.testing.assert_close(full.k, own.k[:, 0, :, :n], atol=1e-5, rtol=0)
+    some = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, 20, "rank")
+    assert len(some.recomputed) == 20 and some.recomputed == sorted(some.recomputed)
+
+
+def test_only_the_adapter_imports_vllm():
+    root = Path(__file__).parent.parent / "rarecache"
+    pattern = re.compile(r"^\s*(import vllm|from vllm)", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if pattern.search(p.read_text()) and "adapters/vllm" not in p.as_posix()]
+    assert offenders == []
+    # importing rarecache (and the adapter's engine-free modules) does not import vllm
+    code = ("import sys, rarecache, rarecache.adapters.vllm.store, rarecache.adapters.vllm.weights, "
+            "rarecache.adapters.vllm.core; print('vllm' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "False"
+    # without vllm, the connector says how to install it
+    code = ("import sys; sys.modules['vllm'] = None\n"
+            "try:\n    import rarecache.adapters.vllm.connector\n"
+            "except Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("RarecacheError rarecache.adapters.vllm.connector needs vllm") and "rarecache[vllm]" in out
+
+
+# ---------------------------------------------------------------------------------------
+# real engines
+# ---------------------------------------------------------------------------------------
+
+
+def _engine(model: Path, extra: dict):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR, kv_role="kv_both",
+                           kv_connector_extra_config=extra)
+    return LLM(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
+               kv_cache_memory_bytes=64 << 20, seed=0, block_size=BS, kv_transfer_config=ktc,
+               worker_extension_cls=EXTENSION)
+
+
+def _shutdown(llm):
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+
+
+def _run(llm, prompts, salt=None, params=None, logprobs=5):
+    """Greedy NEW tokens for each prompt; a salt per prompt when `salt` is a list."""
+    from vllm import SamplingParams
+
+    salts = salt if isinstance(salt, list) else [salt] * len(prompts)
+    ps = params if isinstance(params, list) else [params] * len(prompts)
+    inputs = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})} for p, s in zip(prompts, salts)]
+    sps = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=logprobs,
+                          extra_args={"kv_transfer_params": {"rarecache": q}} if q is not None else None)
+           for q in ps]
+    outs = llm.generate(inputs, sps, use_tqdm=False)
+    return [SimpleNamespace(tokens=list(o.outputs[0].token_ids), cached=o.num_cached_tokens,
+                            info=(o.kv_transfer_params or {}).get("rarecache", {}),
+                            logprobs=[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+@pytest.fixture(scope="module")
+def source_run(vpair):
+    """The source engine answers the prompts (salt "s{i}") and turn 1 of a chat (salt "conv"), and
+    captures them; then it is shut down."""
+    llm = _engine(vpair.root / "src", {"store": str(vpair.store)})
+    try:
+        answers = _run(llm, vpair.prompts, [f"s{i}" for i in range(len(vpair.prompts))])
+        (turn1,) = _run(llm, [vpair.turn1], "conv")
+    finally:
+        _shutdown(llm)
+    return SimpleNamespace(answers=answers, turn1=turn1)
+
+
+@pytest.fixture(scope="module")
+def target(vpair, source_run):
+    llm = _engine(vpair.root / "tgt", {"store": str(vpair.store), "maps": {"src": str(vpair.root / "src-tgt.map")}})
+    yield llm
+    _shutdown(llm)
+
+
+_salts = iter(range(10**6))
+
+
+def _fresh() -> str:
+    return f"req-{next(_salts)}"
+
+
+def _paged_rows(path, block_ids, n):
+    """Rows of positions [0, n) of the dumped blocks, decoded by the CPU vec layout (FINDINGS §5),
+    independently of the adapter's own reader -> k, v (L, Hkv, n, D)."""
+    from safetensors.torch import load_file
+
+    d = load_file(str(path))
+    ks, vs = [], []
+    for layer in range(len(d)):
+        b = d[f"layer.{layer}"]  # (nb, H, bs, 2D), blocks in the order given
+        nb, H, bs, D2 = b.shape
+        kv = b.view(nb, H, 2 * bs, D2 // 2)
+        ks.append(kv[:, :, :bs].reshape(nb, H, D2 // 2, bs).permute(1, 0, 3, 2).reshape(H, nb * bs, -1)[:, :n])
+        vs.append(kv[:, :, bs:].permute(1, 0, 2, 3).reshape(H, nb * bs, -1)[:, :n])
+    return torch.stack(ks), torch.stack(vs)
+
+
+def _close(a, b, tol=1e-4):
+    return all(abs(a[t] - b[t]) < tol for t in a if t in b) and next(iter(a)) in b
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_capture_holds_the_sources_own_rows(vpair, source_run):
+    """What the source engine saved is what our Runner computes for the same tokens (prompt and
+    decoded tokens but the last): vLLM's RoPE is our neox rotate_half, and the reader is right."""
+    from rarecache.adapters.vllm.store import RowStore, model_identity
+
+    store = RowStore(vpair.store)
+    for i, (prompt, out) in enumerate(zip(vpair.prompts, source_run.answers)):
+        assert out.info["captured"] == len(prompt) + NEW - 1
+        seq = prompt + out.tokens[:-1]
+        hit = store.lookup(model_identity(vpair.root / "src"), f"s{i}", seq + [0])
+        assert (hit.length, hit.stored) == (len(seq), len(seq))
+        k, v = store.load(hit, len(seq), vpair.src.config)
+        cache = vpair.src.new_cache(1, len(seq))
+        logits = vpair.src.forward(*pad_batch([seq]), cache, logits_at="all").logits[0]
+        torch.testing.assert_close(k, cache.k[:, 0, :, : len(seq)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, cache.v[:, 0, :, : len(seq)], atol=1e-5, rtol=0)
+        assert logits[len(prompt) - 1:].argmax(-1).tolist() == out.tokens  # and greedy agrees with vLLM
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_rho_1_equals_vllm_alone(vpair, target):
+    """(a) ρ = 1 through the connector: the same greedy tokens (and log-probabilities) as vLLM alone."""
+    alone = _run(target, vpair.prompts)
+    handed = _run(target, vpair.prompts, [_fresh(), _fresh()], [{"scope": "s0", "rho": 1.0},
+                                                                 {"scope": "s1", "rho": 1.0}])
+    for prompt, a, h in zip(vpair.prompts, alone, handed):
+        n = (len(prompt) - 1) // BS * BS
+        assert h.info["handoff"]["tokens"] == n and h.info["handoff"]["recomputed"] == n and h.cached == n
+        assert h.tokens == a.tokens
+        assert all(_close(x, y) for x, y in zip(h.logprobs, a.logprobs))
+        assert a.info.get("reason", "").startswith("no cache_salt")
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_rho_0_writes_the_plain_transfer_into_the_paged_cache(vpair, target, tmp_path):
+    """(b) ρ = 0: the claimed rows in vLLM's paged cache are our plain transfer's (fp32), and vLLM
+    computes the rest of the prompt over them as our Runner does."""
+    prompt = vpair.prompts[0]
+    (h,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.0, "debug": True})
+    blocks = h.info["handoff"]["all_block_ids"]
+    target.collective_rpc("rarecache_dump_blocks", args=(blocks, str(tmp_path / "b.safetensors")))
+    n, P = h.info["handoff"]["tokens"], len(prompt)
+    k, v = _paged_rows(tmp_path / "b.safetensors", blocks, P)
+    src, tgt = vpair.src, vpair.tgt
+    sc = src.new_cache(1, P)
+    src.forward(*pad_batch([prompt]), sc, logits_at=None)  # our own source prefill, not vLLM's rows
+    ref = tgt.new_cache(1, P)
+    vpair.map.apply(src, sc, tgt, ref, torch.arange(n)[None])
+    torch.testing.assert_close(k[:, :, :n], ref.k[:, 0, :, :n], atol=1e-4, rtol=0)
+    torch.testing.assert_close(v[:, :, :n], ref.v[:, 0, :, :n], atol=1e-4, rtol=0)
+    tgt.forward(torch.tensor([prompt[n:]]), torch.arange(n, P)[None], ref, logits_at=None)
+    torch.testing.assert_close(k[:, :, n:], ref.k[:, 0, :, n:P], atol=1e-4, rtol=0)
+    torch.testing.assert_close(v[:, :, n:], ref.v[:, 0, :, n:P], atol=1e-4, rtol=0)
+    (alone,) = _run(target, [prompt])
+    assert max(abs(h.logprobs[0].get(t, -99) - lp) for t, lp in alone.logprobs[0].items()) > 1e-3  # it is used
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_rank_recompute_through_vllms_weights(vpair, target, tmp_path):
+    """ρ = 0.5, rank: the paged rows are those our own Runner computes by the same rule (the view
+    over vLLM's modules recomputes what a separately loaded target does)."""
+    from rarecache.adapters.vllm.core import hand_rows
+    from rarecache.adapters.vllm.store import RowStore, model_identity
+
+    prompt = vpair.prompts[0]
+    (h,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.5, "selector": "rank", "debug": True})
+    info = h.info["handoff"]
+    n, k_re = info["tokens"], info["recomputed"]
+    assert k_re == 50 - (len(prompt) - n)
+    target.collective_rpc("rarecache_dump_blocks", args=(info["all_block_ids"], str(tmp_path / "b.safetensors")))
+    k, v = _paged_rows(tmp_path / "b.safetensors", info["all_block_ids"], n)
+    store = RowStore(vpair.store)
+    hit = store.lookup(model_identity(vpair.root / "src"), "s0", prompt)
+    k_src, v_src = store.load(hit, n, vpair.src.config)
+    ref = hand_rows(vpair.tgt, vpair.map, vpair.src.config, k_src, v_src, prompt[:n], k_re, "rank")
+    torch.testing.assert_close(k, ref.k, atol=1e-4, rtol=0)
+    torch.testing.assert_close(v, ref.v, atol=1e-4, rtol=0)
+    (s,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.5, "selector": "suffix"})
+    assert s.info["handoff"]["tokens"] == 32 and s.info["handoff"]["recomputed"] == 0  # vLLM computes 68 itself
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_handed_off_blocks_never_serve_another_request(vpair, target):
+    """(c) the same prompt after a handoff, without one, is vLLM alone: no prefix hit on the handed-off
+    blocks, even under the same salt, also while the handoff is running."""
+    prompt = vpair.prompts[0]
+    (alone,) = _run(target, [prompt])
+    salt = _fresh()
+    (h,) = _run(target, [prompt], salt, {"scope": "s0", "rho": 0.0})
+    assert h.info["handoff"]["tokens"] == 96
+    (after,) = _run(target, [prompt], salt, {"handoff": False})
+    assert after.cached == 0 and after.tokens == alone.tokens
+    (after,) = _run(target, [prompt], None, {"handoff": False})  # its hit is `alone`'s exact blocks
+    assert after.cached == 96 and after.tokens == alone.tokens
+    # concurrently: both scheduled in the same step, the handoff first
+    salt = _fresh()
+    h, plain = _run(target, [prompt, prompt], [salt, salt], [{"scope": "s0", "rho": 0.0}, {"handoff": False}])
+    assert h.info["handoff"]["tokens"] == 96
+    assert plain.cached == 0 and plain.tokens == alone.tokens
+    # a salt another request used is refused for a handoff
+    (again,) = _run(target, [prompt], salt, {"scope": "s0", "rho": 0.0})
+    assert "handoff" not in again.info and again.info["reason"].startswith("the cache_salt was used")
+    # positive control: vLLM's prefix cache is on, and a plain request's blocks do serve the next one
+    salt = _fresh()
+    _run(target, [prompt], salt, {"handoff": False})
+    (second,) = _run(target, [prompt], salt, {"handoff": False})
+    assert second.cached == 96 and second.tokens == alone.tokens
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_switched_conversation_at_rho_1_is_the_target_alone(vpair, source_run, target):
+    """(d) the source answers turn 1; the target answers turn 2 by handoff (its rows cover turn 1 and
+    the answer), at ρ = 1 exactly as the target answering the whole conversation alone."""
+    convo = vpair.turn1 + source_run.turn1.tokens + vpair.turn2
+    (alone,) = _run(target, [convo])
+    (h,) = _run(target, [convo], "conv/2", {"scope": "conv", "rho": 1.0})
+    covered = len(vpair.turn1) + NEW - 1  # the source's rows: turn 1 and its answer but the last token
+    assert h.info["handoff"]["tokens"] == min(covered, len(convo) - 1) // BS * BS
+    assert h.info["handoff"]["tokens"] > len(vpair.turn1) - BS  # turn 1 (to a block) and more
+    assert h.tokens == alone.tokens
+    assert all(_close(x, y) for x, y in zip(h.logprobs, alone.logprobs))
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_recompute_runs_on_vllms_own_weights(vpair, target, tmp_path):
+    """Our Runner over vLLM's modules reads only vLLM's tensors (no copy) and computes the logits a
+    separately loaded target does, and vLLM's own first-token log-probabilities."""
+    prompt = vpair.prompts[1]
+    (r,) = target.collective_rpc("rarecache_check_weights", args=(prompt, str(tmp_path / "w.safetensors")))
+    assert r["shared"] and r["embed_shared"] and r["modules_without_dense_weight"] > 0
+    assert r["rss_mib_after"] - r["rss_mib_before"] < 16
+    from safetensors.torch import load_file
+
+    d = load_file(str(tmp_path / "w.safetensors"))
+    torch.testing.assert_close(d["view"], d["copy"], atol=1e-4, rtol=1e-4)  # oneDNN vs F.linear, fp32
+    (alone,) = _run(target, [prompt])
+    ours = torch.log_softmax(d["view"][-1], -1)
+    for t, lp in alone.logprobs[0].items():
+        assert abs(float(ours[t]) - lp) < 1e-4
