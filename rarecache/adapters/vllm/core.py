@@ -114,10 +114,7 @@ def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
         extra = {}
     if not isinstance(extra, dict):
         raise RarecacheError("kv_connector_extra_config must be a JSON object")
-    unknown = sorted(set(extra) - set(KEYS))
-    if unknown:
-        raise RarecacheError(f"unknown RarecacheConnector setting(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(KEYS)}")
+    _refuse_unknown(extra, KEYS, "RarecacheConnector setting")
     store = extra.get("store")
     if not isinstance(store, (str, Path)) or not str(store):
         raise RarecacheError("RarecacheConnector needs 'store': a directory shared by the engines "
@@ -182,15 +179,18 @@ class RequestParams:
     debug: bool = False  # report the claimed block ids in the output
 
 
+def _refuse_unknown(given: dict, known, what: str) -> None:
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise RarecacheError(f"unknown {what}(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+
+
 def request_params(raw: Any) -> RequestParams:
     if raw is None:
         return RequestParams()
     if not isinstance(raw, dict):
         raise RarecacheError("kv_transfer_params['rarecache'] must be an object")
-    unknown = sorted(set(raw) - set(REQUEST_KEYS))
-    if unknown:
-        raise RarecacheError(f"unknown rarecache request parameter(s) {', '.join(map(repr, unknown))}; "
-                             f"known: {', '.join(REQUEST_KEYS)}")
+    _refuse_unknown(raw, REQUEST_KEYS, "rarecache request parameter")
     scope = raw.get("scope")
     if scope is not None and (not isinstance(scope, str) or not scope):
         raise RarecacheError("rarecache scope must be a non-empty string")
