@@ -1,5 +1,7 @@
-"""The arms of an evaluation: the target alone, the source alone, or a handoff at some ρ and
-selector (or the layer-prefix schedule) through one of the run's maps.
+"""The arms of an evaluation: the target alone, the source alone, a handoff at some ρ and
+selector (or the layer-prefix schedule) through one of the run's maps, or the quality gate's
+ladder (`transfer/gate.py`): every rung climbed and scored, so that any gate policy's decisions
+can be read off the record afterwards (`eval gate`).
 
 An arm's name keys its lines in a results file ("target", "rho=0.3/rank",
 "rho=0.3/layer-prefix@wiki"), so it is spelled as users spell it and never changes.
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import RarecacheError
 from ..transfer.handoff import HandoffConfig
+from ..transfer.selectors import SELECTORS
 from .report import arm_name, display
 
 SEED = 0  # the random selector's seed
@@ -18,13 +21,15 @@ SEED = 0  # the random selector's seed
 
 @dataclass(frozen=True)
 class Arm:
-    kind: str  # "target", "source" or "handoff"
+    kind: str  # "target", "source", "handoff" or "ladder"
     rho: float = 0.0
     method: str = "rank"  # a selector's name, or layer-prefix: the word HandoffConfig.named reads
     map: str = ""  # label of the map a handoff goes through ("" when the run has one unlabelled map)
 
     @property
     def name(self) -> str:
+        if self.kind == "ladder":
+            return f"ladder/{self.method}" + (f"@{self.map}" if self.map else "")
         return self.kind if self.kind != "handoff" else arm_name(self.rho, self.method, self.map)
 
     @property
@@ -38,20 +43,26 @@ class Arm:
 
     @classmethod
     def parse(cls, spec: str, maps: tuple[str, ...] = ("",)) -> list[Arm]:
-        """"target", "source", "RHO:SELECTOR" (one arm per map) or "RHO:SELECTOR@MAP"."""
+        """"target", "source", "RHO:SELECTOR" (one arm per map), "RHO:SELECTOR@MAP", or the gate's
+        ladder "ladder:SELECTOR[@MAP]"."""
         if spec in ("target", "source"):
             return [cls(spec)]
         body, _, label = spec.partition("@")
         rho, _, method = body.partition(":")
         if label and label not in maps:
             raise RarecacheError(f"arm {spec!r} names map {label!r}; the run's maps: {', '.join(maps) or '(none)'}")
+        if rho == "ladder":
+            if method not in SELECTORS or SELECTORS[method].oracle:
+                raise RarecacheError(f"bad arm {spec!r}: the ladder needs a deployable selector "
+                                     f"({', '.join(k for k, v in SELECTORS.items() if not v.oracle)})")
+            return [cls("ladder", 0.0, method, m) for m in ([label] if label else maps)]
         try:
             arms = [cls("handoff", float(rho), method or "rank", m) for m in ([label] if label else maps)]
             HandoffConfig.named(arms[0].rho, arms[0].method)  # validates
             return arms
         except ValueError:
-            raise RarecacheError(f"bad arm {spec!r}: use target, source or RHO:SELECTOR[@MAP] "
-                                 "(e.g. 0.3:rank)") from None
+            raise RarecacheError(f"bad arm {spec!r}: use target, source, RHO:SELECTOR[@MAP] (e.g. 0.3:rank) "
+                                 "or ladder:SELECTOR[@MAP]") from None
 
 
 def parse_arms(specs: list[str], maps: tuple[str, ...]) -> list[Arm]:

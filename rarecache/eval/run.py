@@ -32,6 +32,7 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
+from ..transfer.gate import RUNGS, GatePolicy, gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import attention_capture, received
@@ -48,6 +49,7 @@ class _Prefill:
     cache: KVCache  # batch one, the prompt's rows
     logits: torch.Tensor  # (V,) at the last prompt position
     attn: torch.Tensor  # (1, n) attention received by each position (last queries, last layers)
+    seconds: float  # what the prefill cost
 
 
 class _ItemState:
@@ -68,7 +70,7 @@ class _ItemState:
         ends = torch.tensor([n], device=runner.device)
         out = runner.forward(torch.tensor([self.ids], device=runner.device), torch.arange(n)[None], cache,
                              capture=attention_capture(runner, ends))
-        self._prefills[kind] = _Prefill(cache, out.logits[0], received(out.attn, n))
+        self._prefills[kind] = _Prefill(cache, out.logits[0], received(out.attn, n), time.perf_counter() - t)
         return self._prefills[kind], time.perf_counter() - t
 
 
@@ -167,7 +169,8 @@ def _likelihood_item(task: Task, item: Item, arms: list[Arm], st: _ItemState, co
     shared passes. Results come back in the order of `arms`."""
     n = len(st.ids)
     results: dict[str, tuple[dict, dict]] = {}
-    for llm, group in _by_model(arms, source, target):
+    ladders = [a for a in arms if a.kind == "ladder"]
+    for llm, group in _by_model([a for a in arms if a.kind != "ladder"], source, target):
         t = time.perf_counter()
         cache, firsts, fields, phases = _contexts(group, st, source, target, maps)
         ctx_s = time.perf_counter() - t
@@ -178,7 +181,34 @@ def _likelihood_item(task: Task, item: Item, arms: list[Arm], st: _ItemState, co
             record = _record(task, item, arm, st, {**f, **task.score_likelihood(item, [sum(x) for x in lp])})
             results[arm.name] = (record, {"item": item.id, "arm": arm.name, "item_context_s": ctx_s, "phases": ph,
                                           "batch_continuations_s": score_s, "batch": len(group)})
+    for arm in ladders:
+        results[arm.name] = _ladder(task, item, arm, st, conts, source, target, maps[arm.map])
     return [results[a.name] for a in arms]
+
+
+def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[int]], source: LLM, target: LLM,
+            mapper: Mapper) -> tuple[dict, dict]:
+    """The gate's ladder for one item: every rung climbed from the source's own prefill, each rung's
+    cache scored like any arm's. The target's prefill is timed alongside (shared with the target arm):
+    the gate's expected speed-up divides by it."""
+    n = len(st.ids)
+    src, _ = st.prefill("source", source.runner)
+    tgt, _ = st.prefill("target", target.runner)
+    snaps = target.runner.new_cache(len(RUNGS), n)
+    _, firsts, res = gated_handoff(source.runner, target.runner, mapper, st.ids, GatePolicy(arm.method, RUNGS, -1.0),
+                                   source_cache=src.cache, source_kept=n, source_attn=src.attn, climb_all=True,
+                                   snapshots=snaps)
+    t = time.perf_counter()
+    lps = continuation_logprobs(target.runner, snaps, firsts, n, conts)
+    score_s = time.perf_counter() - t
+    rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
+              **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp in zip(res.rungs[1:], lps)]
+    record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
+    tm = res.handoff.timings
+    phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
+              "target_prefill": tgt.seconds}
+    return record, {"item": item.id, "arm": arm.name, "phases": phases, "batch_continuations_s": score_s,
+                    "batch": len(RUNGS)}
 
 
 @torch.inference_mode()
@@ -197,6 +227,8 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
     for arm in arms:
         if arm.kind == "handoff" and arm.map not in maps:
             raise RarecacheError(f"arm {arm.name} needs map {arm.map!r}, which this run was not given")
+    if task.kind == "generate" and any(a.kind == "ladder" for a in arms):
+        raise RarecacheError(f"the ladder arm scores likelihoods; {task.name} is a generation task")
     for mapper in maps.values():
         task.check_map(mapper, items)
     if meta is not None:

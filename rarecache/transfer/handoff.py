@@ -123,23 +123,29 @@ def prefix_layers(rho: float, length: int, layers: int) -> int:
     return min(layers, max(0, round((k - 1) * layers / (length - 1))))
 
 
-@torch.inference_mode()
-def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]],
-            cfg: HandoffConfig = HandoffConfig(), max_len: int | None = None,
-            source_cache: KVCache | None = None, source_kept: list[int] | None = None,
-            target_cache: KVCache | None = None, target_kept: list[int] | None = None,
-            source_attn: torch.Tensor | None = None, target_prefill: tuple[KVCache, torch.Tensor] | None = None,
-            ) -> tuple[KVCache, torch.Tensor, HandoffResult]:
-    """Hand a batch of prompts from source to target.
+@dataclass
+class Mapped:
+    """A batch after the map and the selector's scores, before any recompute: what `handoff` and the
+    gated ladder (`gate.py`) both start from."""
 
-    Returns the target cache (every prompt position filled), the target's logits at
-    each prompt's last position (B, V), and the record of what was done.
-    `source_kept` / `target_kept`: per prompt, the first positions `source_cache` /
-    `target_cache` already hold (default none). Work done elsewhere can be passed in:
-    `source_attn` (B, S) attention received in a source prefill that already happened
-    (for attn-source), and `target_prefill`, the target's own prefill cache and
-    attention received (for the oracles).
-    """
+    cache: KVCache  # target cache: mapped rows at the handed-off positions
+    whole: torch.Tensor  # (B, n) whole prompts
+    tokens: torch.Tensor  # (B, W) handed-off tokens
+    positions: torch.Tensor  # (B, W) handed-off positions, -1 padded
+    scores: torch.Tensor | None  # (B, W) selector scores; None under layer-prefix
+    lengths: list[int]
+    target_kept: list[int]
+    source_attn: torch.Tensor | None  # (B, S) attention received in the source, if captured
+    timings: dict[str, float]
+
+
+def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]], cfg: HandoffConfig,
+                  max_len: int | None = None, source_cache: KVCache | None = None,
+                  source_kept: list[int] | None = None, target_cache: KVCache | None = None,
+                  target_kept: list[int] | None = None, source_attn: torch.Tensor | None = None,
+                  target_prefill: tuple[KVCache, torch.Tensor] | None = None) -> Mapped:
+    """The source prefills what it has not seen, the map fills the target cache, the selector scores
+    the handed-off positions (arguments as `handoff`)."""
     B, lengths = len(prompts), [len(p) for p in prompts]
     source_kept = source_kept or [0] * B
     target_kept = target_kept or [0] * B
@@ -170,17 +176,44 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     centred = mapper.apply(source, source_cache, target, cache, positions)
     timings["map"] = _now(target) - t
 
-    if cfg.schedule == LAYER_PREFIX:
-        return _layer_prefix(target, prompts, cfg, cache, toks, positions, target_kept, timings)
-
     t = _now(target)
     whole = spans(prompts, [0] * B, device)[0]  # (B, n)
-    ctx = SelectionContext(source, target, mapper, whole, positions, cache, centred, src_attn, cfg.seed,
-                           target_prefill)
-    scores = selector.scores(ctx)  # (B, W)
+    scores = None
+    if selector is not None:
+        ctx = SelectionContext(source, target, mapper, whole, positions, cache, centred, src_attn, cfg.seed,
+                               target_prefill)
+        scores = selector.scores(ctx)  # (B, W)
+    timings["score"] = _now(target) - t
+    return Mapped(cache, whole, toks, positions, scores, lengths, target_kept, src_attn, timings)
+
+
+@torch.inference_mode()
+def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]],
+            cfg: HandoffConfig = HandoffConfig(), max_len: int | None = None,
+            source_cache: KVCache | None = None, source_kept: list[int] | None = None,
+            target_cache: KVCache | None = None, target_kept: list[int] | None = None,
+            source_attn: torch.Tensor | None = None, target_prefill: tuple[KVCache, torch.Tensor] | None = None,
+            ) -> tuple[KVCache, torch.Tensor, HandoffResult]:
+    """Hand a batch of prompts from source to target.
+
+    Returns the target cache (every prompt position filled), the target's logits at
+    each prompt's last position (B, V), and the record of what was done.
+    `source_kept` / `target_kept`: per prompt, the first positions `source_cache` /
+    `target_cache` already hold (default none). Work done elsewhere can be passed in:
+    `source_attn` (B, S) attention received in a source prefill that already happened
+    (for attn-source), and `target_prefill`, the target's own prefill cache and
+    attention received (for the oracles).
+    """
+    m = map_and_score(source, target, mapper, prompts, cfg, max_len, source_cache, source_kept, target_cache,
+                      target_kept, source_attn, target_prefill)
+    cache, whole, positions, timings, lengths = m.cache, m.whole, m.positions, m.timings, m.lengths
+    if cfg.schedule == LAYER_PREFIX:
+        return _layer_prefix(target, prompts, cfg, cache, m.tokens, positions, m.target_kept, timings)
+    t = _now(target)
+    scores, target_kept = m.scores, m.target_kept
     chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
               for b, (s, n) in enumerate(zip(target_kept, lengths))]
-    timings["score"] = _now(target) - t
+    timings["score"] += _now(target) - t
 
     t = _now(target)
     sel_tokens, sel_pos = subset(whole, chosen)

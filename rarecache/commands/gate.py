@@ -1,0 +1,84 @@
+"""`rarecache eval gate fit` (a gate policy from held-apart ladders) and `rarecache eval gate report`
+(what a policy does on evaluated ladders; writes the summary file)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+
+
+def register(ev) -> None:
+    p = ev.add_parser("gate", help="the quality gate: fit a policy on held-apart items, report it on evaluated ones",
+                      description="Runs on results files that hold the target arm and a ladder arm "
+                                  "(`eval run --arms target ladder:SELECTOR ...`): every rung of the gate's budget "
+                                  "ladder with its signal and answer. The policy's decisions are read off the "
+                                  "record (the online gate is tested equal to it); a fallback answers with the "
+                                  "target's own prefill.")
+    g = p.add_subparsers(dest="gate", required=True, metavar="ACTION")
+    f = g.add_parser("fit", help="fit a gate policy on held-apart results files (one per task)")
+    f.add_argument("results", type=Path, nargs="+", help="results JSONL of held-apart items, one per task")
+    f.add_argument("--max-changed", type=float, default=0.01,
+                   help="multiple-choice tasks: most changed answers (share of items) the gate may accept "
+                        "(default: 0.01)")
+    f.add_argument("--max-bpb", type=float, default=0.0025,
+                   help="bits-per-byte tasks: most mean bpb increase the gate may accept (default: 0.0025)")
+    f.add_argument("--arm", default=None, help="the ladder arm, if a file has several (e.g. ladder/rank@general)")
+    f.add_argument("--out", type=Path, required=True, help="policy file to write (JSON)")
+    f.set_defaults(func=cmd_gate_fit)
+    r = g.add_parser("report", help="what a policy does on evaluated results files")
+    r.add_argument("results", type=Path, nargs="+", help="results JSONL of evaluated items, one per task")
+    r.add_argument("--policy", type=Path, required=True, help="policy file from `eval gate fit`")
+    r.add_argument("--arm", default=None, help="the ladder arm, if a file has several")
+    r.add_argument("--summary", type=Path, default=None,
+                   help="write the summary JSON here (e.g. docs/artifacts/gate-summary.json)")
+    r.set_defaults(func=cmd_gate_report)
+
+
+def _ladders(paths: list[Path], arm: str | None):
+    from ..eval.gate import read_ladders
+
+    return [read_ladders(p, arm) for p in paths]
+
+
+def cmd_gate_fit(args) -> int:
+    from ..eval.gate import fit
+
+    if not 0 <= args.max_changed <= 1 or args.max_bpb < 0:
+        raise RarecacheError("--max-changed must be in [0, 1] and --max-bpb >= 0")
+    policy = fit(_ladders(args.results, args.arm), args.max_changed, args.max_bpb)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(policy.to_json())
+    print(f"threshold {policy.threshold:.4g} bits ({'always falls back' if policy.threshold < 0 else 'accepts'})")
+    for task, o in policy.fitted["tasks"].items():
+        print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} "
+              f"fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_gate_report(args) -> int:
+    from ..eval.gate import evaluate, markdown
+    from ..transfer.gate import GatePolicy
+
+    if not args.policy.is_file():
+        raise RarecacheError(f"no policy file {args.policy}")
+    policy = GatePolicy.load(args.policy)
+    ladders = _ladders(args.results, args.arm)
+    results = {lad.task: evaluate(lad, policy) for lad in ladders}
+    print(markdown(results, policy))
+    if args.summary:
+        shas = {lad.map_sha256 for lad in ladders}
+        if len(shas) > 1:
+            raise RarecacheError(f"the results files went through different maps: {shas}")
+        keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
+        summary = {"map": shas.pop(), "policy": {"selector": policy.selector, "rungs": list(policy.rungs),
+                                                 "threshold": policy.threshold},
+                   "tasks": {t: {k: r[k] for k in keys} | {"auc": r["auc"], "auc_ci": r["auc_ci"]}
+                             for t, r in results.items()}}
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+        args.summary.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.summary}", file=sys.stderr)
+    return 0

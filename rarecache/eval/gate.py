@@ -1,0 +1,209 @@
+"""The quality gate on recorded ladders: fit its threshold on held-apart items, then read off what
+the policy does on evaluated items (accuracy against the target, fallbacks, recomputed share,
+expected speed-up), and how well its signal predicts a changed answer.
+
+An evaluation's ladder arm (`arms.py`) records every rung of `transfer/gate.py`'s ladder with its
+signal and its answer; the online gate stops at the rung the policy accepts, and a test holds the
+two equal, so a policy's outcome is read off the record without rerunning the models. A fallback
+answers with the target's own prefill: the item's target arm.
+
+A rung's loss, what accepting it costs against the target's own answer: for multiple choice 1 when
+the answer changed (the gate bounds changed answers, which bounds the accuracy lost either way),
+for bits per byte the increase in bpb. Its cost is the share of prompt positions recomputed; a
+fallback costs 1.0 (the target's own prefill) and loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import RarecacheError
+from ..transfer.gate import GatePolicy, decide, fit_threshold
+from .metrics import N_BOOT, paired_diff_ci
+from .results import load_results
+
+CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
+
+
+@dataclass
+class Ladders:
+    """One task's ladder arm and target arm, item by item (items that have both)."""
+
+    task: str
+    metric: str
+    arm: str
+    selector: str
+    rungs: list[float]
+    items: list[str]
+    js: list[list[float]]  # per item, per rung
+    loss: list[list[float]]
+    cost: list[list[float]]
+    value: list[list[float]]  # the metric per rung
+    target: list[float]  # the target's metric
+    changed: list[list[bool]]
+    seconds: list[dict]  # per item: map, score, rung_recompute (rung 0 first), target_prefill
+    map_sha256: str | None
+
+
+def _answer_key(metric: str) -> str:
+    return "prediction_norm" if metric == "correct_norm" else "prediction"
+
+
+def read_ladders(path: Path, arm: str | None = None) -> Ladders:
+    """The ladder arm (the only one, or `arm`) and the target arm of a results file."""
+    from .tasks import TASKS
+
+    if not path.is_file():
+        raise RarecacheError(f"no results file {path}")
+    rows = load_results(path)
+    arms = sorted({r["arm"] for r in rows if r["arm"].startswith("ladder/")})
+    if not arms:
+        raise RarecacheError(f"{path} has no ladder arm (run `eval run` with --arms target ladder:SELECTOR ...)")
+    if arm is None and len(arms) > 1:
+        raise RarecacheError(f"{path} has several ladder arms ({', '.join(arms)}): pick one with --arm")
+    arm = arm or arms[0]
+    if arm not in arms:
+        raise RarecacheError(f"{path} has no arm {arm}; its ladder arms: {', '.join(arms)}")
+    task = rows[0]["task"]
+    metric = TASKS[task].metric if task in TASKS else ("bpb" if "bpb" in rows[0] else "correct")
+    target = {r["item"]: r for r in rows if r["arm"] == "target"}
+    ladder = {r["item"]: r for r in rows if r["arm"] == arm}
+    times = _timings(path, arm)
+    items = [i for i in ladder if i in target]
+    if not items:
+        raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
+    key = _answer_key(metric)
+    out = Ladders(task, metric, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
+                  items, [], [], [], [], [], [], [], _map_sha(path, arm))
+    for i in items:
+        t, rungs = target[i], ladder[i]["ladder"]
+        out.js.append([g["js"] for g in rungs])
+        out.cost.append([g["recomputed"] / ladder[i]["prompt_tokens"] for g in rungs])
+        out.value.append([float(g[metric]) for g in rungs])
+        out.target.append(float(t[metric]))
+        if metric == "bpb":
+            out.loss.append([g["bpb"] - t["bpb"] for g in rungs])
+            out.changed.append([abs(g["bpb"] - t["bpb"]) > CHANGED_BPB for g in rungs])
+        else:
+            out.changed.append([g[key] != t[key] for g in rungs])
+            out.loss.append([float(c) for c in out.changed[-1]])
+        out.seconds.append(times.get(i, {}))
+    return out
+
+
+def _timings(path: Path, arm: str) -> dict[str, dict]:
+    tf = path.with_suffix(".timings.jsonl")
+    if not tf.is_file():
+        return {}
+    return {t["item"]: t["phases"] for t in load_results(tf) if t.get("arm") == arm}
+
+
+def _map_sha(path: Path, arm: str) -> str | None:
+    meta = path.with_suffix(".meta.json")
+    if not meta.is_file():
+        return None
+    label = arm.partition("@")[2]
+    entry = json.loads(meta.read_text()).get("maps", {}).get(label)
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def auc(scores: list[float], labels: list[bool]) -> float:
+    """ROC AUC of `scores` for `labels` (Mann–Whitney, ties counted half); nan without both classes."""
+    s, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
+    pos, neg = s[y], s[~y]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (len(pos) * len(neg)))
+
+
+def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT, seed: int = 0
+           ) -> tuple[float, float, float]:
+    """AUC over every (item, rung) pair, with a bootstrap interval resampling items."""
+    flat = lambda ix: ([s for k in ix for s in per_item[k][0]], [c for k in ix for c in per_item[k][1]])  # noqa: E731
+    point = auc(*flat(range(len(per_item))))
+    rng = np.random.default_rng(seed)
+    boots = [auc(*flat(rng.integers(0, len(per_item), len(per_item)))) for _ in range(n_boot)]
+    boots = [b for b in boots if b == b]
+    if not boots:
+        return point, float("nan"), float("nan")
+    lo, hi = np.quantile(boots, [0.025, 0.975])
+    return point, float(lo), float(hi)
+
+
+def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolicy:
+    """One policy for all the tasks given: the largest threshold that keeps each within its bound."""
+    sels = {lad.selector for lad in ladders}
+    rungs = {tuple(lad.rungs) for lad in ladders}
+    if len(sels) > 1 or len(rungs) > 1:
+        raise RarecacheError(f"the ladders differ in selector or rungs ({sels}, {rungs}): fit one policy per kind")
+    names = [lad.task for lad in ladders]
+    if len(set(names)) < len(names):
+        raise RarecacheError(f"a task given twice: {', '.join(names)}")
+    groups = {lad.task: list(zip(lad.js, lad.loss, lad.cost)) for lad in ladders}
+    bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
+    th, outcome = fit_threshold(groups, bounds)
+    fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb},
+              "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
+                                   **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
+                        for lad in ladders}}
+    return GatePolicy(sels.pop(), rungs.pop(), th, fitted)
+
+
+def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
+    """What `policy` does on a task's evaluated items (refused if it was fitted on any of them)."""
+    fitted = policy.fitted.get("tasks", {}).get(lad.task, {})
+    overlap = set(fitted.get("items", [])) & set(lad.items)
+    if overlap:
+        raise RarecacheError(f"{lad.task}: the policy was fitted on {len(overlap)} of these items "
+                             f"({', '.join(sorted(overlap)[:3])} ...); evaluate on held-apart items")
+    if lad.selector != policy.selector or tuple(lad.rungs) != policy.rungs:
+        raise RarecacheError(f"{lad.task}: the ladder ({lad.selector}, rungs {lad.rungs}) is not the policy's "
+                             f"({policy.selector}, rungs {list(policy.rungs)})")
+    gated, cost, secs, fell = [], [], [], 0
+    for k_item, js in enumerate(lad.js):
+        k = decide(js, policy.threshold)
+        tm = lad.seconds[k_item]
+        fixed = tm.get("map", 0.0) + tm.get("score", 0.0)
+        climbed = tm.get("rung_recompute", [])
+        if k is None:
+            fell += 1
+            gated.append(lad.target[k_item])
+            cost.append(1.0)
+            secs.append(fixed + sum(climbed) + tm.get("target_prefill", 0.0))
+        else:
+            gated.append(lad.value[k_item][k])
+            cost.append(lad.cost[k_item][k])
+            secs.append(fixed + sum(climbed[: k + 2]))  # rung 0 (plain) and rungs up to k
+    bpb = lad.metric == "bpb"
+    scale = 1.0 if bpb else 100.0  # pp for accuracy
+    d, lo, hi, p = paired_diff_ci(gated, lad.target)
+    prefill = [tm.get("target_prefill") for tm in lad.seconds]
+    have = [(a, b) for a, b in zip(prefill, secs) if a]
+    speedup = (sum(a for a, _ in have) / sum(b for _, b in have)) if have else None
+    a, alo, ahi = auc_ci(list(zip(lad.js, lad.changed)))
+    return {"unit": "bpb" if bpb else "pp", "delta": d * scale, "ci": [lo * scale, hi * scale], "p": p,
+            "n": len(gated), "fallback_share": fell / len(gated), "mean_recomputed_share": float(np.mean(cost)),
+            "expected_speedup": speedup, "target": float(np.mean(lad.target)), "gated": float(np.mean(gated)),
+            "auc": a, "auc_ci": [alo, ahi]}
+
+
+def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
+    lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
+             f"threshold {policy.threshold:.4g} bits (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items)",
+             "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
+             "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, r in results.items():
+        pct = r["unit"] == "pp"
+        f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.4f}")
+        u = " pp" if pct else ""
+        dfmt = (lambda x: f"{x:+.1f}") if pct else (lambda x: f"{x:+.4f}")
+        sp = f"{r['expected_speedup']:.2f}×" if r["expected_speedup"] else "—"
+        lines.append(f"| {task} | {r['n']} | {f(r['target'])} | {f(r['gated'])} | {dfmt(r['delta'])}{u} "
+                     f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}) | {r['fallback_share']:.1%} | "
+                     f"{r['mean_recomputed_share']:.3f} | {sp} | {r['auc']:.3f} ({r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f}) |")
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""A handoff that never silently costs accuracy: climb a ladder of budgets until the answer stops
+moving, or fall back to the target's own prefill.
+
+A fixed ρ is too much for most prompts and too little for some (0-shot MMLU loses accuracy at
+every selector at ρ = 0.3). The gate spends the budget in rungs (default ρ = 0.1, 0.2, 0.3, 0.5)
+over one ordering of the positions by the selector's scores, so each rung is a superset of the
+one below and recomputes only the positions it adds (plus the last, which yields the logits):
+climbing to ρ costs about what a direct handoff at ρ does. Rung 0 is plain transfer (the last
+position only). After each rung the target's next-token distribution at the last position is
+compared with the rung below; their Jensen–Shannon divergence (bits) says whether the answer is
+still moving. The policy accepts the first rung whose divergence is at most its threshold;
+above the top rung the target prefills the handed-off span itself (exact: every row is
+rewritten), reusing the rows it held before the handoff.
+
+The threshold is fitted on held-apart items (`fit_threshold`: the largest that keeps every task
+within its loss bound), never on evaluated ones; policy files record what they were fitted on.
+Rung 1 of the ladder is exactly a direct handoff at its ρ (tested); higher rungs keep the rows
+recomputed below them rather than recompute them against the better cache (the reuse that makes
+climbing cheap), so they differ slightly from a direct handoff at the same ρ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..engine.cache import KVCache
+from ..engine.runner import Runner, spans
+from ..errors import RarecacheError
+from .handoff import HandoffConfig, HandoffResult, _now, budget, map_and_score, subset
+from .mapper import Mapper
+
+RUNGS = (0.1, 0.2, 0.3, 0.5)
+POLICY_FORMAT = "rarecache-gate-policy/1"
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    selector: str = "rank"
+    rungs: tuple[float, ...] = RUNGS
+    threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
+    fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
+
+    def __post_init__(self):
+        rungs = tuple(self.rungs)
+        if not rungs or any(not 0 < r < 1 for r in rungs) or any(b <= a for a, b in zip(rungs, rungs[1:])):
+            raise RarecacheError(f"gate rungs must increase strictly inside (0, 1), got {list(rungs)}")
+        if not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
+            raise RarecacheError(f"gate threshold must be a number, got {self.threshold!r}")
+        HandoffConfig(rungs[0], self.selector)  # validates the selector
+        object.__setattr__(self, "rungs", rungs)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": POLICY_FORMAT, **asdict(self), "rungs": list(self.rungs)}, indent=1) + "\n"
+
+    @classmethod
+    def load(cls, path: str | Path) -> GatePolicy:
+        """A policy file (JSON, validated: it may come from anyone)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RarecacheError(f"{path}: not a readable gate policy ({e})") from None
+        if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
+            raise RarecacheError(f"{path}: not a gate policy (format {POLICY_FORMAT} expected)")
+        extra = set(data) - {"format", "selector", "rungs", "threshold", "fitted"}
+        if extra:
+            raise RarecacheError(f"{path}: unknown gate policy field(s) {', '.join(sorted(extra))}")
+        rungs, sel, fitted = data.get("rungs"), data.get("selector"), data.get("fitted", {})
+        if (not isinstance(rungs, list) or not all(isinstance(r, (int, float)) for r in rungs)
+                or not isinstance(sel, str) or not isinstance(fitted, dict)):
+            raise RarecacheError(f"{path}: gate policy needs selector (text), rungs (numbers), fitted (object)")
+        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), fitted)
+
+
+@dataclass
+class Rung:
+    rho: float
+    recomputed: int  # distinct handed-off positions the target has recomputed so far
+    js: float  # bits, this rung's last-position distribution against the rung below
+    top1_same: bool  # same most likely next token as the rung below
+    outside: float  # share of the selector's score mass on positions not recomputed
+    seconds: float  # this rung's recompute
+
+
+@dataclass
+class GateResult:
+    decision: str  # "accept" or "fallback"
+    rho: float  # the accepted rung's ρ; 1.0 on fallback
+    reason: str
+    rungs: list[Rung]  # every rung climbed (rung 0, plain transfer, first)
+    handoff: HandoffResult  # positions recomputed by the rungs, scores, phase timings
+    recomputed_share: float  # of the handed-off span, 1.0 on fallback
+
+    def record(self) -> dict:
+        """JSON-ready: what the response's `rarecache` object and result files show."""
+        return {"decision": self.decision, "rho": self.rho, "reason": self.reason,
+                "recomputed_share": self.recomputed_share,
+                "rungs": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(r).items()}
+                          for r in self.rungs]}
+
+
+def js_bits(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Jensen–Shannon divergence in bits between the softmax distributions of logits a, b (V,)."""
+    la, lb = F.log_softmax(a.double(), -1), F.log_softmax(b.double(), -1)
+    m = torch.logaddexp(la, lb) - math.log(2)
+    js = 0.5 * ((la.exp() * (la - m)).sum() + (lb.exp() * (lb - m)).sum())
+    return max(0.0, js.item() / math.log(2))
+
+
+def _outside(scores: torch.Tensor, chosen: torch.Tensor) -> float:
+    """Share of the (shifted non-negative) score mass on positions not chosen."""
+    s = scores.double()
+    s = s - s.min()
+    total = s.sum().item()
+    return 0.0 if total <= 0 else 1.0 - s[chosen].sum().item() / total
+
+
+@torch.inference_mode()
+def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int], policy: GatePolicy,
+                  source_cache: KVCache | None = None, source_kept: int = 0, target_cache: KVCache | None = None,
+                  target_kept: int = 0, source_attn: torch.Tensor | None = None, climb_all: bool = False,
+                  snapshots: KVCache | None = None) -> tuple[KVCache, torch.Tensor, GateResult]:
+    """Hand one prompt from source to target through the ladder of `policy`.
+
+    Arguments as `handoff` for a batch of one. Returns the target cache, its logits at the last
+    position (1, V) and the record. `climb_all` (evaluation) climbs every rung whatever the policy
+    decides and never falls back; `snapshots`, a cache with one row per rung, then receives each
+    rung's cache, and the logits returned are per rung (R, V).
+    """
+    n = len(ids)
+    cfg = HandoffConfig(policy.rungs[0], policy.selector)
+    m = map_and_score(source, target, mapper, [ids], cfg, None, source_cache, [source_kept], target_cache,
+                      [target_kept], source_attn)
+    cache, whole, timings = m.cache, m.whole, m.timings
+    t = _now(target)
+    w = n - target_kept
+    scores = m.scores[0, :w].clone()  # (W,)
+    order = scores.float().clone()
+    order[-1] = float("inf")  # the last position first: every rung computes it
+    order = order.argsort(descending=True, stable=True) + target_kept  # (W,) positions, best first
+    timings["score"] += _now(target) - t
+
+    def run(new: torch.Tensor) -> tuple[torch.Tensor, float]:  # recompute positions `new` (with the last)
+        t = _now(target)
+        new = torch.unique(torch.cat([new, order[:1]]))  # ascending
+        tok, pos = subset(whole, [new])
+        lg = target.forward(tok, pos, cache).logits[0]
+        return lg, _now(target) - t
+
+    prev, plain_s = run(order[:0])  # rung 0: plain transfer
+    rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s)]
+    per_rung, done, accepted = [], 1, None
+    for k, rho in enumerate(policy.rungs):
+        want = budget(rho, w)
+        lg, secs = run(order[done:want])
+        top = order[:want] - target_kept
+        rung = Rung(rho, want, js_bits(lg, prev), bool(lg.argmax() == prev.argmax()), _outside(scores, top), secs)
+        rungs.append(rung)
+        done, prev = want, lg
+        if snapshots is not None:
+            snapshots.row(k).copy_prefix(cache, n)
+        per_rung.append(lg)
+        if accepted is None and rung.js <= policy.threshold:
+            accepted = k
+            if not climb_all:
+                break
+    chosen = order[:done].sort().values.tolist()
+    timings["recompute"] = sum(r.seconds for r in rungs)
+    result = HandoffResult([chosen], [scores.cpu()], [(target_kept, n)], timings=timings)
+    if climb_all:
+        return cache, torch.stack(per_rung), GateResult("ladder", policy.rungs[-1], "climbed every rung", rungs,
+                                                        result, done / w)
+    if accepted is not None:
+        r = rungs[accepted + 1]
+        why = f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}"
+        return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
+    t = _now(target)
+    toks, pos = spans([ids], [target_kept], target.device)
+    logits = target.forward(toks, pos, cache).logits  # every handed-off row rewritten: the target's own
+    timings["fallback_prefill"] = _now(target) - t
+    why = (f"js above {policy.threshold:.4g} bits at every rung (last {rungs[-1].js:.4g})"
+           if policy.threshold >= 0 else "the policy always falls back")
+    result.positions = [list(range(target_kept, n))]
+    return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
+
+
+# -- the policy's decision on recorded ladders, and its fit ----------------------------------
+
+def decide(js: list[float], threshold: float) -> int | None:
+    """The rung (index into the policy's rungs) a threshold accepts, given each rung's js; None: fallback."""
+    for k, d in enumerate(js):
+        if d <= threshold:
+            return k
+    return None
+
+
+def candidate_thresholds(ladders: list[list[float]]) -> list[float]:
+    """Every threshold at which some decision changes, ascending, with 'always fall back' first."""
+    return [-1.0, *sorted({d for js in ladders for d in js})]
+
+
+def fit_threshold(groups: dict[str, list[tuple[list[float], list[float], list[float]]]],
+                  bounds: dict[str, float]) -> tuple[float, dict[str, dict]]:
+    """The largest threshold under which every group's mean loss stays within its bound.
+
+    `groups`: per task, per held-apart item, (js per rung, loss per rung, cost per rung) where
+    loss is what accepting that rung costs against the target's own answer (1 for a changed
+    multiple-choice answer, the bpb increase for a continuation) and cost the recomputed share;
+    a fallback costs 1 and loses nothing. Returns the threshold and, per group, what it gives.
+    """
+    def outcome(th: float) -> dict[str, dict]:
+        res = {}
+        for g, items in groups.items():
+            loss = cost = fell = 0.0
+            for js, ls, cs in items:
+                k = decide(js, th)
+                if k is None:
+                    fell, cost = fell + 1, cost + 1.0
+                else:
+                    loss, cost = loss + ls[k], cost + cs[k]
+            n = max(1, len(items))
+            res[g] = {"loss": loss / n, "cost": cost / n, "fallback": fell / n, "n": len(items)}
+        return res
+
+    best = -1.0
+    for th in candidate_thresholds([js for items in groups.values() for js, _, _ in items]):
+        if all(o["loss"] <= bounds[g] + 1e-12 for g, o in outcome(th).items()):
+            best = th
+    return best, outcome(best)

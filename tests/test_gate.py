@@ -1,0 +1,201 @@
+"""The quality gate: its ladder against direct handoffs and the target's own prefill, its policy
+file, and the threshold fit on planted data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from rarecache.errors import RarecacheError
+from rarecache.transfer.gate import (GatePolicy, decide, fit_threshold, gated_handoff, js_bits)
+from rarecache.transfer.handoff import HandoffConfig, budget, handoff
+
+ALWAYS = math.inf  # accept the first rung
+NEVER = -1.0  # fall back
+
+
+def test_first_rung_is_a_direct_handoff(fitted):
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    for sel in ("rank", "attn-source"):
+        pol = GatePolicy(sel, (0.2, 0.5), ALWAYS)
+        cache, logits, res = gated_handoff(source, target, mapper, ids, pol)
+        d_cache, d_logits, d_res = handoff(source, target, mapper, [ids], HandoffConfig(0.2, sel))
+        assert res.decision == "accept" and res.rho == 0.2
+        assert res.handoff.positions == d_res.positions
+        torch.testing.assert_close(logits, d_logits, atol=1e-5, rtol=0)
+        n = len(ids)
+        torch.testing.assert_close(cache.k[:, :, :, :n], d_cache.k[:, :, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[:, :, :, :n], d_cache.v[:, :, :, :n], atol=1e-5, rtol=0)
+        assert res.recomputed_share == budget(0.2, n) / n
+
+
+def test_fallback_is_the_targets_own_prefill(fitted):
+    """Past the top rung every handed-off row is rewritten: the cache and logits are the target's own,
+    also when the target already held a prefix of the prompt."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n = len(ids)
+    own, out = target.prefill([ids], max_len=n)
+    for kept in (0, 9):
+        held = target.new_cache(1, n)
+        if kept:
+            held.copy_prefix(own, kept)
+        cache, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", (0.1, 0.3), NEVER),
+                                           target_cache=held, target_kept=kept)
+        assert res.decision == "fallback" and res.recomputed_share == 1.0 and res.rho == 1.0
+        assert [r.rho for r in res.rungs] == [0.0, 0.1, 0.3]
+        assert res.handoff.positions == [list(range(kept, n))]
+        torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[:, :, :, :n], own.v[:, :, :, :n], atol=1e-5, rtol=0)
+
+
+def test_recorded_ladder_equals_the_online_gate(fitted):
+    """What an evaluation records (every rung climbed, each snapshotted) is what the online gate
+    returns at the rung its threshold accepts: the simulated policy is the served one."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n = len(ids)
+    rungs = (0.1, 0.2, 0.3, 0.5)
+    snaps = target.new_cache(len(rungs), n)
+    _, per_rung, rec = gated_handoff(source, target, mapper, ids, GatePolicy("rank", rungs, NEVER),
+                                     climb_all=True, snapshots=snaps)
+    js = [r.js for r in rec.rungs[1:]]
+    assert per_rung.shape[0] == len(rungs) and all(d >= 0 for d in js)
+    assert [r.recomputed for r in rec.rungs[1:]] == [budget(r, n) for r in rungs]  # nested budgets
+    for th in sorted(set(js)):
+        k = decide(js, th)
+        cache, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", rungs, th))
+        assert res.decision == "accept" and res.rho == rungs[k]
+        torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.k[:, 0, :, :n], snaps.k[:, k, :, :n], atol=1e-5, rtol=0)
+        assert res.recomputed_share == budget(rungs[k], n) / n
+
+
+def test_js_bits():
+    a = torch.tensor([2.0, 0.0, -1.0])
+    assert js_bits(a, a) == pytest.approx(0.0, abs=1e-12)
+    # two disjoint point masses: one bit
+    assert js_bits(torch.tensor([50.0, -50.0]), torch.tensor([-50.0, 50.0])) == pytest.approx(1.0, abs=1e-9)
+    assert js_bits(a, -a) == pytest.approx(js_bits(-a, a))
+
+
+def test_fit_recovers_the_planted_threshold():
+    """Items whose js at a rung is below 0.05 keep the answer there, above it they lose it: the fit
+    must find the largest threshold that keeps the loss at zero, i.e. the largest safe js."""
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for _ in range(200):
+        js = (torch.rand(3, generator=g) * 0.1).tolist()
+        items.append((js, [0.0 if d < 0.05 else 1.0 for d in js], [0.1, 0.2, 0.3]))
+    th, out = fit_threshold({"t": items}, {"t": 0.0})
+    safe = max(d for js, _, _ in items for d in js if d < 0.05)
+    assert th == safe and out["t"]["loss"] == 0.0
+    # a looser bound accepts more, at a lower cost
+    th2, out2 = fit_threshold({"t": items}, {"t": 0.05})
+    assert th2 > th and out2["t"]["cost"] < out["t"]["cost"] and out2["t"]["loss"] <= 0.05
+    # every group must hold its bound: a second group that loses everything forces fallback
+    bad = [([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 10
+    th3, out3 = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
+    assert th3 < 0 and out3["bad"]["fallback"] == 1.0 and out3["t"]["cost"] == 1.0
+
+
+def test_policy_file_round_trip_and_validation(tmp_path):
+    pol = GatePolicy("attn-source", (0.1, 0.3), 0.02, {"items": 5})
+    f = tmp_path / "p.json"
+    f.write_text(pol.to_json())
+    back = GatePolicy.load(f)
+    assert back == pol and back.fitted == {"items": 5}
+    bad = [("not json", "not a readable"), ("[]", "not a gate policy"),
+           (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.3, 0.1],
+                        "threshold": 0.1}), "increase strictly"),
+           (json.dumps({"format": "rarecache-gate-policy/1", "selector": "nope", "rungs": [0.1],
+                        "threshold": 0.1}), "unknown selector"),
+           (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.1],
+                        "threshold": "x"}), "must be a number"),
+           (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.1],
+                        "threshold": 0.1, "code": "import os"}), "unknown gate policy field")]
+    for text, msg in bad:
+        f.write_text(text)
+        with pytest.raises(RarecacheError, match=msg):
+            GatePolicy.load(f)
+
+
+# -- the ladder arm of an evaluation, and the fit/report commands on it ------------------------
+
+def _ladder_run(models, tmp_path, items, name):
+    from rarecache.eval.arms import parse_arms
+    from rarecache.eval.run import run_task
+
+    from .test_eval import ToyChoice
+
+    source, target, mapper = models
+    task = ToyChoice()
+    arms = parse_arms(["target", "0.1:rank", "0.5:rank", "ladder:rank"], ("",))
+    return run_task(task, task.items()[items], source, target, mapper, arms, tmp_path / name, progress=False)
+
+
+@pytest.fixture()
+def models(pair_dir, fitted):
+    from rarecache import LLM
+
+    return LLM(pair_dir / "src"), LLM(pair_dir / "tgt"), fitted[2]
+
+
+def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(models, tmp_path):
+    from rarecache.eval.results import load_results
+
+    rows = load_results(_ladder_run(models, tmp_path, slice(0, 3), "a.jsonl"))
+    by = {(r["item"], r["arm"]): r for r in rows}
+    for item in {r["item"] for r in rows}:
+        lad = by[(item, "ladder/rank")]["ladder"]
+        assert [g["rho"] for g in lad] == [0.1, 0.2, 0.3, 0.5]
+        assert lad[0]["logprobs"] == pytest.approx(by[(item, "rho=0.1/rank")]["logprobs"], abs=1e-4)
+        n = by[(item, "target")]["prompt_tokens"]
+        assert [g["recomputed"] for g in lad] == [budget(r, n) for r in (0.1, 0.2, 0.3, 0.5)]
+        assert "correct" not in by[(item, "ladder/rank")]  # no headline metric: summaries skip it
+
+
+def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
+    from rarecache.cli import main
+    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.results import load_results
+
+    held = _ladder_run(models, tmp_path, slice(0, 3), "held.jsonl")
+    ev = _ladder_run(models, tmp_path, slice(3, 5), "ev.jsonl")
+    pol = tmp_path / "policy.json"
+    assert main(["eval", "gate", "fit", str(held), "--max-changed", "0.5", "--out", str(pol)]) == 0
+    policy = GatePolicy.load(pol)
+    assert policy.fitted["tasks"]["toychoice"]["items"] == ["toy-0", "toy-1", "toy-2"]
+    # evaluating on the items it was fitted on is refused
+    assert main(["eval", "gate", "report", str(held), "--policy", str(pol)]) == 2
+    summary = tmp_path / "gate-summary.json"
+    assert main(["eval", "gate", "report", str(ev), "--policy", str(pol), "--summary", str(summary)]) == 0
+    got = json.loads(summary.read_text())["tasks"]["toychoice"]
+    assert got["n"] == 2 and got["unit"] == "pp" and 0 <= got["fallback_share"] <= 1
+    # the two ends by hand: never accept = the target's answers at cost 1; always accept = rung 1's
+    lad = read_ladders(ev)
+    rows = {(r["item"], r["arm"]): r for r in load_results(ev)}
+    never = evaluate(lad, GatePolicy("rank", (0.1, 0.2, 0.3, 0.5), -1.0))
+    assert never["delta"] == 0 and never["fallback_share"] == 1 and never["mean_recomputed_share"] == 1
+    always = evaluate(lad, GatePolicy("rank", (0.1, 0.2, 0.3, 0.5), math.inf))
+    want = [float(rows[(i, "rho=0.1/rank")]["correct"]) - float(rows[(i, "target")]["correct"]) for i in lad.items]
+    assert always["delta"] == pytest.approx(100 * sum(want) / len(want))
+    assert always["fallback_share"] == 0
+    assert always["mean_recomputed_share"] == pytest.approx(
+        sum(budget(0.1, rows[(i, "target")]["prompt_tokens"]) / rows[(i, "target")]["prompt_tokens"]
+            for i in lad.items) / 2)
+    assert always["expected_speedup"] > 0
+
+
+def test_auc_by_hand():
+    from rarecache.eval.gate import auc
+
+    assert auc([0.1, 0.2, 0.9, 0.8], [False, False, True, True]) == 1.0
+    assert auc([0.9, 0.8, 0.1, 0.2], [False, False, True, True]) == 0.0
+    assert auc([0.5, 0.5], [True, False]) == 0.5
+    assert math.isnan(auc([0.1, 0.2], [True, True]))
