@@ -21,17 +21,26 @@ gen() {  # source target tokens out
 }
 GENERAL=$M/general-64k-0.5b-to-1.5b.safetensors
 REVERSE=$M/general-64k-1.5b-to-0.5b.safetensors
+# the quality gate's ladders (#17) ride along: they share each item's prefills
+LADDERS=(ladder:attn-source ladder:attn+rank)
 ARMS=(target source 0:rank 0.1:rank 0.2:rank 0.3:rank 0.1:attn-source 0.2:attn-source 0.3:attn-source
-      0.3:suffix 0.1:attn-rank 0.2:attn-rank 0.3:attn-rank 0.1:attn+rank 0.2:attn+rank 0.3:attn+rank)
-ev() {  # source target task items out map
-  rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${ARMS[@]}" \
-      --limit "$4" "${DT[@]}" --out "$5" >/dev/null
+      0.3:suffix 0.1:attn-rank 0.2:attn-rank 0.3:attn-rank 0.1:attn+rank 0.2:attn+rank 0.3:attn+rank "${LADDERS[@]}")
+ev() {  # source target task items out map [start [arms...]]
+  local start=${7:-0}; local arms=("${ARMS[@]}"); [ $# -gt 7 ] && arms=("${@:8}")
+  rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${arms[@]}" \
+      --start "$start" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }
+TASKS=(gsm8k_bpb hellaswag arc_challenge mmlu)
 gen $S $T 65536 $GENERAL
-for n in 100 300; do
-  for task in gsm8k_bpb hellaswag arc_challenge mmlu; do
-    ev $S $T $task $n $E/general-$task.jsonl $GENERAL
-  done
+for task in "${TASKS[@]}"; do
+  ev $S $T $task 100 $E/general-$task.jsonl $GENERAL
+done
+# held apart for fitting the gate's policy: items 300-399, never evaluated
+for task in "${TASKS[@]}"; do
+  ev $S $T $task 100 $E/held-$task.jsonl $GENERAL 300 target 0.1:attn-source 0.1:attn+rank "${LADDERS[@]}"
+done
+for task in "${TASKS[@]}"; do
+  ev $S $T $task 300 $E/general-$task.jsonl $GENERAL
 done
 # large -> small on the tasks where the 0.5B is above chance
 gen $T $S 65536 $REVERSE
@@ -41,7 +50,7 @@ done
 # how the fit moves with the number of positions (held-out R2 on the documents after each fit)
 gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
 gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
-for f in $E/general-*.jsonl; do
+for f in $E/general-*.jsonl; do  # (held-*.jsonl are the gate's fit data: `eval gate fit`)
   rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
   rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"
 done
