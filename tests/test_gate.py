@@ -199,3 +199,58 @@ def test_auc_by_hand():
     assert auc([0.9, 0.8, 0.1, 0.2], [False, False, True, True]) == 0.0
     assert auc([0.5, 0.5], [True, False]) == 0.5
     assert math.isnan(auc([0.1, 0.2], [True, True]))
+
+
+# -- the gate where users meet it: Conversation and the server ------------------------------
+
+def test_a_gated_conversation_that_falls_back_equals_the_target_alone(chat):
+    """A policy that never accepts: every switched turn is the model's own prefill (exactly), and the
+    turn says the gate fell back; one that always accepts runs the first rung."""
+    from rarecache import SamplingConfig
+    from rarecache.transfer.conversation import Conversation
+
+    models, maps = chat
+    sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
+    conv = Conversation(models, maps, sampling=sampling, gate=GatePolicy("rank", (0.1, 0.3), NEVER))
+    for text, who in zip(["the quick brown fox", "jumps over the lazy dog", "def add return"],
+                         ["small", "large", "small"]):
+        want = models[who].generate([conv.messages + [{"role": "user", "content": text}]], sampling)[0].tokens
+        turn = conv.say(text, who)
+        assert turn.tokens == want
+        if len(conv.turns) > 1:
+            assert turn.gate.decision == "fallback" and turn.gate.recomputed_share == 1.0
+    conv = Conversation(models, maps, sampling=sampling, gate=GatePolicy("rank", (0.3, 0.5), ALWAYS))
+    conv.say("the quick brown fox", "small")
+    turn = conv.say("jumps over the lazy dog", "large")
+    assert turn.gate.decision == "accept" and turn.gate.rho == 0.3
+    assert len(turn.handoff.positions[0]) == budget(0.3, turn.prompt_tokens)
+
+
+def test_the_response_says_what_the_gate_decided(chat):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rarecache import SamplingConfig
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    for policy, decision in ((GatePolicy("rank", (0.1, 0.3), NEVER), "fallback"),
+                             (GatePolicy("rank", (0.2, 0.5), ALWAYS), "accept")):
+        client = TestClient(create_app(ChatService(models, maps, ServiceConfig(gate=policy))))
+        messages = [{"role": "user", "content": "the quick brown fox"}]
+        first = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 4})
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "jumps over the lazy dog"}]
+        r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        info = r.json()["rarecache"]
+        assert info["handed_off_from"] == "small" and info["gate"]["decision"] == decision
+        assert info["gate"]["reason"] and info["rho"] == (1.0 if decision == "fallback" else 0.2)
+        n = r.json()["usage"]["prompt_tokens"]
+        if decision == "fallback":  # the model's own prefill: the same answer as the model alone
+            want = models["large"].generate([messages], SamplingConfig(max_new_tokens=4))[0].text
+            assert r.json()["choices"][0]["message"]["content"] == want
+            assert info["recomputed_tokens"] == info["handed_off_tokens"] == n - info["reused_tokens"]
+        else:
+            assert info["recomputed_tokens"] == budget(0.2, info["handed_off_tokens"])

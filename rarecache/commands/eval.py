@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,17 +20,36 @@ def register(sub) -> None:
     ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
     _add_run(ev)
     _add_report(ev)
+    from .gate import register as register_gate
+
+    register_gate(ev)
+
+
+RUN_DESCRIPTION = """\
+Evaluate the target alone, the source alone and handoffs at a grid of budgets and
+selectors, through one or several maps, over a task's items. One JSON line per (item,
+arm) is appended to --out as soon as it is done; rerunning the same command resumes (and
+refuses other models, maps, dtype or an edited task file: see OUT.meta.json). A markdown
+summary is written beside the results; `eval report` redraws it and the plots."""
+TASK_FILE_HELP = """\
+Your own task: --task FILE.jsonl, one item per line, all lines of one form:
+  multiple choice (acc, acc_norm):
+    {"id": "q1", "context": "What is 2 + 2?", "choices": ["3", "4"], "gold": 1}
+  bits per byte of a continuation:
+    {"context": "Summarise: ...", "continuation": "The text says ..."}
+context is the user turn; messages (a chat list of {role, content} ending in a user turn)
+may replace it. Answers are scored verbatim as the assistant's reply; id is optional (else a
+hash of the line). A task map for it: rarecache calibrate --task FILE.jsonl --calibration
+CAL.jsonl (the same forms, or {"text": ...}), checked disjoint from FILE by the sha256 of
+each prompt here and when the map is used."""
 
 
 def _add_run(ev) -> None:
     e = ev.add_parser("run", help="run arms over a task's items (per-item JSONL, resumes where it stopped)",
-                      description="Evaluate the target alone, the source alone and handoffs at a grid of budgets "
-                                  "and selectors, through one or several maps, over a task's items. One JSON line "
-                                  "per (item, arm) is appended to --out as soon as it is done; rerunning the same "
-                                  "command resumes (and refuses other models, maps or dtype: see OUT.meta.json). "
-                                  "A markdown summary is written beside the results; `eval report` redraws it "
-                                  "and the plots.")
-    e.add_argument("--task", required=True, help=f"one of: {', '.join(TASK_NAMES)}")
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TASK_FILE_HELP,
+                      description=RUN_DESCRIPTION)
+    e.add_argument("--task", required=True,
+                   help=f"one of: {', '.join(TASK_NAMES)}; or FILE.jsonl, your own items (formats below)")
     e.add_argument("--source", required=True, help="model whose cache is handed off (name, HF dir or .gguf)")
     e.add_argument("--target", required=True, help="model that answers (the direction is source -> target)")
     e.add_argument("--map", nargs="+", required=True, metavar="[LABEL=]FILE",
@@ -65,11 +85,11 @@ def cmd_eval_run(args) -> int:
     from ..eval.report import by_turn, markdown, summarise, template_prompt_share
     from ..eval.results import load_results, run_meta
     from ..eval.run import run_task
-    from ..eval.tasks import TASKS
+    from ..eval.tasks import TASKS, open_task
     from ..transfer.mapper import Mapper
 
-    if args.task not in TASKS:
-        raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
+    # a task file is read and checked before any model loads; a registered task needs the tokenizer
+    task = None if args.task in TASKS else open_task(args.task, args.cache_dir)
     if args.limit < 1 or args.start < 0:
         raise RarecacheError("--limit must be >= 1 and --start >= 0")
     if args.threads is not None:
@@ -81,7 +101,7 @@ def cmd_eval_run(args) -> int:
     map_paths = _map_specs(args.map)
     arms = _eval_arms(args, tuple(map_paths))
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
-    task = TASKS[args.task](args.cache_dir, tokenizer=source.tokenizer)
+    task = task or open_task(args.task, args.cache_dir, source.tokenizer)
     all_items = task.items()
     items = all_items[args.start : args.start + args.limit]
     if not items:
@@ -154,6 +174,7 @@ def cmd_eval_report(args) -> int:
     from ..eval.report import by_turn, compact, markdown, summarise, template_prompt_share
     from ..eval.results import load_results
     from ..eval.tasks import TASKS
+    from ..eval.tasks.custom import headline
 
     if not args.results.is_file():
         raise RarecacheError(f"no results file {args.results}")
@@ -161,14 +182,15 @@ def cmd_eval_report(args) -> int:
     if not rows:
         raise RarecacheError(f"{args.results} holds no results yet")
     task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
-    metric = args.metric or (task.metric if task else "correct")
+    default, chance = (task.metric, task.chance) if task else headline(rows)  # a task file's: from its rows
+    metric = args.metric or default
     if not any(metric in r for r in rows):
         fields = sorted({k for r in rows for k, v in r.items() if isinstance(v, (bool, int, float))
                          and k not in ("gold", "prediction", "prediction_norm")})
         raise RarecacheError(f"{args.results} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
     bpb = metric == "bpb"
     items = len({r["item"] for r in rows})
-    summary = summarise(rows, metric, task.chance if task else 0.0, lower_is_better=bpb)
+    summary = summarise(rows, metric, chance, lower_is_better=bpb)
     if args.compact:
         print(compact(summary, metric, percent=not bpb))
     else:

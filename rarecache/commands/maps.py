@@ -29,7 +29,11 @@ def _add_calibrate(sub) -> None:
                         "folder, or file.jsonl:field (default: wiki)")
     p.add_argument("--chat", action="store_true", help="render each document as a user turn with the chat template")
     p.add_argument("--task", default=None,
-                   help="calibrate on a task's held-apart prompts instead of --corpus (e.g. gsm8k)")
+                   help="calibrate on a task's held-apart prompts instead of --corpus (e.g. gsm8k); for your own "
+                        "task file (eval run --task FILE.jsonl), give its data with --calibration")
+    p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
+                   help="with --task FILE.jsonl: the map's data, lines of the task's forms or {\"text\": ...} "
+                        "(a user turn); refused if any prompt is one of FILE's (by sha256)")
     p.add_argument("--preset", choices=["general"], default=None,
                    help="general: the chat-formatted mix meant to serve all traffic (multi-turn reading "
                         "conversations, unevaluated few-shot tasks, math, code, prose; see docs/RESULTS.md), "
@@ -54,6 +58,17 @@ def _check_corpus_flags(args) -> None:
     """Before any model loads: the calibration text is named once."""
     if args.task and args.preset:
         raise RarecacheError("give --task or --preset, not both")
+    if args.calibration is not None and not args.task:
+        raise RarecacheError("--calibration is a task file's data: give it with --task FILE.jsonl")
+
+
+def _task_file_corpus(args):
+    """A task file's calibration corpus, read and checked before any model loads; None for other text."""
+    from ..eval.tasks import TASKS, open_task
+
+    if not args.task or args.task in TASKS:
+        return None
+    return open_task(args.task, args.cache_dir, calibration=args.calibration).calibration_corpus()
 
 
 def _corpus(args, tokenizer):
@@ -70,11 +85,9 @@ def _corpus(args, tokenizer):
               f"an evaluated item of {len(TASKS)} tasks)", file=sys.stderr)
         return corpus
     if args.task:
-        from ..eval.tasks import TASKS
+        from ..eval.tasks import open_task
 
-        if args.task not in TASKS:
-            raise RarecacheError(f"unknown task {args.task!r}; tasks: {', '.join(TASKS)}")
-        return TASKS[args.task](args.cache_dir, tokenizer=tokenizer).calibration_corpus()
+        return open_task(args.task, args.cache_dir, tokenizer, args.calibration).calibration_corpus()
     return load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
 
 
@@ -85,8 +98,9 @@ def cmd_calibrate(args) -> int:
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank)
     _check_corpus_flags(args)
+    early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)
-    corpus = _corpus(args, tokenizer)
+    corpus = early or _corpus(args, tokenizer)
     from ..transfer.costs import PairShape, describe
 
     print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0),
@@ -114,6 +128,8 @@ def _add_mlp(sub) -> None:
     p.add_argument("--corpus", default="wiki", help="the map's calibration corpus (default: wiki)")
     p.add_argument("--chat", action="store_true", help="as the map's calibration was run with --chat")
     p.add_argument("--task", default=None, help="the map's calibration task")
+    p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
+                   help="the map's --calibration file (with a task file as --task)")
     p.add_argument("--preset", choices=["general"], default=None, help="the map's calibration preset")
     p.add_argument("--tokens", type=int, default=16384, help="training positions (default: 16384)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out positions (default: 4096)")

@@ -2,7 +2,8 @@
 
 `<out>` holds one JSON line per (item, arm); a line cut short by a kill is dropped
 when the run resumes. `<out>.meta.json` records the models, maps and their hashes,
-dtype, seed, sampling and versions; resuming with anything different is refused.
+a task file's hash, dtype, seed, sampling and versions; resuming with anything
+different is refused.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype:
              sampling: SamplingConfig | None) -> dict:
     from importlib.metadata import version
 
-    return {"task": task.name,
+    return {"task": task.name, "task_file": task.record(),
             "source": {"name": source.path.name, "fingerprint": checkpoint_fingerprint(source.path)},
             "target": {"name": target.path.name, "fingerprint": checkpoint_fingerprint(target.path)},
             "maps": {label: {"file": str(p), "sha256": sha256_file(p)} for label, p in maps.items()},
@@ -71,6 +72,11 @@ def check_meta(out: Path, meta: dict) -> dict:
             if old.get(key) != meta[key]:
                 raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has {meta[key]!r}: "
                                      "use another --out")
+        was, now = (m.get("task_file") or {} for m in (old, meta))
+        if was.get("sha256") != now.get("sha256"):  # the file's content, wherever it lies now
+            raise RarecacheError(f"{out}: task file {now.get('file') or was.get('file')} is not the file its results "
+                                 f"came from (sha256 {now.get('sha256', '-')[:12]}, "
+                                 f"was {was.get('sha256', '-')[:12]}): use another --out")
         for label, m in meta["maps"].items():
             was = old.get("maps", {}).get(label)
             if was is not None and was["sha256"] != m["sha256"]:

@@ -173,12 +173,18 @@ def _usage(reply: Reply) -> dict:
 
 
 def _info(service: ChatService, reply: Reply) -> dict:
+    if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
+        return service.describe(reply)
     handed = reply.handed_off_from is not None
-    return {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
+    gate = reply.gate
+    info = {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
             "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-            "rho": service.cfg.handoff.rho if handed else None,
-            "selector": service.cfg.handoff.name if handed else None,
+            "rho": (gate["rho"] if gate else service.cfg.handoff.rho) if handed else None,
+            "selector": (service.cfg.gate.selector if gate else service.cfg.handoff.name) if handed else None,
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+    if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
+        info["gate"] = gate
+    return info
 
 
 async def _stream(service: ChatService, head: dict, ids: list[int], sampling: SamplingConfig,

@@ -36,6 +36,7 @@ from ..engine.generate import Row, SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..transfer.conversation import Started, check_maps, prefill_or_handoff
+from ..transfer.gate import GatePolicy
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 from .store import Entry, PrefixStore
@@ -49,6 +50,7 @@ MAX_SALT = 1024  # characters of a cache salt
 @dataclass(frozen=True)
 class ServiceConfig:
     handoff: HandoffConfig = HandoffConfig(rho=0.3)
+    gate: GatePolicy | None = None  # hand off through the quality gate (adaptive ρ, fallback) instead
     cache_bytes: int = 4 << 30  # budget for the held caches of all models together
     max_new_tokens: int = 1024  # the most one request may ask for
     max_prompt_chars: int = 200_000  # checked before tokenising
@@ -75,6 +77,7 @@ class Reply:
     recomputed: int | None  # positions the target recomputed in the handoff
     handed_off: int | None  # positions that came from the map (the recomputed ones included)
     seconds: dict[str, float] = field(default_factory=dict)
+    gate: dict | None = None  # the quality gate's decision and why (GateResult.record), if it ran
 
 
 @dataclass(eq=False)
@@ -266,7 +269,7 @@ class ChatService:
             for e in job.held.values():
                 e.used = now
             job.started = prefill_or_handoff(self.models, self.maps, self.cfg.handoff, job.sampling, model, ids,
-                                             {k: e.held for k, e in job.held.items()}, job.source)
+                                             {k: e.held for k, e in job.held.items()}, job.source, self.cfg.gate)
         except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
             self._fail(job, e)
             return
@@ -326,7 +329,7 @@ class ChatService:
         job.reply = Reply(model, text, row.tokens, reason, len(job.ids), job.started.keep, job.source,
                           None if result is None else len(result.positions[0]),
                           None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
-                          dict(job.seconds))
+                          dict(job.seconds), None if job.started.gate is None else job.started.gate.record())
         job.done.set()
 
 

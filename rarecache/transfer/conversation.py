@@ -22,6 +22,7 @@ from ..engine.generate import Generation, SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
+from .gate import GatePolicy, GateResult, gated_handoff
 from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
 
@@ -52,6 +53,7 @@ class Turn:
     reused: int  # positions the answering model already held
     handoff: HandoffResult | None  # set when the turn was handed off from another model
     seconds: dict[str, float]
+    gate: GateResult | None = None  # set when a handoff went through the quality gate
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,19 +83,21 @@ class Started:
     handoff: HandoffResult | None  # set when the prompt was handed off
     sampling: SamplingConfig  # the request's, with the model's end tokens filled in
     seconds: float  # prefill or handoff
+    gate: GateResult | None = None  # set when the handoff went through the quality gate
 
 
 @torch.inference_mode()
 def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
                        sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
-                       source: str | None = None) -> Started:
+                       source: str | None = None, gate: GatePolicy | None = None) -> Started:
     """Give `model` the rows of the prompt `ids`, starting from what it holds in `held[model]`.
 
     The model keeps its rows of the longest prefix it shares with `ids`; the rest is prefilled by
     itself, or, when `source` is given, handed off from `held[source]` (the source prefills what it
     has not seen, the map translates the span the model has not seen, the model recomputes the
-    selected positions of that span). Both `held` entries then describe what their caches hold (the
-    prompt); the caches have room for the answer.
+    selected positions of that span; with a `gate`, its policy picks the budget or falls back to the
+    model's own prefill instead of `cfg`'s fixed ρ). Both `held` entries then describe what their
+    caches hold (the prompt); the caches have room for the answer.
     """
     llm = models[model]
     llm.check_fits(len(ids), sampling.max_new_tokens, model)
@@ -106,47 +110,54 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
     cache = st.reserve(llm.runner, need)
     cache.clear(keep)
     t0 = time.perf_counter()
-    result = None
+    result = gated = None
     if source is not None:
         src = held[source]
         src_keep = min(common_prefix(src.ids, ids), len(ids))
         src.ids = src.ids[:src_keep]
         src_cache = src.reserve(models[source].runner, need)
         src_cache.clear(src_keep)
-        _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
-                                    source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
-                                    target_kept=[keep])
+        if gate is not None:
+            _, logits, gated = gated_handoff(models[source].runner, llm.runner, maps[(source, model)], ids, gate,
+                                             source_cache=src_cache, source_kept=src_keep, target_cache=cache,
+                                             target_kept=keep)
+            result = gated.handoff
+        else:
+            _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
+                                        source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
+                                        target_kept=[keep])
         src.ids = list(ids)  # the source prefilled the whole prompt
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
         logits = llm.runner.forward(toks, pos, cache).logits
     st.ids = list(ids)
-    return Started(cache, logits, keep, result, llm.with_eos(sampling), time.perf_counter() - t0)
+    return Started(cache, logits, keep, result, llm.with_eos(sampling), time.perf_counter() - t0, gated)
 
 
 @torch.inference_mode()
 def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: HandoffConfig,
             sampling: SamplingConfig, model: str, ids: list[int], held: dict[str, Held],
             source: str | None = None, stop_check: Callable[[list[int]], bool] | None = None,
-            ) -> tuple[Generation, int, HandoffResult | None, dict[str, float]]:
+            gate: GatePolicy | None = None) -> tuple[Generation, int, Started, dict[str, float]]:
     """`prefill_or_handoff`, then decode the answer. `held[model]` then holds the prompt and the
     answer's fed tokens.
 
     `stop_check` goes to `decode` (it sees the tokens so far after each step; True ends the answer).
-    Returns the generation, the positions kept, the handoff record (or None) and phase seconds.
+    Returns the generation, the positions kept, the start (its handoff and gate records) and phase seconds.
     """
-    s = prefill_or_handoff(models, maps, cfg, sampling, model, ids, held, source)
+    s = prefill_or_handoff(models, maps, cfg, sampling, model, ids, held, source, gate)
     t1 = time.perf_counter()
     gen = decode(models[model].runner, s.cache, s.logits, torch.tensor([len(ids)]), s.sampling, stop_check)[0]
     held[model].ids = ids + gen.fed
-    return gen, s.keep, s.handoff, {"prefill_or_handoff": s.seconds, "decode": time.perf_counter() - t1}
+    return gen, s.keep, s, {"prefill_or_handoff": s.seconds, "decode": time.perf_counter() - t1}
 
 
 class Conversation:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
-                 system: str | None = None):
-        self.models, self.maps, self.cfg, self.sampling = models, maps, cfg, sampling
+                 system: str | None = None, gate: GatePolicy | None = None):
+        """`gate`: hand off through the quality gate's policy (adaptive ρ, fallback) instead of `cfg`'s ρ."""
+        self.models, self.maps, self.cfg, self.sampling, self.gate = models, maps, cfg, sampling, gate
         check_maps(models, maps, "the conversation")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.state = {name: Held() for name in models}
@@ -164,14 +175,14 @@ class Conversation:
         prev = self.last
         source = prev if prev is not None and prev != model and (prev, model) in self.maps else None
         try:
-            gen, keep, result, seconds = respond(self.models, self.maps, self.cfg, self.sampling, model, ids,
-                                                 self.state, source)
+            gen, keep, started, seconds = respond(self.models, self.maps, self.cfg, self.sampling, model, ids,
+                                                  self.state, source, gate=self.gate)
         except RarecacheError:
             self.messages.pop()
             raise
         text = llm.tokenizer.decode(gen.tokens)
         self.messages.append({"role": "assistant", "content": text})
         self.last = model
-        turn = Turn(model, text, gen.tokens, len(ids), keep, result, seconds)
+        turn = Turn(model, text, gen.tokens, len(ids), keep, started.handoff, seconds, started.gate)
         self.turns.append(turn)
         return turn

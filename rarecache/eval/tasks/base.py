@@ -58,17 +58,36 @@ class Task:
         raise NotImplementedError
 
     def calibration_corpus(self) -> Corpus:
-        """The calibration pool as prompts in the evaluated format (a lone user turn as its text, a
-        conversation as its messages), disjointness checked."""
+        """The calibration pool as prompts in the evaluated format, disjointness checked."""
         pool = self.calibration_items()
         check_disjoint([i.id for i in pool], [i.id for i in self.items()], self.name)
-        docs = tuple(i.messages[0]["content"] if len(i.messages) == 1 else tuple(i.messages) for i in pool)
-        return Corpus(f"task:{self.name}", docs, chat=True, ids=tuple(i.id for i in pool))
+        return prompt_corpus(f"task:{self.name}", pool, [i.id for i in pool])
+
+    def record(self) -> dict | None:
+        """What identifies the task's data beyond its name, for the run record (a task file's sha256)."""
+        return None
 
     def check_map(self, mapper, items: list[Item]) -> None:
         """Refuse a map fitted on any of `items` (task-calibrated maps record their item ids)."""
         if mapper.info.corpus.get("name") == f"task:{self.name}":
             check_disjoint(mapper.info.calibration.get("document_ids", []), [i.id for i in items], self.name)
+
+
+def prompt_corpus(name: str, pool: list[Item], ids: list[str]) -> Corpus:
+    """Chat items' prompts as a calibration corpus (a lone user turn as its text, a conversation as its
+    messages); `ids` are what the map records for later disjointness checks."""
+    docs = tuple(i.messages[0]["content"] if len(i.messages) == 1 else tuple(i.messages) for i in pool)
+    return Corpus(name, docs, chat=True, ids=tuple(ids))
+
+
+def choice_scores(item: Item, logprobs: list[float]) -> dict[str, Any]:
+    """Multiple choice by likelihood: acc takes the continuation with the highest total log-probability,
+    acc_norm divides it by the continuation's length in characters (lm-eval-harness's acc_norm)."""
+    norm = [lp / max(len(c), 1) for lp, c in zip(logprobs, item.continuations)]
+    pick = max(range(len(logprobs)), key=logprobs.__getitem__)
+    pick_norm = max(range(len(norm)), key=norm.__getitem__)
+    return {"logprobs": logprobs, "prediction": pick, "correct": pick == item.gold,
+            "prediction_norm": pick_norm, "correct_norm": pick_norm == item.gold}
 
 
 def gold_bpb(item: Item, logprobs: list[float]) -> dict[str, Any]:

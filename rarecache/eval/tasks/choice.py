@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from ...errors import RarecacheError
 from ..data import POSITION, document_ids, olmo_documents
-from .base import Item, Task, minus_evaluated
+from .base import Item, Task, choice_scores, minus_evaluated
 
 INSTRUCTION = "Answer the last question like the examples, with the text of the correct answer.\n\n"
 
@@ -66,11 +66,7 @@ class OlmesChoice(Task):
         return pool
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
-        norm = [lp / max(len(c), 1) for lp, c in zip(logprobs, item.continuations)]
-        pick = max(range(len(logprobs)), key=logprobs.__getitem__)
-        pick_norm = max(range(len(norm)), key=norm.__getitem__)
-        return {"logprobs": logprobs, "prediction": pick, "correct": pick == item.gold,
-                "prediction_norm": pick_norm, "correct_norm": pick_norm == item.gold}
+        return choice_scores(item, logprobs)
 
 
 class ARCChallenge(OlmesChoice):
