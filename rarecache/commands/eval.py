@@ -157,8 +157,13 @@ def _eval_arms(args, labels: tuple[str, ...]) -> list:
 
 
 def _add_report(ev) -> None:
-    e = ev.add_parser("report", help="summarise a results JSONL")
-    e.add_argument("results", type=Path)
+    e = ev.add_parser("report", help="summarise results JSONL files (and write the general map's summary)")
+    e.add_argument("results", type=Path, nargs="+", help="results JSONL file(s); each gets its own report")
+    e.add_argument("--general-summary", type=Path, default=None, metavar="JSON",
+                   help="also pick the default selector across the files (highest mean gap closed at rho 0.1, "
+                        "0.2, 0.3) and write the summary there (e.g. docs/artifacts/general-map-summary.json)")
+    e.add_argument("--map-label", default=None,
+                   help="--general-summary: the map label the arms go through, if the files have several")
     e.add_argument("--compact", action="store_true",
                    help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed, "
                         "p vs target and vs rank)")
@@ -171,30 +176,48 @@ def _add_report(ev) -> None:
 
 
 def cmd_eval_report(args) -> int:
+    for k, path in enumerate(args.results):
+        if not path.is_file():
+            raise RarecacheError(f"no results file {path}")
+        if k:
+            print()
+        _report(args, path)
+    if args.general_summary:
+        import json
+
+        from ..eval.summary import general_summary, markdown
+
+        summary = general_summary(args.results, args.map_label)
+        print("\n" + markdown(summary))
+        args.general_summary.parent.mkdir(parents=True, exist_ok=True)
+        args.general_summary.write_text(json.dumps(summary, indent=1) + "\n")
+        print(f"wrote {args.general_summary}", file=sys.stderr)
+    return 0
+
+
+def _report(args, path: Path) -> None:
     from ..eval.report import by_turn, compact, markdown, summarise, template_prompt_share
     from ..eval.results import load_results
     from ..eval.tasks import TASKS
     from ..eval.tasks.custom import headline
 
-    if not args.results.is_file():
-        raise RarecacheError(f"no results file {args.results}")
-    rows = load_results(args.results)
+    rows = load_results(path)
     if not rows:
-        raise RarecacheError(f"{args.results} holds no results yet")
+        raise RarecacheError(f"{path} holds no results yet")
     task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
     default, chance = (task.metric, task.chance) if task else headline(rows)  # a task file's: from its rows
     metric = args.metric or default
     if not any(metric in r for r in rows):
         fields = sorted({k for r in rows for k, v in r.items() if isinstance(v, (bool, int, float))
                          and k not in ("gold", "prediction", "prediction_norm")})
-        raise RarecacheError(f"{args.results} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
+        raise RarecacheError(f"{path} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
     bpb = metric == "bpb"
     items = len({r["item"] for r in rows})
     summary = summarise(rows, metric, chance, lower_is_better=bpb)
     if args.compact:
         print(compact(summary, metric, percent=not bpb))
     else:
-        print(markdown(summary, f"{args.results} ({items} items)", metric=metric, percent=not bpb,
+        print(markdown(summary, f"{path} ({items} items)", metric=metric, percent=not bpb,
                        template_share=template_prompt_share(rows)))
     turns = by_turn(rows, metric, percent=not bpb)
     if turns:
@@ -203,9 +226,8 @@ def cmd_eval_report(args) -> int:
         from ..eval.plots import plot_selectors, plot_vs_rho
 
         args.plots.mkdir(parents=True, exist_ok=True)
-        stem = args.results.stem + (f"-{metric}" if args.metric else "")
+        stem = path.stem + (f"-{metric}" if args.metric else "")
         title = f"{stem} ({items} items)"
         plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", title, lower_is_better=bpb)
         plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", title, lower_is_better=bpb)
         print(f"wrote {args.plots}/{stem}-vs-rho.png and -selectors.png", file=sys.stderr)
-    return 0

@@ -1,0 +1,89 @@
+"""The general map's summary over several tasks' results: which selector to default to, and what it
+and plain transfer keep on each task (`eval report FILES --general-summary PATH`).
+
+The default selector is chosen by the numbers, not by a person: among the deployable selectors
+run at every budget of `RHOS` on every task, the one with the highest mean share of the
+plain-transfer gap closed (over tasks and budgets). The summary file records each candidate's
+mean so the choice can be checked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .report import arm_name, is_oracle, split_arm, summarise
+from .results import load_results
+
+RHOS = (0.1, 0.2, 0.3)
+
+
+def _task_summary(path: Path) -> tuple[str, str, dict[str, dict], int]:
+    from .tasks import TASKS
+    from .tasks.custom import headline
+
+    rows = load_results(path)
+    if not rows:
+        raise RarecacheError(f"{path} holds no results yet")
+    name = rows[0]["task"]
+    metric, chance = (TASKS[name].metric, TASKS[name].chance) if name in TASKS else headline(rows)
+    summary = summarise(rows, metric, chance, lower_is_better=metric == "bpb")
+    return name, metric, {r["arm"]: r for r in summary}, len({r["item"] for r in rows})
+
+
+def _map_sha(path: Path, label: str) -> str | None:
+    meta = path.with_suffix(".meta.json")
+    entry = json.loads(meta.read_text()).get("maps", {}).get(label) if meta.is_file() else None
+    return entry.get("sha256") if isinstance(entry, dict) else None
+
+
+def general_summary(paths: list[Path], label: str | None = None) -> dict:
+    tasks = [(p, *_task_summary(p)) for p in paths]
+    names = [t[1] for t in tasks]
+    if len(set(names)) < len(names):
+        raise RarecacheError(f"a task given twice: {', '.join(names)}")
+    labels = {split_arm(a)[2] for _, _, _, arms, _ in tasks for a in arms if split_arm(a) is not None}
+    if label is None:
+        if len(labels) != 1:
+            raise RarecacheError(f"the results go through several maps ({', '.join(sorted(labels))}): "
+                                 "name one with --map-label")
+        label = labels.pop()
+    selectors = {split_arm(a)[1] for _, _, _, arms, _ in tasks for a in arms if split_arm(a) is not None}
+    means = {}
+    for sel in sorted(s for s in selectors if not is_oracle(s) and s != "layer-prefix"):
+        gaps = [arms.get(arm_name(r, sel, label), {}).get("gap_closed") for _, _, _, arms, _ in tasks for r in RHOS]
+        if gaps and all(g is not None for g in gaps):
+            means[sel] = sum(gaps) / len(gaps)
+    if not means:
+        raise RarecacheError(f"no deployable selector was run at rho {', '.join(map(str, RHOS))} on every task "
+                             f"through map {label!r}")
+    default = max(means, key=means.get)
+    shas = {_map_sha(p, label) for p in paths}
+    if len(shas) > 1:
+        raise RarecacheError(f"map {label!r} is not the same file in every results file")
+    out = {"map": shas.pop(), "map_label": label, "default_selector": default,
+           "selector_mean_gap_closed": means, "tasks": {}}
+    for _, name, metric, arms, n in tasks:
+        bpb = metric == "bpb"
+        plain, source = arms.get(arm_name(0, "rank", label)), arms.get("source")
+        d = None
+        if plain and source:
+            d = (source["mean"] - plain["mean"]) if bpb else 100 * (plain["mean"] - source["mean"])
+        out["tasks"][name] = {"gap_closed_default_rho0.2": arms.get(arm_name(0.2, default, label), {}).get("gap_closed"),
+                              "plain_minus_source": d, "unit": "bpb" if bpb else "pp", "metric": metric, "n": n}
+    return out
+
+
+def markdown(summary: dict) -> str:
+    lines = [f"default selector through map {summary['map_label']}: {summary['default_selector']} "
+             f"(mean gap closed over tasks at rho {', '.join(map(str, RHOS))}: "
+             + ", ".join(f"{k} {v:.1%}" for k, v in sorted(summary["selector_mean_gap_closed"].items(),
+                                                            key=lambda kv: -kv[1])) + ")",
+             "", "| task | n | gap closed, default at ρ = 0.2 | plain transfer − source alone |", "|---|---|---|---|"]
+    for name, t in summary["tasks"].items():
+        g = "—" if t["gap_closed_default_rho0.2"] is None else f"{t['gap_closed_default_rho0.2']:.1%}"
+        d = "—" if t["plain_minus_source"] is None else (
+            f"{t['plain_minus_source']:+.1f} pp" if t["unit"] == "pp" else f"{t['plain_minus_source']:+.4f} bpb")
+        lines.append(f"| {name} | {t['n']} | {g} | {d} |")
+    return "\n".join(lines)
