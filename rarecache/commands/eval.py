@@ -20,9 +20,11 @@ def register(sub) -> None:
     ev = p.add_subparsers(dest="eval", required=True, metavar="ACTION")
     _add_run(ev)
     _add_report(ev)
+    from .drift import register as register_drift
     from .gate import register as register_gate
 
     register_gate(ev)
+    register_drift(ev)
 
 
 RUN_DESCRIPTION = """\

@@ -11,6 +11,7 @@ back works the same way.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -54,6 +55,7 @@ class Turn:
     handoff: HandoffResult | None  # set when the turn was handed off from another model
     seconds: dict[str, float]
     gate: GateResult | None = None  # set when a handoff went through the quality gate
+    bpb: float | None = None  # `Conversation.score`: bits per byte of the given answer
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -184,5 +186,45 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
         self.last = model
         turn = Turn(model, text, gen.tokens, len(ids), keep, started.handoff, seconds, started.gate)
+        self.turns.append(turn)
+        return turn
+
+    @torch.inference_mode()
+    def score(self, content: str, answer: str, model: str) -> Turn:
+        """Add a user message and a given answer to it, which `model` reads instead of writing: the
+        turn records the answer's bits per byte under `model` (after the same prefill or handoff
+        `say` does), and the conversation goes on from that answer. Drift over a conversation that
+        switches model is this, turn after turn, against the model reading it all itself."""
+        if model not in self.models:
+            raise RarecacheError(f"unknown model {model!r}; this conversation has {', '.join(self.models)}")
+        llm = self.models[model]
+        tokens = llm.tokenizer.encode(answer, add_special_tokens=False)
+        if not tokens:
+            raise RarecacheError("the answer to score is empty")
+        self.messages.append({"role": "user", "content": content})
+        ids = llm.encode(self.messages)
+        prev = self.last
+        source = prev if prev is not None and prev != model and (prev, model) in self.maps else None
+        sampling = SamplingConfig(max_new_tokens=len(tokens))
+        try:
+            s = prefill_or_handoff(self.models, self.maps, self.cfg, sampling, model, ids, self.state, source,
+                                   self.gate)
+            t1 = time.perf_counter()
+        except RarecacheError:
+            self.messages.pop()
+            raise
+        lp = torch.log_softmax(s.logits[0].float(), -1)[tokens[0]].item()
+        if len(tokens) > 1:  # the answer's rows are written as it is read: the next turn keeps them
+            n = len(ids)
+            out = llm.runner.forward(torch.tensor([tokens[:-1]]), torch.arange(n, n + len(tokens) - 1)[None], s.cache,
+                                     logits_at="all")
+            lps = torch.log_softmax(out.logits[0].float(), -1)
+            lp += lps[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum().item()
+        self.state[model].ids = ids + tokens[:-1]
+        self.messages.append({"role": "assistant", "content": answer})
+        self.last = model
+        bpb = -lp / (math.log(2) * len(answer.encode("utf-8")))
+        turn = Turn(model, answer, tokens, len(ids), s.keep, s.handoff,
+                    {"prefill_or_handoff": s.seconds, "score": time.perf_counter() - t1}, s.gate, bpb)
         self.turns.append(turn)
         return turn
