@@ -39,9 +39,27 @@ done
 for task in "${TASKS[@]}"; do
   ev $S $T $task 100 $E/held-$task.jsonl $GENERAL 300 target 0.1:attn-source 0.1:attn+rank "${LADDERS[@]}"
 done
+# what the numbers so far say: the default selector (general-map summary), the gate's policy fitted on the
+# held-apart items with that selector's ladder, its outcome on the evaluated items, CoQA drift through it
+A=$R/artifacts; mkdir -p $A
+reports() {  # stories
+  local gen=() held=() t sel
+  for t in "${TASKS[@]}"; do gen+=("$E/general-$t.jsonl"); held+=("$E/held-$t.jsonl"); done
+  rarecache eval report "${gen[@]}" --general-summary $A/general-map-summary.json > $A/general-report.md
+  sel=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['default_selector'])" \
+      $A/general-map-summary.json)
+  case "$sel" in attn-source|attn+rank) ;; *) sel=attn+rank;; esac  # the ladders this queue records
+  rarecache eval gate fit "${held[@]}" --arm "ladder/$sel@general" --out $A/gate-policy.json
+  rarecache eval gate report "${gen[@]}" --arm "ladder/$sel@general" --policy $A/gate-policy.json \
+      --summary $A/gate-summary.json > $A/gate-report.md
+  rarecache eval drift run --source $S --target $T --map $GENERAL --arms alone "0.2:$sel" gate \
+      --gate-policy $A/gate-policy.json --stories "$1" "${DT[@]}" --out "$E/drift-coqa-$sel.jsonl" > $A/drift-report.md
+}
+reports 50
 for task in "${TASKS[@]}"; do
   ev $S $T $task 300 $E/general-$task.jsonl $GENERAL
 done
+reports 200
 # large -> small on the tasks where the 0.5B is above chance
 gen $T $S 65536 $REVERSE
 for task in hellaswag arc_challenge; do
