@@ -2,16 +2,17 @@
 scheduler's request-only rules without an engine; then two real vLLM engines on a tiny random
 Qwen2 pair (head_dim 64, what vLLM's CPU kernels take) with a map fitted by our Calibration.
 
-Engines take about a minute each to start here, so they are module-scoped and run one at a
-time: the source engine answers and captures, is shut down, then the target engine serves
-every handoff test. What needs vllm is skipped without it (the store, the budget, the settings
+Engines take about a minute each to start here, so there are two, module-scoped, started
+together by the chat service of `rarecache serve --engine vllm` (serving.py): the source
+engine answers and captures, then the target engine serves every handoff test, and the HTTP
+tests at the end run on the same two. What needs vllm is skipped without it (the store, the budget, the settings
 and the row handoff still run); the engine tests carry the `vllm` marker.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -366,7 +367,9 @@ def test_hand_rows_is_the_transfer(vpair):
     ref = tgt.new_cache(1, n)
     mapper.apply(src, sc, tgt, ref, torch.arange(n)[None])
     plain = hand_rows(target_namespace(tgt.config, tgt.dtype), mapper, src.config, k_src, v_src, prompt, 0, "rank")
-    assert torch.equal(plain.k, ref.k[:, 0, :, :n]) and torch.equal(plain.v, ref.v[:, 0, :, :n])
+    # `apply` may fuse its steps (transfer/fused.py): the same rows to fp32 rounding, not bit for bit
+    torch.testing.assert_close(plain.k, ref.k[:, 0, :, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(plain.v, ref.v[:, 0, :, :n], atol=1e-5, rtol=0)
     full = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, n, "rank")
     own = tgt.new_cache(1, n)
     tgt.forward(*pad_batch([prompt]), own, logits_at=None)
@@ -384,9 +387,16 @@ def test_only_the_adapter_imports_vllm():
     assert offenders == []
     # importing rarecache (and the adapter's engine-free modules) does not import vllm
     code = ("import sys, rarecache, rarecache.adapters.vllm.store, rarecache.adapters.vllm.weights, "
-            "rarecache.adapters.vllm.core; print('vllm' in sys.modules)")
+            "rarecache.adapters.vllm.core, rarecache.adapters.vllm.serving, rarecache.adapters.vllm.launch, "
+            "rarecache.commands.serve; print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+    # and collecting these tests works without vllm (they skip, naming the extra)
+    code = ("import sys; sys.modules['vllm'] = None\nimport pytest\n"
+            "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', sys.argv[1]]))")
+    out = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True, text=True,
+                         cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0 and "test_rho_1_equals_vllm_alone" in out.stdout, out.stdout[-2000:]
     # without vllm, the connector says how to install it
     code = ("import sys; sys.modules['vllm'] = None\n"
             "try:\n    import rarecache.adapters.vllm.connector\n"
@@ -400,27 +410,39 @@ def test_only_the_adapter_imports_vllm():
 # ---------------------------------------------------------------------------------------
 
 
-def _engine(model: Path, extra: dict):
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(0, (os.cpu_count() or 1) - 1)}")
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
+@pytest.fixture(scope="module")
+def served(vpair):
+    """Both engines at once, as `rarecache serve --engine vllm` runs them: the source with the map
+    back, the target with the map from the source, one row store. Every engine test below runs
+    on these two (an engine takes about a minute to start here)."""
+    from rarecache.adapters.vllm.engines import engine_environment
+    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
 
-    ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR, kv_role="kv_both",
-                           kv_connector_extra_config=extra)
-    return LLM(model=str(model), dtype="float32", max_model_len=512, enforce_eager=True, skip_tokenizer_init=True,
-               kv_cache_memory_bytes=64 << 20, seed=0, block_size=BS, kv_transfer_config=ktc,
-               worker_extension_cls=EXTENSION)
+    engine_environment()
+    cfg = VllmServeConfig(store=vpair.store, rho=1.0, dtype="float32", max_new_tokens=64, kv_cache_bytes=64 << 20,
+                          block_size=BS, max_model_len=512)
+    svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
+                          {("src", "tgt"): vpair.root / "src-tgt.map", ("tgt", "src"): vpair.root / "tgt-src.map"},
+                          cfg, engine_kwargs={"worker_extension_cls": EXTENSION})
+    yield svc
+    svc.close()
 
 
-def _shutdown(llm):
-    llm.llm_engine.engine_core.shutdown()
-    del llm
-    gc.collect()
+class _Engine:
+    """One of the service's engines, as the tests call it: requests and RPCs go through its thread."""
+
+    def __init__(self, svc, name: str):
+        self.svc, self.name = svc, name
+
+    def generate(self, inputs, params):
+        return self.svc.run_requests(self.name, inputs, params)
+
+    def collective_rpc(self, method: str, args=()):
+        return self.svc.call(self.name, lambda llm: llm.collective_rpc(method, args=args))
 
 
 def _run(llm, prompts, salt=None, params=None, logprobs=5):
-    """Greedy NEW tokens for each prompt; a salt per prompt when `salt` is a list."""
+    """Greedy NEW tokens for each prompt (added together); a salt per prompt when `salt` is a list."""
     from vllm import SamplingParams
 
     salts = salt if isinstance(salt, list) else [salt] * len(prompts)
@@ -429,7 +451,7 @@ def _run(llm, prompts, salt=None, params=None, logprobs=5):
     sps = [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=logprobs,
                           extra_args={"kv_transfer_params": {"rarecache": q}} if q is not None else None)
            for q in ps]
-    outs = llm.generate(inputs, sps, use_tqdm=False)
+    outs = llm.generate(inputs, sps)
     return [SimpleNamespace(tokens=list(o.outputs[0].token_ids), cached=o.num_cached_tokens,
                             info=(o.kv_transfer_params or {}).get("rarecache", {}),
                             logprobs=[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
@@ -437,23 +459,18 @@ def _run(llm, prompts, salt=None, params=None, logprobs=5):
 
 
 @pytest.fixture(scope="module")
-def source_run(vpair):
+def source_run(vpair, served):
     """The source engine answers the prompts (salt "s{i}") and turn 1 of a chat (salt "conv"), and
-    captures them; then it is shut down."""
-    llm = _engine(vpair.root / "src", {"store": str(vpair.store)})
-    try:
-        answers = _run(llm, vpair.prompts, [f"s{i}" for i in range(len(vpair.prompts))])
-        (turn1,) = _run(llm, [vpair.turn1], "conv")
-    finally:
-        _shutdown(llm)
+    captures them."""
+    src = _Engine(served, "src")
+    answers = _run(src, vpair.prompts, [f"s{i}" for i in range(len(vpair.prompts))])
+    (turn1,) = _run(src, [vpair.turn1], "conv")
     return SimpleNamespace(answers=answers, turn1=turn1)
 
 
 @pytest.fixture(scope="module")
-def target(vpair, source_run):
-    llm = _engine(vpair.root / "tgt", {"store": str(vpair.store), "maps": {"src": str(vpair.root / "src-tgt.map")}})
-    yield llm
-    _shutdown(llm)
+def target(served, source_run):
+    return _Engine(served, "tgt")
 
 
 _salts = iter(range(10**6))
@@ -630,3 +647,286 @@ def test_recompute_runs_on_vllms_own_weights(vpair, target, tmp_path):
     ours = torch.log_softmax(d["view"][-1], -1)
     for t, lp in alone.logprobs[0].items():
         assert abs(float(ours[t]) - lp) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------
+# rarecache serve --engine vllm
+# ---------------------------------------------------------------------------------------
+
+
+def _record(**changes):
+    """A record as the worker files it for a handoff of 64 of 100 prompt positions from src."""
+    from rarecache.adapters.vllm.store import RECORD_VERSION
+
+    rec = {"format_version": RECORD_VERSION, "record": "a" * 32, "model": ID_B, "peer": "src", "peer_model": ID_A,
+           "prompt": 100, "rho": 0.5, "selector": "rank", "status": "handed_off", "tokens": 64, "recomputed": 14,
+           "seconds": {"store_read": 0.01, "map_and_recompute": 0.2}}
+    return {**rec, **changes}
+
+
+def test_serve_settings_and_records_are_checked(tmp_path):
+    """What the vLLM service reads back from the worker, and its settings, are checked (no engine)."""
+    from rarecache.adapters.vllm.core import request_params
+    from rarecache.adapters.vllm.records import check_record
+    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.adapters.vllm.store import RowStore
+
+    def check(rec):
+        return check_record(rec, "a" * 32, ID_B, {"src": ID_A}, 100, 32)
+
+    assert check(_record())["tokens"] == 64
+    assert check(_record(status="failed", error="boom"))["error"] == "boom"
+    for rec, match in [
+        ("not a dict", "not a record of this request"), (_record(record="b" * 32), "not a record of this request"),
+        (_record(format_version=2), "not a record"), (_record(model=ID_A), "names another model"),
+        (_record(peer="other"), "names a peer"), (_record(peer_model=ID_B), "names a peer"),
+        (_record(prompt=99), "another prompt length"), (_record(rho=True), "no valid rho"),
+        (_record(rho=1.5), "no valid rho"), (_record(selector="attn-source"), "no valid rho and selector"),
+        (_record(status="maybe"), "no valid status"), (_record(status="failed"), "not why"),
+        (_record(tokens=100), "impossible counts"), (_record(tokens=48), "impossible counts"),
+        (_record(recomputed=65), "impossible counts"), (_record(tokens=64.0), "impossible counts"),
+        (_record(seconds={"store_read": float("nan"), "map_and_recompute": 0}), "no valid timings"),
+        (_record(seconds={"store_read": 0}), "no valid timings"),
+    ]:
+        with pytest.raises(RarecacheError, match=match):
+            check(rec)
+    store = RowStore(tmp_path)
+    assert store.take_record("c" * 32) is None
+    store.put_record("c" * 32, _record())
+    assert (tmp_path / "records" / f"{'c' * 32}.json").stat().st_mode & 0o777 == 0o600
+    assert store.take_record("c" * 32) == _record() and store.take_record("c" * 32) is None  # taken once
+    (tmp_path / "records" / f"{'d' * 32}.json").write_text("[1, 2]")
+    with pytest.raises(RarecacheError, match="not a JSON object"):
+        store.take_record("d" * 32)
+    for name in ("../../etc/passwd", "A" * 32, "a" * 31):
+        with pytest.raises(RarecacheError, match="32 lowercase hex"):
+            store.put_record(name, {})
+        with pytest.raises(RarecacheError, match="32 lowercase hex"):
+            request_params({"record": name})
+    for kw, match in [({"rho": 1.5}, r"rho must be a number in \[0, 1\]"),
+                      ({"selector": "attn-source"}, "needs the source's attention"),
+                      ({"block_size": 40}, "multiple of 16"), ({"max_batch": 0}, "max_batch")]:
+        with pytest.raises(RarecacheError, match=match):
+            VllmServeConfig(store=tmp_path, **kw)
+
+
+def test_engine_environment_keeps_what_the_user_set():
+    from rarecache.adapters.vllm.engines import engine_environment
+
+    env = {"OMP_NUM_THREADS": "1"}
+    got = engine_environment(env)
+    cores = sorted(os.sched_getaffinity(0))
+    assert got == env and env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    bound = []
+    for span in env["VLLM_CPU_OMP_THREADS_BIND"].split(","):
+        a, _, b = span.partition("-")
+        bound += list(range(int(a), int(b or a) + 1))
+    assert bound == cores
+    assert engine_environment({})["OMP_NUM_THREADS"] == str(len(cores))
+
+
+def test_serve_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
+    """Every mistake is refused with one line before an engine starts."""
+    import multiprocessing
+
+    pytest.importorskip("fastapi")
+    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.cli import main
+
+    args = ["serve", "--engine", "vllm", "--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
+            "--dtype", "float32", "--map", str(vpair.root / "src-tgt.map")]
+    for extra, match in [
+        (["--rho", "1.5"], r"rho must be a number in \[0, 1\]"),
+        (["--selector", "attn-source"], "needs the source's attention"),
+        (["--block-size", "40"], "multiple of 16"),
+        (["--reverse-map", str(tmp_path / "none.map")], "no map file"),
+        (["--reverse-map", str(vpair.root / "src-tgt.map")], r"runs src -> tgt, out of this engine's model src"),
+    ]:
+        assert main([*args, *extra]) == 2
+        assert re.search(match, capsys.readouterr().err), extra
+    wrong = [*args[:-1], str(vpair.root / "tgt-src.map")]  # the map the other way
+    assert main(wrong) == 2 and "runs tgt -> src, out of this engine's model tgt" in capsys.readouterr().err
+    plain = [a for a in args if a not in ("--engine", "vllm")]
+    assert main([*plain, "--store", str(tmp_path)]) == 2
+    assert "--store: only with --engine vllm" in capsys.readouterr().err
+    # a script without the __main__ guard, imported again by a process vLLM spawns: said, not a traceback
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(RarecacheError, match='if __name__ == "__main__"'):
+        VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
+                        {("src", "tgt"): vpair.root / "src-tgt.map"}, VllmServeConfig(store=tmp_path))
+
+
+def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypatch):
+    """The flags reach the service and the HTTP server (a stand-in service: no engine starts here)."""
+    pytest.importorskip("fastapi")
+    import uvicorn
+
+    from rarecache.adapters.vllm import serving
+    from rarecache.cli import main
+
+    seen = {}
+
+    class Service:
+        def __init__(self, models, maps, cfg, engine_kwargs=None):
+            seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
+
+        def close(self):
+            seen["closed"] = True
+
+    monkeypatch.setattr(serving, "VllmChatService", Service)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    fwd, back = vpair.root / "src-tgt.map", vpair.root / "tgt-src.map"
+    args = ["serve", "--engine", "vllm", "--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
+            "--map", str(fwd), "--reverse-map", str(back), "--rho", "0.5", "--block-size", "64", "--cache-gib", "1",
+            "--max-batch", "3", "--port", "8124"]
+    assert main([*args, "--store", str(tmp_path / "rows")]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.rho, cfg.selector, cfg.block_size, cfg.kv_cache_bytes, cfg.max_batch) == (0.5, "rank", 64, 1 << 29, 3)
+    assert seen["models"] == {"src": vpair.root / "src", "tgt": vpair.root / "tgt"}
+    assert seen["maps"] == {("src", "tgt"): fwd, ("tgt", "src"): back}
+    assert seen["port"] == 8124 and seen["host"] == "127.0.0.1" and seen["closed"]
+    assert cfg.store == tmp_path / "rows"
+    seen.clear()
+    assert main(args) == 0  # no --store: a fresh private one, removed at exit
+    assert seen["store_existed"] and not seen["cfg"].store.exists()
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] and os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def _client(svc):
+    from fastapi.testclient import TestClient
+
+    from rarecache.serve.app import create_app
+
+    return TestClient(create_app(svc, default_max_tokens=NEW))
+
+
+def _chat(client, model, messages, salt, **kw):
+    r = client.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": NEW,
+                                                   "cache_salt": salt, **kw})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body
+
+
+def _covered(vpair, model, salt, ids):
+    """Positions of `ids` the store holds rows of, for `model` under the tenant `salt`."""
+    from rarecache.adapters.vllm.serving import tenant_scope
+    from rarecache.adapters.vllm.store import RowStore, model_identity
+
+    hit = RowStore(vpair.store).lookup(model_identity(vpair.root / model), tenant_scope(salt), ids)
+    return hit.length if hit else 0
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served):
+    """Over HTTP, a conversation that moves src -> tgt -> src (and one tgt -> src): at ρ = 1 every
+    handed-off answer is the model answering the whole conversation alone (greedy), and the
+    `rarecache` object says what happened."""
+    from rarecache.models.tokenizer import Tokenizer
+
+    pytest.importorskip("fastapi")
+    tok = Tokenizer.from_dir(vpair.root / "tgt")
+    client = _client(served)
+    words = "the quick brown fox jumps over the lazy dog".split()
+    msgs = [{"role": "user", "content": " ".join(words * 8)}]
+    text1, body = _chat(client, "src", msgs, "A")
+    info = body["rarecache"]
+    assert (info["engine"], info["handed_off_from"], info["reused_tokens"]) == ("vllm", None, 0)
+    assert info["prefilled_tokens"] == body["usage"]["prompt_tokens"]
+    msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "and the dog again"}]
+    ids = tok.encode_chat(msgs)
+    text2, body = _chat(client, "tgt", msgs, "A")
+    covered = _covered(vpair, "src", "A", ids)  # turn 1 and what of the answer re-tokenises alike
+    alone, ref = _chat(client, "tgt", msgs, "alone-1")  # another tenant: nothing to hand off
+    info, P = body["rarecache"], len(ids)
+    n = min(covered, P - 1) // BS * BS
+    assert n >= 3 * BS and body["usage"]["prompt_tokens"] == P
+    assert info["handed_off_from"] == "src" and info["handed_off_tokens"] == n and info["recomputed_tokens"] == n
+    assert (info["prefilled_tokens"], info["reused_tokens"], info["rho"], info["selector"]) == (P - n, 0, 1.0, "rank")
+    assert info["seconds"]["handoff"] > 0 and "note" not in info
+    assert ref["rarecache"]["handed_off_from"] is None and ref["rarecache"]["prefilled_tokens"] == P
+    assert text2 == alone and body["usage"] == ref["usage"]
+    # back to src: it keeps its own rows of turn 1 (vLLM's prefix cache), tgt filed nothing handed off
+    msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": "one more"}]
+    text3, body = _chat(client, "src", msgs, "A")
+    alone, ref = _chat(client, "src", msgs, "alone-2")
+    info = body["rarecache"]
+    assert info["handed_off_from"] is None and info["reused_tokens"] >= len(tok.encode_chat(msgs[:1])) // BS * BS
+    assert info["prefilled_tokens"] == len(tok.encode_chat(msgs)) - info["reused_tokens"] and text3 == alone
+    # the other direction, through the map tgt -> src
+    first = [{"role": "user", "content": " ".join(words[::-1] * 8)}]
+    text1, _ = _chat(client, "tgt", first, "B")
+    msgs = first + [{"role": "assistant", "content": text1}, {"role": "user", "content": "and the fox"}]
+    text2, body = _chat(client, "src", msgs, "B")
+    alone, _ = _chat(client, "src", msgs, "alone-3")
+    assert body["rarecache"]["handed_off_from"] == "tgt" and body["rarecache"]["recomputed_tokens"] > 0
+    assert text2 == alone
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_serve_reports_the_budget_streams_and_stops(vpair, served):
+    """ρ = 0.5: the object gives the positions recomputed by the budget rule; a streamed answer is
+    the whole one, and an answer a stop string cuts short (vLLM returns nothing for an aborted
+    request) still says it was handed off."""
+    from dataclasses import replace
+
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.transfer.handoff import budget
+
+    pytest.importorskip("fastapi")
+    tok = Tokenizer.from_dir(vpair.root / "tgt")
+    client = _client(served)
+    msgs = [{"role": "user", "content": " ".join("def add return tokens spaces".split() * 10)}]
+    text1, _ = _chat(client, "src", msgs, "C")
+    msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "again"}]
+    P = len(tok.encode_chat(msgs))
+    saved = served.cfg
+    served.cfg = replace(saved, rho=0.5)
+    try:
+        text, body = _chat(client, "tgt", msgs, "C")
+    finally:
+        served.cfg = saved
+    info = body["rarecache"]
+    n = info["handed_off_tokens"]
+    assert info["handed_off_from"] == "src" and (info["rho"], info["selector"]) == (0.5, "rank")
+    assert info["recomputed_tokens"] == budget(0.5, P) - (P - n) and info["prefilled_tokens"] == P - n
+    full, body = _chat(client, "tgt", msgs, "C")  # ρ = 1 again: handed off again (tgt filed nothing of C)
+    assert body["rarecache"]["handed_off_from"] == "src" and len(full) >= 4
+    r = client.post("/v1/chat/completions", json={"model": "tgt", "messages": msgs, "max_tokens": NEW,
+                                                   "cache_salt": "C", "stream": True})
+    chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == full
+    assert chunks[-1]["rarecache"]["handed_off_from"] == "src"
+    stop = full[len(full) // 2]
+    cut, short = _chat(client, "tgt", msgs, "C", stop=[stop])
+    assert cut == full[: full.index(stop)] and short["choices"][0]["finish_reason"] == "stop"
+    assert short["usage"]["completion_tokens"] < body["usage"]["completion_tokens"]  # ended before vLLM would
+    assert short["rarecache"]["handed_off_from"] == "src" and short["rarecache"]["handed_off_tokens"] > 0
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_serve_refuses_bad_requests_cleanly(served):
+    """Bad requests get a 4xx in OpenAI's shape and leave the server answering."""
+    pytest.importorskip("fastapi")
+    client = _client(served)
+    ok = {"model": "tgt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": NEW}
+    for body, status, match in [
+        ({**ok, "model": "gpt-4"}, 404, "unknown model 'gpt-4'"),
+        ({**ok, "n": 2}, 400, "not supported by this server: n"),
+        ({**ok, "max_tokens": 65}, 400, "max_tokens is at most 64"),
+        ({**ok, "messages": [{"role": "user", "content": "fox " * 600}]}, 400, "vLLM's max_model_len"),
+        ({**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4"),
+        ({**ok, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "nothing to answer"),
+        ({**ok, "temperature": "0"}, 400, "temperature"),
+    ]:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == status and re.search(match, r.json()["error"]["message"]), (body, r.text)
+    r = client.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    health = client.get("/health").json()
+    assert health["requests_in_flight"] == 0 and health["answers_running"] == 0 and health["requests_waiting"] == 0
+    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
+    assert client.post("/v1/chat/completions", json=ok).status_code == 200

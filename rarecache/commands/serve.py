@@ -61,6 +61,17 @@ def register(sub) -> None:
                    help="answers decoded together in one batched step (default: 8)")
     p.add_argument("--max-waiting", type=int, default=16,
                    help="requests that may queue past --max-batch running ones; more get a 503 (default: 16)")
+    p.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
+                   help="rarecache: our own runner (default); vllm: each model in a vLLM engine with "
+                        "RarecacheConnector (the vllm extra; docs/VLLM.md), --cache-gib split between them")
+    v = p.add_argument_group("with --engine vllm")
+    v.add_argument("--store", type=Path, default=None,
+                   help="row store directory the engines share (default: a fresh one under /dev/shm, removed at exit)")
+    v.add_argument("--block-size", type=int, default=None,
+                   help="vLLM's block size; a handoff claims whole blocks (default: vLLM's; CPU: a multiple of 32)")
+    v.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
+    v.add_argument("--compile", action="store_true",
+                   help="let vLLM compile the model (torch.compile, CUDA graphs); default eager, the tested path")
     add_model_options(p)
     p.set_defaults(func=cmd_serve)
 
@@ -97,6 +108,15 @@ def cmd_serve(args) -> int:
     names = model_id(args.source), model_id(args.target)
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
+    if args.engine == "vllm":
+        from ..adapters.vllm.launch import serve_vllm
+
+        return serve_vllm(args, names, api_key)
+    given = [flag for flag, value in (("--store", args.store), ("--block-size", args.block_size),
+                                      ("--max-model-len", args.max_model_len), ("--compile", args.compile))
+             if value not in (None, False)]
+    if given:
+        raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
     cfg = ServiceConfig(HandoffConfig.named(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
                         max_new_tokens=args.max_tokens_limit, max_batch=args.max_batch)
     maps = {}  # map files load (and fail) before the models, which take much longer

