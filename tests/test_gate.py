@@ -254,3 +254,37 @@ def test_the_response_says_what_the_gate_decided(chat):
             assert info["recomputed_tokens"] == info["handed_off_tokens"] == n - info["reused_tokens"]
         else:
             assert info["recomputed_tokens"] == budget(0.2, info["handed_off_tokens"])
+
+
+def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, fitted, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("fastapi")
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from rarecache.cli import main
+    from rarecache.packages import sha256_file
+
+    _, _, mapper, _ = fitted
+    path = tmp_path / "m.safetensors"
+    mapper.save(path)
+    args = ["serve", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map", str(path)]
+    policy = tmp_path / "p.json"
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, {"tasks": {"t": {"map_sha256": "0" * 64}}}).to_json())
+    for extra, msg in ((["--rho", "auto"], "needs --gate-policy"), (["--rho", "half"], "a number in [0, 1] or auto"),
+                       (["--gate-policy", str(policy)], "goes with --rho auto"),
+                       (["--rho", "auto", "--gate-policy", str(policy)], "was not fitted through"),
+                       (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
+        assert main([*args, *extra]) == 2
+        assert msg in capsys.readouterr().err
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, {"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
+    assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
+    assert "our own engine only" in capsys.readouterr().err
+    started = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    assert main([*args, "--rho", "auto", "--gate-policy", str(policy)]) == 0
+    assert "gate rank, rungs 0.1/0.3" in capsys.readouterr().err
+    client = TestClient(started["app"])
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    client.post("/v1/chat/completions", json={"model": "src", "messages": messages, "max_tokens": 3})
+    r = client.post("/v1/chat/completions", json={"model": "tgt", "messages": messages, "max_tokens": 3})
+    assert r.json()["rarecache"]["gate"]["decision"] == "fallback"

@@ -47,7 +47,12 @@ def register(sub) -> None:
                    help="map fitted source -> target (default for the bundled pair: the demo's map, fitted on "
                         "chat-formatted prompts, calibrated on first use)")
     p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
-    p.add_argument("--rho", type=float, default=0.3, help="share of handed-off positions recomputed (default: 0.3)")
+    p.add_argument("--rho", default="0.3",
+                   help="share of handed-off positions recomputed (default: 0.3), or auto: the quality gate "
+                        "picks it per request and falls back to the model's own prefill (--gate-policy)")
+    p.add_argument("--gate-policy", type=Path, default=None,
+                   help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
+                        "served here; its selector replaces --selector")
     p.add_argument("--selector", default="rank", help="position selector (default: rank)")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
     p.add_argument("--api-key", default=None,
@@ -103,12 +108,16 @@ def cmd_serve(args) -> int:
     if api_key is None and not _loopback(args.host):
         print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
               "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
+    rho, gate = _rho(args)
+    args.rho = rho  # a number from here on (None with the gate)
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
         raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
     names = model_id(args.source), model_id(args.target)
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
     if args.engine == "vllm":
+        if gate is not None:
+            raise RarecacheError("--rho auto (the quality gate) runs in our own engine only, not --engine vllm")
         from ..adapters.vllm.launch import serve_vllm
 
         return serve_vllm(args, names, api_key)
@@ -117,8 +126,9 @@ def cmd_serve(args) -> int:
              if value not in (None, False)]
     if given:
         raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
-    cfg = ServiceConfig(HandoffConfig.named(args.rho, args.selector), cache_bytes=int(args.cache_gib * (1 << 30)),
-                        max_new_tokens=args.max_tokens_limit, max_batch=args.max_batch)
+    cfg = ServiceConfig(HandoffConfig.named(rho if gate is None else 0.3, args.selector),
+                        cache_bytes=int(args.cache_gib * (1 << 30)), max_new_tokens=args.max_tokens_limit,
+                        max_batch=args.max_batch, gate=gate)
     maps = {}  # map files load (and fail) before the models, which take much longer
     if args.map is not None:
         maps[(names[0], names[1])] = Mapper.load(args.map)
@@ -130,12 +140,42 @@ def cmd_serve(args) -> int:
         maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
                                               *models.values())
     service = ChatService(models, maps, cfg)
-    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, rho {args.rho:g}, "
-          f"{args.selector}) on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
+    budget = (f"gate {gate.selector}, rungs {'/'.join(f'{r:g}' for r in gate.rungs)}, threshold {gate.threshold:.4g}"
+              if gate else f"rho {rho:g}, {args.selector}")
+    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, {budget}) "
+          f"on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
     app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
                      api_key=api_key)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _rho(args):
+    """--rho NUMBER, or auto with --gate-policy: (rho, None) or (None, the policy), checked before models load.
+    A policy is tied to the map it was fitted through (its threshold is in the handed-off model's output)."""
+    from ..transfer.gate import GatePolicy
+
+    if args.rho != "auto":
+        if args.gate_policy is not None:
+            raise RarecacheError("--gate-policy goes with --rho auto")
+        try:
+            return float(args.rho), None
+        except ValueError:
+            raise RarecacheError(f"--rho must be a number in [0, 1] or auto, got {args.rho!r}") from None
+    if args.gate_policy is None:
+        raise RarecacheError("--rho auto needs --gate-policy FILE (from `rarecache eval gate fit`)")
+    if args.map is None:
+        raise RarecacheError("--rho auto needs --map: the map the policy was fitted through")
+    if not args.gate_policy.is_file() or not args.map.is_file():
+        raise RarecacheError(f"no file {args.gate_policy if not args.gate_policy.is_file() else args.map}")
+    from ..packages import sha256_file
+
+    gate = GatePolicy.load(args.gate_policy)
+    fitted = {t.get("map_sha256") for t in gate.fitted.get("tasks", {}).values()}
+    if fitted != {sha256_file(args.map)}:
+        raise RarecacheError(f"{args.gate_policy} was not fitted through {args.map}: its threshold holds for "
+                             "the map it was fitted with only")
+    return None, gate
 
 
 def _loopback(host: str) -> bool:
