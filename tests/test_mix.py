@@ -62,3 +62,14 @@ def test_mix_order_is_deterministic(monkeypatch):
     one, _ = mix.general_corpus({})
     two, _ = mix.general_corpus({})
     assert one.ids == two.ids and one.fingerprint == two.fingerprint and sorted(one.ids) == sorted(i for i, _ in docs)
+
+
+def test_the_general_map_has_a_default_place_and_other_maps_need_out(tmp_path, pair_dir, capsys):
+    from rarecache.cli import main
+    from rarecache.eval.mix import general_map_path
+
+    path = general_map_path("qwen2.5-coder-0.5b-instruct", str(tmp_path / "m" / "big.gguf"), tmp_path)
+    assert path == tmp_path / "maps" / "general-qwen2.5-coder-0.5b-instruct-to-big.safetensors"
+    src, tgt = str(pair_dir / "src"), str(pair_dir / "tgt")
+    assert main(["calibrate", "--source", src, "--target", tgt, "--corpus", str(pair_dir / "corpus.txt")]) == 2
+    assert "give --out FILE" in capsys.readouterr().err

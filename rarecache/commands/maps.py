@@ -47,7 +47,10 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")
     p.add_argument("--lam", type=float, default=0.01, help="ridge lambda (default: 0.01)")
     p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank r (default: d_t/8)")
-    p.add_argument("--out", type=Path, required=True, help="map file to write (.safetensors)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="map file to write (.safetensors); with --preset general the default is the general "
+                        "map's place, where `rarecache serve` looks for it: "
+                        "~/.cache/rarecache/maps/general-SOURCE-to-TARGET.safetensors")
     p.add_argument("--restart", action="store_true", help="discard a saved state and start over")
     p.add_argument("--device", default="cpu", help="where statistics accumulate (default: cpu)")
     add_model_options(p)
@@ -60,6 +63,12 @@ def _check_corpus_flags(args) -> None:
         raise RarecacheError("give --task or --preset, not both")
     if args.calibration is not None and not args.task:
         raise RarecacheError("--calibration is a task file's data: give it with --task FILE.jsonl")
+    if getattr(args, "out", "") is None:
+        if args.preset != "general":
+            raise RarecacheError("give --out FILE (only --preset general has a default place)")
+        from ..eval.mix import general_map_path
+
+        args.out = general_map_path(args.source, args.target, args.cache_dir)
 
 
 def _task_file_corpus(args):

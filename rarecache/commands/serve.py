@@ -44,8 +44,9 @@ def register(sub) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
                    help="model that receives it (default: the bundled qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--map", type=Path, default=None,
-                   help="map fitted source -> target (default for the bundled pair: the demo's map, fitted on "
-                        "chat-formatted prompts, calibrated on first use)")
+                   help="map fitted source -> target (default for the bundled pair: its general map, from "
+                        "`rarecache calibrate --preset general --source S --target T`, if it has been made; "
+                        "else the demo's quick map, fitted on chat-formatted prompts on first use)")
     p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
     p.add_argument("--rho", default="0.3",
                    help="share of handed-off positions recomputed (default: 0.3), or auto: the quality gate "
@@ -108,10 +109,22 @@ def cmd_serve(args) -> int:
     if api_key is None and not _loopback(args.host):
         print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
               "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
+    if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
+        raise RarecacheError("give --map: without it only the bundled pair is served (with its general map, "
+                             "else the demo's chat map)")
+    if args.map is None:
+        from ..eval.mix import general_map_path
+
+        general = general_map_path(SOURCE, TARGET, args.cache_dir)
+        if general.is_file():
+            args.map = general
+            print(f"using the general map {general}", file=sys.stderr)
+        else:
+            print(f"no general map at {general} (make it with `rarecache calibrate --preset general --source "
+                  f"{SOURCE} --target {TARGET}`, about 40 minutes on 2 cores); serving through the demo's quick map",
+                  file=sys.stderr)
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
-    if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
-        raise RarecacheError("give --map: without it only the bundled pair is served (with the demo's chat map)")
     names = model_id(args.source), model_id(args.target)
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")

@@ -45,6 +45,14 @@ class Component:
     build: Callable[[Path | None], list[tuple[str, Doc]]]  # (id, document) pairs
 
 
+def general_map_path(source: str, target: str, cache_dir: Path | None = None) -> Path:
+    """Where `calibrate --preset general` writes a pair's general map by default, and `serve` looks for it."""
+    from ..packages import default_cache_dir
+
+    name = lambda m: Path(m).name.removesuffix(".gguf")  # noqa: E731  (a model name, HF dir or .gguf)
+    return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
+
+
 def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
