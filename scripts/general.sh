@@ -2,10 +2,10 @@
 # The general map (#15): every long CPU run behind docs/RESULTS.md §8, in priority order. Idempotent and
 # resumable like results.sh: a map that exists is kept, a calibration resumes from its .state, an evaluation
 # resumes from its results file. Run it in the background and rerun it after an interruption:
-#   nohup bash scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
+#   nohup bash scripts/frozen.sh scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
 # Maps, states and results go to $RUNS (default ~/.cache/rarecache/runs): outside the work tree, so a fresh
-# checkout on the same machine continues them. bash reads a script as it runs it: to edit this file while a
-# run is going, run a copy (cp scripts/general.sh /tmp/g.sh && bash /tmp/g.sh).
+# checkout on the same machine continues them. frozen.sh runs it from a copy of HEAD, so editing the work tree
+# (this file included) cannot change what a running queue does.
 # Each task runs to 100 items first, then all tasks continue to 300 (the same files: --limit grows), so an
 # interrupted queue still has every task at a stated n. float32: on CPUs without AVX-512 BF16 it is the faster
 # dtype (this machine: 4.6x faster than bf16). RUNS=DIR puts maps and results elsewhere.

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run a long queue (scripts/general.sh, scripts/results.sh) from a frozen copy of HEAD: bash reads a script as it
+# runs it and every step imports rarecache afresh, so edits to the work tree would otherwise change the code
+# under a running evaluation. Stop a running queue before starting another (the copy is replaced):
+#   nohup bash scripts/frozen.sh scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -eq 1 ] && [ -f "$1" ] || { echo "usage: bash scripts/frozen.sh scripts/QUEUE.sh" >&2; exit 2; }
+wt=${FROZEN:-$HOME/.cache/rarecache/frozen}
+git worktree remove --force "$wt" 2>/dev/null || rm -rf "$wt"
+git worktree prune
+git worktree add --detach "$wt" HEAD
+export PYTHONPATH=$wt OMP_WAIT_POLICY=PASSIVE  # PASSIVE: idle OpenMP threads yield the cores (2x faster shared)
+exec bash "$wt/$1"
