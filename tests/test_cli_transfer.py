@@ -111,7 +111,8 @@ def test_inspect_strip(mapped, capsys):
 def test_bench_handoff_table_and_ceilings(mapped, capsys):
     assert main(["bench", "handoff", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
                  str(mapped / "m.safetensors"), "--lengths", "40", "--rhos", "0.3", "1", "--batches", "1", "2",
-                 "--repeats", "1", "--dtype", "float32", "--out", str(mapped / "bench" / "handoff.json")]) == 0
+                 "--repeats", "1", "--dtype", "float32", "--out", str(mapped / "bench" / "handoff.json"),
+                 "--no-summary"]) == 0  # the summary file: tests/test_bench_handoff.py
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads((mapped / "bench" / "handoff.json").read_text()) == res  # --out holds what was printed
     assert [(r["batch"], r["rho"]) for r in res["rows"]] == [(1, 0.3), (1, 1.0), (2, 0.3), (2, 1.0)]
@@ -155,7 +156,7 @@ def test_bench_ablate_and_its_references(mapped, capsys):
                  str(mapped / "m.safetensors"), "--length", "300", "--batch", "2", "--repeats", "1",
                  "--dtype", "float32"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(res["rows"]) == 6 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
+    assert len(res["rows"]) == 10 and all(r["before_ms"] > 0 and r["after_ms"] > 0 for r in res["rows"])
     from rarecache.models.packed import can_pack
 
     if can_pack(torch.bfloat16, "cpu"):  # bf16: the packed target against a plain copy of it, three more rows

@@ -930,3 +930,251 @@ def test_serve_refuses_bad_requests_cleanly(served):
     assert health["requests_in_flight"] == 0 and health["answers_running"] == 0 and health["requests_waiting"] == 0
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
     assert client.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------
+# rarecache bench serve / load --engine vllm
+# ---------------------------------------------------------------------------------------
+
+
+def _bench_args(vpair, bench, *extra):
+    pair = ["--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
+            "--map", str(vpair.root / "src-tgt.map")]
+    return ["bench", bench, "--engine", "vllm", *pair, "--dtype", "float32", *extra]
+
+
+def test_bench_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
+    """Every mistake is one line before an engine starts (the stand-in would say if one did)."""
+    from rarecache.adapters.vllm import launch
+    from rarecache.cli import main
+
+    monkeypatch.setattr(launch, "bench_service", lambda *a, **k: pytest.fail("an engine was started"))
+    serve = _bench_args(vpair, "serve")
+    load = _bench_args(vpair, "load")
+    ours = [a for a in serve if a not in ("--engine", "vllm")]
+    for args, match in [
+        ([*serve, "--rhos", "1.5"], r"--rhos takes distinct numbers in \[0, 1\]"),
+        ([*serve, "--rhos", "0.3", "0.3"], "--rhos takes distinct"),
+        ([*serve, "--lengths", "32"], "--lengths takes distinct prompt lengths >= 64"),
+        ([*serve, "--repeats", "0"], "--repeats"),
+        ([*serve, "--rho", "0.5"], "--rho: only with --engine rarecache"),
+        ([*serve, "--conversations", "2"], "--conversations: only with --engine rarecache"),
+        ([*serve, "--cache-gib", "0"], "--cache-gib must be > 0"),
+        ([str(tmp_path / "none.map") if a.endswith("src-tgt.map") else a for a in serve], "no map file"),
+        ([*ours, "--lengths", "512"], "--lengths: only with --engine vllm"),
+        ([*ours, "--no-summary"], "--no-summary: only with --engine vllm"),
+        (["bench", "load", "--engine", "vllm"], "needs --source, --target and --map"),
+        ([*load, "--loads", "0"], r"--loads takes distinct offered loads in \(0, 4\]"),
+        ([*load, "--requests", "10", "--discard", "10"], "0 <= --discard < --requests"),
+        ([*load, "--rho", "2"], r"--rho must be a number in \[0, 1\]"),
+        ([*load, "--prompt-tokens", "8"], "--prompt-tokens takes distinct prompt lengths >= 64"),
+        ([*load, "--max-batch", "0"], "--max-batch must be >= 1"),
+        ([*load, "--clients", "2"], "--clients: only with --engine rarecache"),
+        (["bench", "load", "--loads", "0.5"], "--loads: only with --engine vllm"),
+        (["bench", "load", "--source", "x"], "--source: only with --engine vllm"),
+    ]:
+        assert main(args) == 2, args
+        assert re.search(match, capsys.readouterr().err), (args, match)
+
+
+def test_bench_cli_runs_what_it_was_asked_and_both_benches_share_the_summary(vpair, tmp_path, monkeypatch):
+    """The flags reach the service and the bench (stand-ins: no engine starts), and each bench updates
+    only its own keys of the summary file, so they run separately."""
+    from contextlib import contextmanager
+
+    from rarecache.adapters.vllm import launch
+    from rarecache.bench import load, serve
+    from rarecache.cli import main
+
+    seen = {}
+
+    @contextmanager
+    def service(source, target, map_path, **kw):
+        seen.setdefault("service", []).append(kw)
+        yield SimpleNamespace(cfg=SimpleNamespace(max_batch=kw.get("max_batch", 8))), ("src", "tgt"), {"e": 1}
+
+    def switch(svc, source, target, cfg, maps, settings, cache_dir=None, emit=print):
+        seen["switch"] = cfg
+        rows = [{"T": T, "rho": rho, "speedup": 2.0 + rho} for T in cfg.lengths for rho in cfg.rhos]
+        return {"bench": "vllm-switch", "settings": {**settings, "lengths": list(cfg.lengths)}, "rows": rows}
+
+    def poisson(svc, source, target, cfg, maps, settings, cache_dir=None, emit=print):
+        seen["load"] = cfg
+        arm = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0}
+        points = [{"load": u, "vllm": arm, "vllm+handoff": {"ttft_p50_s": 0.25, "ttft_p99_s": 0.5}}
+                  for u in cfg.loads]
+        return {"bench": "vllm-load", "settings": settings, "saturation_rps": {"vllm": 1.0, "vllm+handoff": 1.5},
+                "points": points, "ttft_ratios_at_load": load.saturation_point({"points": points})}
+
+    monkeypatch.setattr(launch, "bench_service", service)
+    monkeypatch.setattr(serve, "run_vllm_switch_bench", switch)
+    monkeypatch.setattr(load, "run_vllm_load_bench", poisson)
+    summary = tmp_path / "summary.json"
+    args = _bench_args(vpair, "serve", "--lengths", "512", "2048", "--rhos", "0.3", "--repeats", "2",
+                       "--block-size", "64", "--cache-gib", "1", "--summary", str(summary),
+                       "--out", str(tmp_path / "switch.json"))
+    assert main(args) == 0
+    assert (seen["switch"].lengths, seen["switch"].rhos, seen["switch"].repeats) == ((512, 2048), (0.3,), 2)
+    assert seen["switch"].max_new_tokens == 8  # the vLLM default
+    assert seen["service"][0]["block_size"] == 64 and seen["service"][0]["kv_cache_bytes"] == 1 << 29
+    s = json.loads(summary.read_text())
+    assert s["switch_ttft_speedup_T2048_rho0.3"] == 2.3 and s["switch_ttft_speedup"] == {"512/0.3": 2.3,
+                                                                                         "2048/0.3": 2.3}
+    assert s["settings"]["switch"]["e"] == 1 and json.loads((tmp_path / "switch.json").read_text())["rows"]
+    args = _bench_args(vpair, "load", "--loads", "0.5", "0.98", "1.5", "--requests", "12", "--max-batch", "2",
+                       "--summary", str(summary), "--out", str(tmp_path / "load.json"))
+    assert main(args) == 0
+    assert (seen["load"].loads, seen["load"].requests, seen["load"].prompt_tokens, seen["load"].max_new_tokens) == (
+        (0.5, 0.98, 1.5), 12, 256, 1)
+    assert seen["service"][1]["max_batch"] == 2
+    s = json.loads(summary.read_text())
+    assert s["switch_ttft_speedup_T2048_rho0.3"] == 2.3  # the switch bench's keys are kept
+    assert (s["saturation_throughput_ratio"], s["saturation_p50_ttft_ratio"], s["saturation_p99_ttft_ratio"]) == (
+        1.5, 4.0, 4.0)
+    assert s["settings"]["load"]["ttft_ratios_at_load"] == 0.98 and "switch" in s["settings"]
+    summary.write_text("[1]")
+    assert main(args) == 2  # not ours to overwrite
+
+
+def test_bench_service_starts_the_pair_it_was_given(vpair, tmp_path, monkeypatch):
+    """The benches' engines (stand-ins here): the target takes handoffs from the source through the map,
+    vLLM's CPU thread settings are set and reported, and a fresh row store is removed after."""
+    from rarecache.adapters.vllm import launch, serving
+
+    seen = {}
+
+    class Service:
+        def __init__(self, models, maps, cfg, engine_kwargs=None):
+            seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
+
+        def close(self):
+            seen["closed"] = True
+
+    monkeypatch.setattr(serving, "VllmChatService", Service)
+    monkeypatch.setattr(launch, "engine_settings", lambda svc, name: {"target": name})
+    fwd = vpair.root / "src-tgt.map"
+    with launch.bench_service(str(vpair.root / "src"), str(vpair.root / "tgt"), fwd, dtype="float32",
+                              block_size=64, max_batch=3) as (svc, names, settings):
+        assert names == ("src", "tgt") and settings["target"] == "tgt"
+        assert settings["environment"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert seen["maps"] == {("src", "tgt"): fwd} and seen["models"]["tgt"] == vpair.root / "tgt"
+    assert (seen["cfg"].block_size, seen["cfg"].max_batch, seen["cfg"].dtype) == (64, 3, "float32")
+    assert seen["store_existed"] and not seen["cfg"].store.exists() and seen["closed"]
+    for args, match in [((vpair.root / "src", vpair.root / "src", fwd), "both be named 'src'"),
+                        ((vpair.root / "src", vpair.root / "tgt", tmp_path / "none.map"), "no map file")]:
+        with pytest.raises(RarecacheError, match=match):
+            with launch.bench_service(*map(str, args[:2]), args[2], dtype="float32"):
+                pass
+
+
+def test_poisson_driver_and_summaries():
+    """The engine-free parts of the load bench: the trace, the percentiles, the saturation rule, the
+    open loop's accounting, and which load the TTFT ratios are read at."""
+    from rarecache.bench.load import load_summary, open_loop, percentile, poisson_trace, saturation_rate
+    from rarecache.bench.serve import switch_summary
+
+    trace = poisson_trace(2000, seed=3)
+    assert trace == poisson_trace(2000, seed=3) and trace != poisson_trace(2000, seed=4)
+    assert all(b > a for a, b in zip(trace, trace[1:])) and 0.9 < trace[-1] / 2000 < 1.1  # rate 1
+    assert percentile([3, 1, 2, 4], 50) == 2.5 and percentile([1, 2], 100) == 2 and percentile([5], 99) == 5
+    sent = []
+    assert saturation_rate(lambda i: sent.append(i) or 0.0, 6) > 0 and sorted(sent) == list(range(6))
+    sent.clear()
+    out = open_loop(lambda i: sent.append(i) or 0.5, [0.0, 0.001, 0.002, 0.003], discard=1)
+    assert sorted(sent) == [0, 1, 2, 3] and out["counted"] == 3 and out["ttft_p50_s"] >= 0.5
+    assert out["ttft_p50_s"] <= out["ttft_p99_s"] and out["throughput_rps"] > 0
+
+    def point(u, base):
+        return {"load": u, "vllm": {"ttft_p50_s": base, "ttft_p99_s": 2 * base},
+                "vllm+handoff": {"ttft_p50_s": 1.0, "ttft_p99_s": 1.0}}
+
+    s = load_summary({"saturation_rps": {"vllm": 2.0, "vllm+handoff": 3.0},
+                      "points": [point(0.5, 2.0), point(0.98, 5.0), point(1.2, 50.0)]})
+    assert s == {"saturation_throughput_ratio": 1.5, "saturation_p50_ttft_ratio": 5.0,
+                 "saturation_p99_ttft_ratio": 10.0}
+    rows = [{"T": 512, "rho": 0.1, "speedup": 3.0}, {"T": 2048, "rho": 0.3, "speedup": 2.5}]
+    assert switch_summary({"rows": rows}) == {"switch_ttft_speedup_T2048_rho0.3": 2.5,
+                                              "switch_ttft_speedup": {"512/0.1": 3.0, "2048/0.3": 2.5}}
+
+
+def test_bench_baseline_must_be_vllm_reading_it_all():
+    """The baseline arm is checked, not assumed: a reply that reused or was handed anything is refused."""
+    from rarecache.bench.serve import ask_target
+
+    def svc(**reply):
+        base = dict(handed_off_from=None, reused=0, prefilled=10)
+        return SimpleNamespace(answer=lambda *a, **k: SimpleNamespace(**{**base, **reply}, asked=k))
+
+    assert ask_target(svc(), "src", "tgt", list(range(10)), "s", None, None).asked == {
+        "salt": "s", "reread": True, "rho": None}
+    for bad in ({"reused": 32}, {"handed_off_from": "src"}, {"prefilled": 9}):
+        with pytest.raises(RarecacheError, match="did not read the whole prompt itself"):
+            ask_target(svc(**bad), "src", "tgt", list(range(10)), "s", None, None)
+    assert ask_target(svc(reused=32), "src", "tgt", list(range(10)), "s", None, 0.3).asked["rho"] == 0.3
+
+
+def _bench_corpus(tmp_path, docs=12):
+    words = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
+    g = torch.Generator().manual_seed(5)
+    path = tmp_path / "bench-corpus.txt"
+    path.write_text("\n\n\n".join(" ".join(words[i] for i in torch.randint(0, len(words), (200,), generator=g))
+                                  for _ in range(docs)))
+    return str(path)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_switch_bench_arms_agree_at_rho_1(vpair, served, tmp_path):
+    """On the shared engines: at ρ = 1 the handoff arm answers as vLLM alone, the baseline arm had
+    nothing claimed or cached (vLLM computed every prompt position itself), and the summary has the
+    switch keys with ratios > 0."""
+    from rarecache.adapters.vllm.launch import engine_settings
+    from rarecache.bench.serve import VllmSwitchConfig, run_vllm_switch_bench, switch_summary, update_summary
+
+    cfg = VllmSwitchConfig(lengths=(256, 320), rhos=(1.0,), repeats=2, answer_tokens=8, max_new_tokens=NEW,
+                           corpus=_bench_corpus(tmp_path))
+    settings = engine_settings(served, "tgt")
+    assert (settings["block_size"], settings["max_num_seqs"], settings["prefix_caching"]) == (BS, 8, True)
+    lines = []
+    result = run_vllm_switch_bench(served, "src", "tgt", cfg, [vpair.map], settings, emit=lines.append)
+    assert [(r["T"], r["rho"]) for r in result["rows"]] == [(256, 1.0), (320, 1.0)]
+    for r in result["rows"]:
+        P = r["prompt_tokens"]
+        assert abs(P - r["T"]) <= 2 * cfg.answer_tokens  # as asked, to the re-tokenised first answer
+        assert r["vllm_reused"] == 0 and r["vllm_prefilled"] == P  # vLLM alone read it all
+        assert r["claimed"] > 0 and r["claimed"] % BS == 0 and r["recomputed"] == r["claimed"]
+        assert r["rho_spent"] == 1.0
+        assert r["same_answer"] and r["agree_tokens"] == r["new_tokens"] == NEW
+        assert len(r["vllm_ttft_all_s"]) == len(r["handoff_ttft_all_s"]) == 2 and r["speedup"] > 0
+    summary = update_summary(tmp_path / "summary.json", switch_summary(result), "switch", result["settings"])
+    assert summary["switch_ttft_speedup_T2048_rho0.3"] is None  # not measured at these lengths
+    assert set(summary["switch_ttft_speedup"]) == {"256/1", "320/1"}
+    assert all(x > 0 for x in summary["switch_ttft_speedup"].values())
+    assert summary["settings"]["switch"]["repeats"] == 2 and "speedup" in lines[1]
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_load_bench_writes_its_fields(vpair, served, tmp_path):
+    """A handful of Poisson requests per arm and load on the shared engines: the JSON has both arms'
+    saturation rates and, per load, TTFT p50/p99 and throughput; the baseline hands nothing off and
+    the handoff arm hands off every request."""
+    from rarecache.bench.load import PoissonConfig, load_summary, run_vllm_load_bench
+    from rarecache.bench.serve import update_summary
+
+    cfg = PoissonConfig(loads=(0.5, 1.0), requests=6, discard=1, prompt_tokens=256, answer_tokens=8, rho=0.5,
+                        saturation_batches=1, corpus=_bench_corpus(tmp_path))
+    lines = []
+    result = run_vllm_load_bench(served, "src", "tgt", cfg, [vpair.map], {"engine": "vllm"}, emit=lines.append)
+    assert set(result["saturation_rps"]) == {"vllm", "vllm+handoff"} and min(result["saturation_rps"].values()) > 0
+    assert [p["load"] for p in result["points"]] == [0.5, 1.0] and result["ttft_ratios_at_load"] == 1.0
+    for p in result["points"]:
+        assert p["rate_rps"] == pytest.approx(p["load"] * result["saturation_rps"]["vllm"])
+        for arm in ("vllm", "vllm+handoff"):
+            o = p[arm]
+            assert o["counted"] == 5 and 0 < o["ttft_p50_s"] <= o["ttft_p99_s"] and o["throughput_rps"] > 0
+        assert p["vllm"]["handed_off"] == 0 and p["vllm+handoff"]["handed_off"] == 6
+    s = update_summary(tmp_path / "summary.json", load_summary(result), "load", result["settings"])
+    assert all(s[k] > 0 for k in ("saturation_throughput_ratio", "saturation_p50_ttft_ratio",
+                                  "saturation_p99_ttft_ratio"))
+    assert s["settings"]["load"]["saturation_requests"] == 8 and len(lines) == 2 + 2 * 2 + 1

@@ -2,12 +2,19 @@
 timed in the same run on the same prompt (median of repeats after a warm-up).
 
 - attention: sparse-causal query blocks vs the dense ρT x T mask (recompute phase);
-- map dtype: bf16 vs float32 matmuls;
-- shared de-rotation: each source layer de-rotated once vs once per target layer that reads it;
-- map gathers: whole source-layer rows (index_select, bias fused in addmm) vs a flat column index;
 - logits: at the last position only vs at every recomputed position;
 - prepacked weights: the target's linear layers prepacked for oneDNN vs plain `F.linear` (recompute,
-  prefill and one decode step; bf16 on a CPU, where packing applies);
+  prefill and one decode step): bf16 on a CPU, where packing is the default, against a plain copy;
+  float32 with `pack=True` (`--pack`), the same runner timed before and after packing in place (no
+  second copy of the weights in memory);
+- the map in one pass per target layer (`transfer.fused`) vs the plain pipeline it replaces
+  (`Mapper.apply_reference` + `rank_scores`), and its parts: the rank score fused into the map vs
+  scored afterwards from the kept centred rows; nothing kept for a selector that reads no score vs
+  the centred rows kept; source rows de-rotated inside the layer-major copy vs gather, strip, reshape;
+- map dtype: bf16 vs float32 matmuls;
+- shared de-rotation: each source layer de-rotated once vs once per target layer that reads it
+  (both through the plain pipeline);
+- map gathers: whole source-layer rows (index_select, bias fused in addmm) vs a flat column index;
 - batching: B requests of different lengths in one handoff vs one after another.
 """
 
@@ -18,11 +25,13 @@ import time
 
 import torch
 
-from ..engine.attention import attend_reference
-from ..engine.runner import Runner
-from ..transfer.features import write_rows
+from ..engine.attention import attend, attend_reference
+from ..engine.runner import Runner, pack_float32
+from ..transfer.features import rows, write_rows
+from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset
 from ..transfer.mapper import SIDES, Mapper
+from ..transfer.selectors import rank_scores
 
 
 def _median(fn, repeats: int) -> float:
@@ -66,8 +75,14 @@ def map_rows_flat(mapper: Mapper, side: str, x: torch.Tensor) -> torch.Tensor:
     return torch.stack([x[..., index[l]] @ w[l] + b[l] for l in range(w.shape[0])])
 
 
+def _row(name: str, before: float, after: float) -> dict:
+    return {"optimisation": name, "before_ms": before * 1e3, "after_ms": after * 1e3}
+
+
 @torch.inference_mode()
-def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int) -> list[dict]:
+def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int,
+           pack: bool = False) -> list[dict]:
+    """Every row, in the order printed. `pack`: also time float32 packing (packs `target` in place)."""
     g = torch.Generator().manual_seed(0)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     prompt = torch.randint(0, vocab, (1, T), generator=g)
@@ -75,12 +90,8 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     src_cache, _ = source.prefill(prompt.tolist())
     res = []
 
-    # recompute attention: sparse-causal vs dense mask
     mapped = target.new_cache(1, T)
-    z = mapper.apply(source, src_cache, target, mapped, pos)
-    from ..transfer.selectors import rank_scores
-
-    chosen = [select_top(rank_scores(mapper, z)[0], budget(rho, T))]
+    chosen = [select_top(mapper.apply_scored(source, src_cache, target, mapped, pos)[0], budget(rho, T))]
     sel_tok, sel_pos = subset(prompt, chosen)
 
     def recompute(logits_at="last", runner=target):
@@ -89,54 +100,71 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
             getattr(cache, name).copy_(getattr(mapped, name))
         runner.forward(sel_tok, sel_pos, cache, logits_at=logits_at)
 
+    def step(runner, n):  # the target's own prefill of n rows (n = 1: one decode step at the last position)
+        tok, at = (prompt[:, :n], pos[:, :n]) if n > 1 else (prompt[:, -1:], pos[:, -1:])
+        cache = runner.new_cache(1, T)
+        for key in ("k", "v", "filled"):
+            getattr(cache, key).copy_(getattr(mapped, key))
+        runner.forward(tok, at, cache)
+
+    def packing_rows(plain: Runner, packed: Runner | None, kind: str) -> list[dict]:
+        """Recompute, prefill and one decode step, plain then packed (packed None: pack `plain` in between)."""
+        cases = [(f"recompute ({len(chosen[0])} rows)", lambda r: recompute(runner=r)),
+                 (f"target prefill ({T} rows)", lambda r: step(r, T)), ("target decode step (1 row)", lambda r: step(r, 1))]
+        before = [_median(lambda f=f: f(plain), repeats) for _, f in cases]
+        packed = packed or plain.pack()
+        return [_row(f"prepacked weights ({kind}): {name}", b, _median(lambda f=f: f(packed), repeats))
+                for (name, f), b in zip(cases, before)]
+
+    if pack and not target.packed and pack_float32(target.dtype, target.device):  # before the rows below use it
+        res += packing_rows(target, None, "float32")
+
     fast = _median(recompute, repeats)
     target.attention = attend_reference
     try:
         dense = _median(recompute, repeats)
     finally:
-        from ..engine.attention import attend
-
         target.attention = attend
-    res.append({"optimisation": "sparse-causal recompute attention", "before_ms": dense * 1e3, "after_ms": fast * 1e3})
-    res.append({"optimisation": "logits at the last position only",
-                "before_ms": _median(lambda: recompute("all"), repeats) * 1e3, "after_ms": fast * 1e3})
+    res.append(_row("sparse-causal recompute attention", dense, fast))
+    res.append(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
 
-    if target.packed and target.path is not None:  # the same checkpoint with plain F.linear
+    if target.packed and target.path is not None and target.dtype != torch.float32:  # a plain copy to compare
         plain = Runner.load(target.path, dtype=target.dtype, device=target.device, pack=False)
-        res.append({"optimisation": f"prepacked weights: recompute ({len(chosen[0])} rows)",
-                    "before_ms": _median(lambda: recompute(runner=plain), repeats) * 1e3, "after_ms": fast * 1e3})
-        for name, n in (("prefill", T), ("decode step", 1)):
-            tok, at = prompt[:, :n], pos[:, :n] if n > 1 else pos[:, -1:]
-
-            def step(runner, tok=tok, at=at):
-                cache = runner.new_cache(1, T)
-                for key in ("k", "v", "filled"):
-                    getattr(cache, key).copy_(getattr(mapped, key))
-                runner.forward(tok, at, cache)
-
-            res.append({"optimisation": f"prepacked weights: target {name} ({n} row{'s' * (n > 1)})",
-                        "before_ms": _median(lambda: step(plain), repeats) * 1e3,
-                        "after_ms": _median(lambda: step(target), repeats) * 1e3})
+        res += packing_rows(plain, target, "bf16")
         del plain
 
-    # map: dtype and shared de-rotation
+    # the map: one pass per target layer vs the plain pipeline, and its parts
+    def fresh():
+        return target.new_cache(1, T)
+
+    def reference():
+        rank_scores(mapper, mapper.apply_reference(source, src_cache, target, fresh(), pos))
+
+    scored = _median(lambda: mapper.apply_scored(source, src_cache, target, fresh(), pos), repeats)
+    centred = _median(lambda: rank_scores(mapper, mapper.apply(source, src_cache, target, fresh(), pos)), repeats)
+    res.append(_row("map + rank score in one pass per target layer", _median(reference, repeats), scored))
+    res.append(_row("rank score fused into the map vs from the kept centred rows", centred, scored))
+    res.append(_row("map for a selector reading no score: nothing kept vs centred rows",
+                    _median(lambda: mapper.apply(source, src_cache, target, fresh(), pos), repeats),
+                    _median(lambda: mapper.apply_scored(source, src_cache, target, fresh(), pos, rank=False),
+                            repeats)))
+    res.append(_row("source keys de-rotated inside the layer-major copy",
+                    _median(lambda: rows(source, src_cache, pos, "k").to(target.dtype), repeats),
+                    _median(lambda: source_rows(source, src_cache, pos, "k", target.dtype, 0), repeats)))
+
     def mapping(dtype):
-        return lambda: mapper.apply(source, src_cache, target, target.new_cache(1, T), pos, dtype=dtype)
+        return lambda: mapper.apply(source, src_cache, target, fresh(), pos, dtype=dtype)
 
-    bf16 = _median(mapping(torch.bfloat16), repeats)
-    res.append({"optimisation": "map matmuls in bf16", "before_ms": _median(mapping(torch.float32), repeats) * 1e3,
-                "after_ms": bf16 * 1e3})
-    unshared = _median(lambda: map_unshared(source, src_cache, target, target.new_cache(1, T), pos, mapper,
-                                            target.dtype), repeats)
-    shared = _median(mapping(target.dtype), repeats)
-    res.append({"optimisation": "de-rotated source layers shared", "before_ms": unshared * 1e3,
-                "after_ms": shared * 1e3})
-    from ..transfer.features import rows
-
+    res.append(_row("map matmuls in bf16", _median(mapping(torch.float32), repeats),
+                    _median(mapping(torch.bfloat16), repeats)))
+    res.append(_row("de-rotated source layers shared (plain pipeline)",
+                    _median(lambda: map_unshared(source, src_cache, target, fresh(), pos, mapper, target.dtype),
+                            repeats),
+                    _median(lambda: mapper.apply_reference(source, src_cache, target, fresh(), pos), repeats)))
     x = rows(source, src_cache, pos, "k").to(target.dtype)
-    res.append({"optimisation": "map gathers whole source-layer rows, bias fused",
-                "before_ms": _median(lambda: map_rows_flat(mapper, "k", x), repeats) * 1e3,
-                "after_ms": _median(lambda: mapper.map_rows("k", x), repeats) * 1e3})
+    res.append(_row("map gathers whole source-layer rows, bias fused", _median(lambda: map_rows_flat(mapper, "k", x),
+                                                                               repeats),
+                    _median(lambda: mapper.map_rows("k", x), repeats)))
 
     # batching requests of different lengths
     lengths = [T - (T // (2 * batch)) * i for i in range(batch)]
@@ -148,8 +176,8 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
                                   for p, c in zip(prompts, caches)], repeats)
     together = _median(lambda: handoff(source, target, mapper, prompts, cfg, source_cache=batched_src,
                                        source_kept=lengths), repeats)
-    res.append({"optimisation": f"batched handoff of {batch} requests ({min(lengths)}-{max(lengths)} tokens)",
-                "before_ms": one_by_one * 1e3, "after_ms": together * 1e3})
+    res.append(_row(f"batched handoff of {batch} requests ({min(lengths)}-{max(lengths)} tokens)", one_by_one,
+                    together))
     for r in res:
         r["gain"] = r["before_ms"] / r["after_ms"]
     return res

@@ -6,19 +6,27 @@ run (one warm-up, then repeats; median and spread). The source prefill is not
 counted: in a cascade the source has already paid it. The FLOP ceiling of seed
 000 eq. 11 is printed in its dense-mask form (ρT x T attention) and its
 sparse-causal form (½ρT x T), with the fraction of the sparse ceiling reached.
+
+The rank score's arithmetic runs inside the map phase (`Mapper.apply_scored`), so
+"map" includes it and "score" is the choice of positions; map + score is the fixed
+cost. The warm-up round also measures each side's peak memory (`bench.memory`):
+the prefill's above the weights, and the handoff's, which adds the source cache and
+the map it holds to its own peak. `summary` is the file the bench writes.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
-from ..transfer.mapper import Mapper
+from ..transfer.mapper import SIDES, Mapper
+from .memory import Peak, footprint, measure
 
 
 def layer_params(runner: Runner) -> int:
@@ -51,6 +59,7 @@ class Cell:
     batch: int
     prefill: list[float]
     phases: dict[str, list[float]]
+    memory: dict[str, float | None]  # MiB: measured peaks and the sizes from the shapes (bench.memory)
 
     def row(self, target: Runner, mapper: Mapper) -> dict:
         med = {k: statistics.median(v) for k, v in self.phases.items()}
@@ -64,7 +73,8 @@ class Cell:
                                       - min(map(sum, zip(*(self.phases[k] for k in ("map", "score", "recompute"))))))
                 * 1e3,
                 "speedup": pre / total, "ceiling_dense": dense, "ceiling_sparse": sparse,
-                "of_sparse_ceiling": pre / total / sparse, "map_score_share_of_prefill": (med["map"] + med["score"]) / pre}
+                "of_sparse_ceiling": pre / total / sparse, "map_score_share_of_prefill": (med["map"] + med["score"]) / pre,
+                **self.memory}
 
 
 @torch.inference_mode()
@@ -76,20 +86,42 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     src_cache, _ = source.prefill(prompts)
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
-    cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []})
+    cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []}, {})
     cfg = HandoffConfig(rho=rho, selector="rank")
-    for i in range(repeats + 1):  # the first round warms up
-        t = time.perf_counter()
-        target.forward(tokens, pos, target.new_cache(batch, T))
-        _sync(target)
-        prefill = time.perf_counter() - t
-        _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache, source_kept=[T] * batch)
-        _sync(target)
-        if i:
-            cell.prefill.append(prefill)
-            for k in cell.phases:
-                cell.phases[k].append(res.timings[k])
+    for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
+        mapper.tensors(side, target.dtype, target.device)
+    target.forward(tokens[:, :1], pos[:, :1], target.new_cache(batch, 1))  # every weight paged in before measuring
+    for i in range(repeats + 1):  # the first round warms up and measures memory (timed rounds do not)
+        with (nullcontext(Peak()) if i else measure(target.device)) as pre_mem:
+            t = time.perf_counter()
+            target.forward(tokens, pos, target.new_cache(batch, T))
+            _sync(target)
+            prefill = time.perf_counter() - t
+        with (nullcontext(Peak()) if i else measure(target.device)) as hand_mem:
+            _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache,
+                                source_kept=[T] * batch)
+            _sync(target)
+        if not i:
+            sizes = footprint(source, target, mapper, T, batch)
+            held = sizes["source_cache_mib"] + sizes["map_mib"]
+            cell.memory = {"peak_mem_prefill_mib": pre_mem.mib,
+                           "peak_mem_handoff_mib": None if hand_mem.mib is None else hand_mem.mib + held,
+                           "peak_mem_handoff_own_mib": hand_mem.mib, **sizes}
+            continue
+        cell.prefill.append(prefill)
+        for k in cell.phases:
+            cell.phases[k].append(res.timings[k])
     return cell
+
+
+SUMMARY_KEYS = ("T", "rho", "batch", "of_sparse_ceiling", "map_score_share_of_prefill", "peak_mem_handoff_mib",
+                "peak_mem_prefill_mib")
+
+
+def summary(rows: list[dict], **header) -> dict:
+    """docs/artifacts/bench-handoff-summary.json: per cell the share of the sparse ceiling, the fixed cost
+    and both peaks (`header`: pair, dtype, threads, ... of the run)."""
+    return {**header, "rows": [{k: r[k] for k in SUMMARY_KEYS} for r in rows]}
 
 
 def _sync(runner: Runner) -> None:

@@ -8,20 +8,28 @@ and once with `max_batch = clients`. Decoding reads every weight once per step
 whatever the batch, so the batched service should deliver several times the
 tokens per second; latency per request is printed too, and the answers of the two
 arms are compared (greedy, so they must agree apart from rare near-ties).
+
+Inside vLLM (`--engine vllm`, `run_vllm_load_bench`) it is the serving experiment of the RaReCache
+paper (§4.6, App. B.3): switched conversations arriving at the target as a homogeneous Poisson
+process, served FCFS by vLLM's scheduler, TTFT p50/p99 and throughput against offered load
+normalised to the target's own measured saturation rate, for vLLM alone (it re-reads every
+prompt) and vLLM with the connector's handoff, under the same arrival traces on the same engines.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..serve.service import ChatService, Reply, ServiceConfig
-from .serve import QUESTIONS, SwitchBenchConfig, passages
+from .serve import QUESTIONS, SwitchBenchConfig, ask_target, passages, switched_conversations
 
 
 @dataclass(frozen=True)
@@ -103,3 +111,183 @@ def run_load_bench(llm: LLM, cfg: LoadBenchConfig, cache_dir=None, emit=print) -
     return {"bench": "serve-load", "model": name, "clients": cfg.clients, "requests_per_client": cfg.requests,
             "prompt_tokens": cfg.prompt_tokens, "max_new_tokens": cfg.max_new_tokens, "arms": out,
             "throughput_speedup": speedup, "same_answers": same, "requests": n}
+
+
+# ---------------------------------------------------------------------------------------
+# the serving experiment of the RaReCache paper (§4.6, App. B.3): Poisson arrivals, FCFS
+# ---------------------------------------------------------------------------------------
+# The driver below knows nothing of the engine: an arm is `send(i) -> seconds to the first token of
+# request i, measured from the call`. Saturation and offered load follow one rule (here only):
+# μ = requests / wall seconds with `batches` full batches queued at once (the paper's eq. 10),
+# and offered load u = λ / μ of the target alone.
+
+
+@dataclass(frozen=True)
+class PoissonConfig:
+    loads: tuple[float, ...] = (0.25, 0.5, 0.75, 0.98)  # offered load λ / μ_target (the paper stops at 0.98)
+    requests: int = 40  # per load and arm, the same arrival trace for both arms
+    discard: int = 5  # the first arrivals are not counted (the queue filling up)
+    prompt_tokens: int = 256  # the switched turn's prompt T
+    answer_tokens: int = 16  # the source's answer to the first turn
+    max_new_tokens: int = 1  # the target's answer: TTFT is the figure
+    rho: float = 0.3
+    saturation_batches: int = 3
+    seed: int = 0
+    corpus: str = "wiki"
+
+    def __post_init__(self):
+        if not self.loads or len(set(self.loads)) != len(self.loads) or not all(
+                isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 4 for u in self.loads):
+            raise RarecacheError(f"--loads takes distinct offered loads in (0, 4], not {list(self.loads)}")
+        if self.requests < 2 or not 0 <= self.discard < self.requests:
+            raise RarecacheError("need --requests >= 2 and 0 <= --discard < --requests")
+        if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not 0 <= self.rho <= 1:
+            raise RarecacheError(f"--rho must be a number in [0, 1], not {self.rho!r}")
+        if self.saturation_batches < 1 or self.answer_tokens < 1 or self.max_new_tokens < 1:
+            raise RarecacheError("need --saturation-batches, --answer-tokens and --max-new-tokens >= 1")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile, linear between order statistics (numpy's default)."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    f = int(k)
+    return s[f] + (s[min(f + 1, len(s) - 1)] - s[f]) * (k - f)
+
+
+def _threads(send: Callable[[int], float], starts: list[float]) -> tuple[float, list[tuple[float, float]]]:
+    """Request i sent at t0 + starts[i] on its own thread; t0 and (TTFT from the scheduled time, end) per request."""
+    out: list[tuple[float, float] | None] = [None] * len(starts)
+    errors: list[BaseException] = []
+
+    def one(i: int, due: float) -> None:
+        try:
+            lag = time.perf_counter() - due
+            ttft = send(i)
+            out[i] = (lag + ttft, time.perf_counter())
+        except BaseException as e:  # noqa: BLE001  (re-raised on the main thread)
+            errors.append(e)
+
+    threads = []
+    t0 = time.perf_counter()
+    for i, s in enumerate(starts):
+        delay = t0 + s - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        threads.append(threading.Thread(target=one, args=(i, t0 + s)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return t0, out  # type: ignore[return-value]
+
+
+def saturation_rate(send: Callable[[int], float], n: int) -> float:
+    """μ: n requests queued at once (a permanently full queue), n / the wall seconds until the last ends."""
+    t0, done = _threads(send, [0.0] * n)
+    return n / (max(end for _, end in done) - t0)
+
+
+def poisson_trace(n: int, seed: int) -> list[float]:
+    """Arrival times of a homogeneous Poisson process of rate 1; divide by λ for rate λ."""
+    g = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += g.expovariate(1.0)
+        out.append(t)
+    return out
+
+
+def open_loop(send: Callable[[int], float], arrivals: list[float], discard: int) -> dict:
+    """Every request at its arrival time whatever the engine is doing; TTFT p50/p99 and throughput of
+    those after the first `discard`."""
+    t0, done = _threads(send, arrivals)
+    kept = done[discard:]
+    ttft = [x for x, _ in kept]
+    span = max(end for _, end in kept) - (t0 + arrivals[discard])
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "ttft_mean_s": statistics.fmean(ttft), "throughput_rps": len(kept) / span, "counted": len(kept)}
+
+
+def run_vllm_load_bench(svc, source: str, target: str, cfg: PoissonConfig, maps=(), settings=None, cache_dir=None,
+                        emit=print) -> dict:
+    """vLLM alone vs vLLM + handoff under the same Poisson traces, on the same engines (the service as
+    bench/serve.py takes it). Every request is a switched conversation's turn 2 whose turn 1 the
+    source answered beforehand (untimed): the target's side is what is measured."""
+    n_sat = cfg.saturation_batches * svc.cfg.max_batch
+    convs = switched_conversations(svc, source, target, cfg.prompt_tokens, max(cfg.requests, n_sat),
+                                   cfg.answer_tokens, cfg.max_new_tokens, list(maps), cfg.corpus, cache_dir)
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    arms = {"vllm": None, "vllm+handoff": cfg.rho}
+    handed, lock = {arm: 0 for arm in arms}, threading.Lock()
+
+    def sender(arm: str) -> Callable[[int], float]:
+        def send(i: int) -> float:
+            reply = ask_target(svc, source, target, *convs[i], sampling, arms[arm])
+            if arms[arm] is not None and reply.handed_off_from == source and not reply.note:
+                with lock:
+                    handed[arm] += 1
+            return reply.seconds["first_token"]
+        return send
+
+    for arm in arms:  # warm-up: a few requests together, not counted
+        _threads(sender(arm), [0.0] * min(n_sat, 2))
+    mu = {}
+    for arm in arms:
+        mu[arm] = saturation_rate(sender(arm), n_sat)
+    if not handed["vllm+handoff"]:
+        raise RarecacheError("no request was handed off: the comparison would be vLLM against itself")
+    emit(f"Poisson arrivals at {target} inside vLLM (from {source}), prompts of ~{cfg.prompt_tokens} tokens, "
+         f"{cfg.max_new_tokens} new, rho {cfg.rho:g}, max batch {svc.cfg.max_batch}, FCFS; saturation "
+         f"({cfg.saturation_batches} full batches queued at once): vLLM {mu['vllm']:.3f} req/s, with handoff "
+         f"{mu['vllm+handoff']:.3f} req/s ({mu['vllm+handoff'] / mu['vllm']:.2f}x)")
+    emit(f"{'load':>5} {'req/s':>7} {'arm':<13} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'done/s':>7} "
+         f"{'handed off':>10}")
+    trace = poisson_trace(cfg.requests, cfg.seed)
+    points = []
+    for j, u in enumerate(cfg.loads):
+        rate = u * mu["vllm"]
+        point = {"load": u, "rate_rps": rate}
+        for arm in (list(arms) if j % 2 == 0 else list(arms)[::-1]):  # neither arm always first
+            before = handed["vllm+handoff"]
+            point[arm] = open_loop(sender(arm), [t / rate for t in trace], cfg.discard)
+            point[arm]["handed_off"] = handed["vllm+handoff"] - before if arms[arm] is not None else 0
+        points.append(point)
+        for arm in arms:
+            o = point[arm]
+            emit(f"{u:>5g} {rate:>7.3f} {arm:<13} {o['ttft_p50_s'] * 1e3:>9.0f} {o['ttft_p99_s'] * 1e3:>9.0f} "
+                 f"{o['ttft_mean_s'] * 1e3:>9.0f} {o['throughput_rps']:>7.3f} {o['handed_off']:>7}/{cfg.requests}")
+    result = {"bench": "vllm-load", "source": source, "target": target,
+              "settings": {**(settings or {}), "loads": list(cfg.loads), "requests": cfg.requests,
+                           "discard": cfg.discard, "prompt_tokens": cfg.prompt_tokens,
+                           "answer_tokens": cfg.answer_tokens, "max_new_tokens": cfg.max_new_tokens, "rho": cfg.rho,
+                           "saturation_batches": cfg.saturation_batches, "saturation_requests": n_sat,
+                           "max_batch": svc.cfg.max_batch, "seed": cfg.seed, "corpus": cfg.corpus},
+              "saturation_rps": mu, "points": points}
+    s = load_summary(result)
+    at = result["ttft_ratios_at_load"] = saturation_point(result)
+    emit(f"throughput at saturation {s['saturation_throughput_ratio']:.2f}x with handoff; " + (
+        f"at load {at}: p50 TTFT {s['saturation_p50_ttft_ratio']:.2f}x, p99 {s['saturation_p99_ttft_ratio']:.2f}x "
+        "sooner" if at is not None else "no load <= 1 in the sweep for the TTFT ratios"))
+    return result
+
+
+def saturation_point(result: dict) -> float | None:
+    """The offered load the TTFT ratios are read at: the highest <= 1 (the target's saturation rate;
+    the paper's 0.98, where vLLM alone's queue has not yet diverged)."""
+    under = [p["load"] for p in result["points"] if p["load"] <= 1]
+    return max(under) if under else None
+
+
+def load_summary(result: dict) -> dict:
+    """The summary's keys for the load bench: μ with handoff / μ alone, and vLLM alone's TTFT over the
+    handoff's at the saturation point."""
+    mu, u = result["saturation_rps"], saturation_point(result)
+    at = next((p for p in result["points"] if p["load"] == u), None)
+
+    def ratio(key: str) -> float | None:
+        return at["vllm"][key] / at["vllm+handoff"][key] if at else None
+
+    return {"saturation_throughput_ratio": mu["vllm+handoff"] / mu["vllm"],
+            "saturation_p50_ttft_ratio": ratio("ttft_p50_s"), "saturation_p99_ttft_ratio": ratio("ttft_p99_s")}

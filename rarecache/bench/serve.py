@@ -8,12 +8,23 @@ same run, on the same scripted conversations, through the same `ChatService` cod
 its conversations with its own answers, and the table says whether the two arms'
 answers agree (exactly, and in how many leading tokens). Passages come from documents the map was
 not calibrated on.
+
+Inside vLLM (`--engine vllm`, `run_vllm_switch_bench`) the question is the same for a serving
+engineer: on the same two vLLM engines, does the switched turn's first token come sooner through
+the connector than by vLLM prefilling the conversation itself? The baseline request is sent so
+that vLLM must compute every prompt position (no handoff, a cache salt of its own so its prefix
+cache holds nothing of the prompt), and each reply is checked for that, not assumed; the arms
+alternate which goes first and the figure is a ratio of medians from the same run.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
@@ -134,3 +145,155 @@ def run_switch_bench(source: LLM, target: LLM, forward: Mapper, backward: Mapper
              f"re-reading; same answer as the baseline in {summary['switch_same_answer']} of {len(switched)} (agree: "
              f"leading tokens equal to the baseline's answer)")
     return summary
+
+
+# ---------------------------------------------------------------------------------------
+# inside vLLM: `rarecache bench serve --engine vllm`
+# ---------------------------------------------------------------------------------------
+# The service is duck-typed (adapters/vllm/serving.VllmChatService: prepare, answer(reread=, rho=),
+# models[name].tokenizer, cfg.max_batch), so this room does not import the adapter.
+
+FOLLOW_UP = QUESTIONS[1]  # the switched turn's question
+
+
+@dataclass(frozen=True)
+class VllmSwitchConfig:
+    lengths: tuple[int, ...] = (512, 2048, 4096)  # the switched turn's prompt length T
+    rhos: tuple[float, ...] = (0.1, 0.3)
+    repeats: int = 3  # timed runs of every arm, interleaved, after one warm-up
+    answer_tokens: int = 16  # the source's answer to the first turn
+    max_new_tokens: int = 8  # the switched turn's answer, in both arms
+    corpus: str = "wiki"
+
+    def __post_init__(self):
+        check_lengths(self.lengths, "--lengths")
+        if not self.rhos or len(set(self.rhos)) != len(self.rhos) or not all(
+                isinstance(r, (int, float)) and not isinstance(r, bool) and 0 <= r <= 1 for r in self.rhos):
+            raise RarecacheError(f"--rhos takes distinct numbers in [0, 1], not {list(self.rhos)}")
+        if self.repeats < 1 or self.answer_tokens < 1 or self.max_new_tokens < 1:
+            raise RarecacheError("need --repeats, --answer-tokens and --max-new-tokens >= 1")
+
+
+def check_lengths(lengths, flag: str) -> None:
+    if not lengths or len(set(lengths)) != len(lengths) or any(type(T) is not int or T < 64 for T in lengths):
+        raise RarecacheError(f"{flag} takes distinct prompt lengths >= 64, not {list(lengths)}")
+
+
+def switched_conversations(svc, source: str, target: str, T: int, n: int, answer_tokens: int, new_tokens: int,
+                           maps, corpus: str, cache_dir=None) -> list[tuple[list[int], str]]:
+    """`n` conversations whose second turn is about T tokens: the source answers the first (a held-out
+    passage and a question; `answer_tokens` tokens, all n at once, untimed) and files its rows; the
+    result is the target's prompt of turn 2 and the conversation's salt, for each."""
+    tok = svc.models[target].tokenizer
+    frame = tok.encode_chat([{"role": "user", "content": f"Read this passage.\n\n\n\n{QUESTIONS[0]}"},
+                             {"role": "assistant", "content": ""}, {"role": "user", "content": FOLLOW_UP}])
+    room = T - len(frame) - answer_tokens
+    if room < 16:
+        raise RarecacheError(f"a prompt of {T} tokens leaves {room} for the passage after the chat template and "
+                             f"the first answer: take a longer one")
+    texts = passages(SwitchBenchConfig(conversations=n, passage_tokens=room, corpus=corpus), svc.models[source],
+                     maps, cache_dir)
+    tag = uuid.uuid4().hex[:12]
+    salts = [f"bench-{tag}-{T}-{i}" for i in range(n)]
+    first = SamplingConfig(max_new_tokens=answer_tokens, ignore_eos=True)
+    turn1 = [[{"role": "user", "content": f"Read this passage.\n\n{p}\n\n{QUESTIONS[0]}"}] for p in texts]
+
+    def ask(i: int):
+        return svc.answer(source, svc.prepare(source, turn1[i], first, salt=salts[i]), first, salt=salts[i])
+
+    with ThreadPoolExecutor(max_workers=max(1, svc.cfg.max_batch)) as pool:
+        answers = list(pool.map(ask, range(n)))
+    later = SamplingConfig(max_new_tokens=new_tokens)  # prepare checks that the answer fits
+    return [(svc.prepare(target, m + [{"role": "assistant", "content": a.text}, {"role": "user", "content": FOLLOW_UP}],
+                         later, salt=s), s) for m, a, s in zip(turn1, answers, salts)]
+
+
+def ask_target(svc, source: str, target: str, ids: list[int], salt: str, sampling: SamplingConfig,
+               rho: float | None):
+    """One switched turn on the target: rho None is vLLM alone (it reads the whole prompt itself, its
+    prefix cache holding none of it), else the connector's handoff at rho. Checked, not assumed."""
+    reply = svc.answer(target, ids, sampling, salt=salt, reread=rho is None, rho=rho)
+    if rho is None and (reply.handed_off_from is not None or reply.reused or reply.prefilled != len(ids)):
+        raise RarecacheError(f"the baseline did not read the whole prompt itself (reused {reply.reused}, handed off "
+                             f"from {reply.handed_off_from}): the comparison would not be vLLM alone")
+    return reply
+
+
+def run_vllm_switch_bench(svc, source: str, target: str, cfg: VllmSwitchConfig, maps=(), settings=None,
+                          cache_dir=None, emit=print) -> dict:
+    """Time to first token of the switched turn, vLLM alone vs the connector's handoff at each ρ,
+    on the same engines, arms interleaved (rotating which goes first), median of `repeats`."""
+    sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
+    convs = {T: switched_conversations(svc, source, target, T, 1, cfg.answer_tokens, cfg.max_new_tokens, list(maps),
+                                       cfg.corpus, cache_dir)[0] for T in sorted(cfg.lengths)}
+    arms: list[float | None] = [None, *cfg.rhos]
+    first_T = min(cfg.lengths)
+    for rho in arms:  # warm-up, not counted
+        ask_target(svc, source, target, *convs[first_T], sampling, rho)
+    emit(f"time to first token of a switched conversation inside vLLM, {source} -> {target}: vLLM alone (it "
+         f"reads the whole prompt) vs the connector's handoff, same engines, median of {cfg.repeats}, interleaved")
+    emit(f"{'T':>5} {'prompt':>6} {'rho':>4} {'claimed':>7} {'recomp':>6} {'tail':>5} {'spent':>5} "
+         f"{'vLLM ms':>9} {'handoff ms':>10} {'speedup':>7} {'agree':>7}")
+    rows = []
+    for T in sorted(cfg.lengths):
+        ids, salt = convs[T]
+        got: dict[float | None, list] = {rho: [] for rho in arms}
+        for r in range(cfg.repeats):
+            for rho in arms[r % len(arms):] + arms[: r % len(arms)]:  # neither arm always first
+                reply = ask_target(svc, source, target, ids, salt, sampling, rho)
+                if rho is not None and (reply.handed_off_from != source or reply.note):
+                    raise RarecacheError(f"T={T}, rho={rho:g}: the target did not hand off "
+                                         f"({reply.note or 'no note'})")
+                got[rho].append(reply)
+        base = [x.seconds["first_token"] for x in got[None]]
+        for rho in cfg.rhos:
+            hand = got[rho]
+            h, b = hand[-1], got[None][-1]
+            P, tail = len(ids), h.prefilled
+            row = {"T": T, "prompt_tokens": P, "rho": rho, "claimed": h.handed_off, "recomputed": h.recomputed,
+                   "tail": tail, "rho_spent": (h.recomputed + tail) / P,
+                   "vllm_ttft_s": statistics.median(base), "handoff_ttft_s":
+                       statistics.median(x.seconds["first_token"] for x in hand),
+                   "vllm_ttft_all_s": base, "handoff_ttft_all_s": [x.seconds["first_token"] for x in hand],
+                   "handoff_worker_s": statistics.median(x.seconds.get("handoff", 0.0) for x in hand),
+                   "vllm_prefilled": b.prefilled, "vllm_reused": b.reused,
+                   "same_answer": all(x.tokens == y.tokens for x, y in zip(hand, got[None])),
+                   "agree_tokens": common_prefix(b.tokens, h.tokens), "new_tokens": len(b.tokens)}
+            row["speedup"] = row["vllm_ttft_s"] / row["handoff_ttft_s"]
+            rows.append(row)
+            emit(f"{T:>5} {P:>6} {rho:>4g} {h.handed_off:>7} {h.recomputed:>6} {tail:>5} {row['rho_spent']:>5.2f} "
+                 f"{row['vllm_ttft_s'] * 1e3:>9.0f} {row['handoff_ttft_s'] * 1e3:>10.0f} {row['speedup']:>6.2f}x "
+                 f"{row['agree_tokens']:>3}/{row['new_tokens']:<3}")
+    emit("spent: the share of prompt positions the target computed (recomputed + vLLM's tail); agree: leading "
+         "tokens of the answer equal to vLLM alone's")
+    return {"bench": "vllm-switch", "source": source, "target": target,
+            "settings": {**(settings or {}), "lengths": list(cfg.lengths), "rhos": list(cfg.rhos),
+                         "repeats": cfg.repeats, "answer_tokens": cfg.answer_tokens,
+                         "max_new_tokens": cfg.max_new_tokens, "corpus": cfg.corpus},
+            "rows": rows}
+
+
+def switch_summary(result: dict) -> dict:
+    """The summary's keys for the switch bench: vLLM alone / handoff, per "T/rho"."""
+    cells = {f"{r['T']}/{r['rho']:g}": r["speedup"] for r in result["rows"]}
+    return {"switch_ttft_speedup_T2048_rho0.3": cells.get("2048/0.3"), "switch_ttft_speedup": cells}
+
+
+def update_summary(path: Path, keys: dict, bench: str, settings: dict) -> dict:
+    """Read-modify-write the benches' summary file: this bench's keys and its settings, the rest kept
+    (each bench writes its own, so they can run separately)."""
+    data: dict = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            raise RarecacheError(f"{path} is not a JSON object; move it or give another --summary")
+    data.update(keys)
+    data.setdefault("settings", {})[bench] = settings
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+    return data

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from .common import add_model_options, add_pair_options, load_pair, print_json
+from .common import add_model_options, add_pair_options, load_pair, print_json, write_out
+
+SUMMARY = Path("docs/artifacts/bench-handoff-summary.json")
 
 
 def register(sub) -> None:
@@ -65,14 +68,26 @@ def _add_handoff(bench) -> None:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--device", default="cpu")
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    b.add_argument("--summary", type=Path, default=SUMMARY,
+                   help=f"write the per-cell summary (share of the sparse ceiling, map + score share, peak memory) "
+                        f"here (default: {SUMMARY})")
+    b.add_argument("--no-summary", action="store_true", help="do not write the summary file")
+    add_pack_option(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_handoff)
+
+
+def add_pack_option(b) -> None:
+    b.add_argument("--pack", action="store_true",
+                   help="prepack the target's float32 weights for oneDNN (faster small products, float32-close "
+                        "to F.linear; bfloat16 packs by default where the CPU can)")
 
 
 def cmd_bench_handoff(args) -> int:
     import torch
 
-    from ..bench.handoff import time_cell
+    from ..bench.handoff import summary, time_cell
+    from ..bench.memory import formula, memory_kind
     from ..engine.llm import DTYPES
 
     if args.shapes:
@@ -89,11 +104,17 @@ def cmd_bench_handoff(args) -> int:
             raise RarecacheError("give --source, --target and --map, or --shapes SOURCE:TARGET")
         source, target, mapper, _ = load_pair(args)
         pair = f"{source.path.name} -> {target.path.name}"
+    if args.pack:
+        _pack(target)
     torch.manual_seed(0)
-    print(f"handoff vs target prefill: {pair}, {args.dtype}, {args.device}, threads {torch.get_num_threads()}, "
-          f"median of {args.repeats} after a warm-up; source prefill not counted")
+    threads = torch.get_num_threads()
+    print(f"handoff vs target prefill: {pair}, {args.dtype}{', packed' if target.packed else ''}, {args.device}, "
+          f"threads {threads}, median of {args.repeats} after a warm-up; source prefill not counted; the rank "
+          f"score runs inside the map phase")
+    print(f"memory ({memory_kind(args.device)}, MiB above the weights): {formula(source, target, mapper)}")
     head = (f"{'T':>5} {'rho':>4} {'B':>3} {'prefill ms':>10} {'map':>7} {'score':>6} {'recomp':>8} "
-            f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9}")
+            f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9} "
+            f"{'mem pre':>8} {'mem hand':>8} {'(src':>6} {'tgt':>6} {'map)':>5}")
     print(head)
     rows = []
     for T in args.lengths:
@@ -104,35 +125,67 @@ def cmd_bench_handoff(args) -> int:
                 print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
                       f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
                       f"{r['ceiling_dense']:>9.2f}x {r['ceiling_sparse']:>10.2f}x {r['of_sparse_ceiling']:>9.2f} "
-                      f"{r['map_score_share_of_prefill']:>8.1%}", flush=True)
-    print_json({"bench": "handoff", "pair": pair, "dtype": args.dtype, "device": args.device, "rows": rows},
-               args.out, indent=1)
+                      f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
+                      f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
+                      f"{r['map_mib']:>5.0f}", flush=True)
+    header = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "packed": target.packed, "device": args.device,
+              "threads": threads, "memory": memory_kind(args.device)}
+    if not args.no_summary:
+        write_out(args.summary, json.dumps(summary(rows, **header), indent=1) + "\n")
+        print(f"summary written to {args.summary}")
+    print_json({**header, "rows": rows}, args.out, indent=1)
     return 0
 
 
+def _pack(runner) -> None:
+    try:
+        runner.pack()
+    except ValueError as e:
+        raise RarecacheError(f"--pack: {e}") from None
+
+
+def _mib(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0f}"
+
+
 def _add_serve(bench) -> None:
+    from .bench_vllm import add_serve_options
+
     b = bench.add_parser("serve", help="time to first token when a conversation switches model: handoff vs "
-                                       "re-reading, through the chat service",
+                                       "re-reading, through the chat service or inside vLLM",
                          description="Scripted multi-turn conversations over held-out corpus passages, answered "
                                      "turn by turn by the models the schedule names, twice in the same run: through "
                                      "a service that hands off between the models and through one that re-reads. "
-                                     "Prints a row per turn, the median speed-up on switched turns, then one JSON line.")
+                                     "Prints a row per turn, the median speed-up on switched turns, then one JSON line. "
+                                     "With --engine vllm: a switched turn of T tokens on two vLLM engines, the "
+                                     "connector's handoff at each rho vs vLLM reading the whole prompt itself, "
+                                     "interleaved, medians; writes docs/artifacts/bench-vllm-switch.json and the "
+                                     "summary's switch keys.")
     add_pair_options(b)
+    b.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
+                   help="rarecache: our chat service (default); vllm: two vLLM engines with RarecacheConnector")
     b.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
-    b.add_argument("--schedule", nargs="+", default=["source", "target", "target"], choices=["source", "target"],
+    b.add_argument("--schedule", nargs="+", default=None, choices=["source", "target"],
                    help="who answers each turn (default: source target target)")
-    b.add_argument("--conversations", type=int, default=3, help="default: 3")
-    b.add_argument("--passage-tokens", type=int, default=1024, help="passage length in the first turn (default: 1024)")
-    b.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    b.add_argument("--conversations", type=int, default=None, help="default: 3")
+    b.add_argument("--passage-tokens", type=int, default=None, help="passage length in the first turn (default: 1024)")
+    b.add_argument("--max-new-tokens", type=int, default=None, help="default: 32; with --engine vllm: 8")
     b.add_argument("--corpus", default="wiki", help="passages from this corpus's unused documents (default: wiki)")
-    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--rho", type=float, default=None, help="default: 0.3 (--engine vllm: --rhos)")
     b.add_argument("--selector", default="rank", help="default: rank")
-    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    b.add_argument("--out", type=Path, default=None,
+                   help="also write the JSON here (--engine vllm: default docs/artifacts/bench-vllm-switch.json)")
+    add_serve_options(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_serve)
 
 
 def cmd_bench_serve(args) -> int:
+    from .bench_vllm import SERVE, cmd_bench_serve_vllm, resolve
+
+    resolve(args, SERVE)
+    if args.engine == "vllm":
+        return cmd_bench_serve_vllm(args)
     from ..bench.serve import SwitchBenchConfig, run_switch_bench
     from ..engine.llm import LLM
     from ..transfer.handoff import HandoffConfig
@@ -153,26 +206,44 @@ def cmd_bench_serve(args) -> int:
 
 
 def _add_load(bench) -> None:
+    from .bench_vllm import add_load_options
+
     b = bench.add_parser("load", help="throughput of the chat service under concurrent clients: batched "
-                                      "decoding vs one request at a time",
+                                      "decoding vs one request at a time; with --engine vllm, Poisson load",
                          description="A load generator: CLIENTS threads each send REQUESTS chat requests back to "
                                      "back (a held-out corpus passage and a question) to one model through the "
                                      "chat service, once with one answer decoded at a time and once with up to "
                                      "CLIENTS decoded together, in the same run. Prints tokens/s and latencies per "
-                                     "arm, the throughput ratio and how many answers agree, then one JSON line.")
-    b.add_argument("--model", default="qwen2.5-coder-1.5b-instruct",
-                   help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
-    b.add_argument("--clients", type=int, default=4, help="concurrent clients = the batched arm's max batch (default: 4)")
-    b.add_argument("--requests", type=int, default=2, help="requests per client, back to back (default: 2)")
-    b.add_argument("--prompt-tokens", type=int, default=128, help="passage tokens per request (default: 128)")
-    b.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer, no early end (default: 32)")
+                                     "arm, the throughput ratio and how many answers agree, then one JSON line. "
+                                     "With --engine vllm: switched conversations arriving as a Poisson process at "
+                                     "each offered load (over the target's measured saturation rate), vLLM alone vs "
+                                     "vLLM + handoff under the same traces: TTFT p50/p99 and throughput; writes "
+                                     "docs/artifacts/bench-vllm-load.json and the summary's saturation keys.")
+    b.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
+                   help="rarecache: our chat service (default); vllm: two vLLM engines with RarecacheConnector")
+    b.add_argument("--model", default=None, help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    b.add_argument("--clients", type=int, default=None,
+                   help="concurrent clients = the batched arm's max batch (default: 4)")
+    b.add_argument("--requests", type=int, default=None,
+                   help="requests per client, back to back (default: 2); --engine vllm: per load and arm (40)")
+    b.add_argument("--prompt-tokens", type=int, default=None,
+                   help="passage tokens per request (default: 128); --engine vllm: the switched prompt (256)")
+    b.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per answer, no early end (default: 32; --engine vllm: 1)")
     b.add_argument("--corpus", default="wiki", help="passages from this corpus (default: wiki)")
-    b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    b.add_argument("--out", type=Path, default=None,
+                   help="also write the JSON here (--engine vllm: default docs/artifacts/bench-vllm-load.json)")
+    add_load_options(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_load)
 
 
 def cmd_bench_load(args) -> int:
+    from .bench_vllm import LOAD, cmd_bench_load_vllm, resolve
+
+    resolve(args, LOAD)
+    if args.engine == "vllm":
+        return cmd_bench_load_vllm(args)
     from ..bench.load import LoadBenchConfig, run_load_bench
     from ..engine.llm import LLM
 
@@ -190,6 +261,7 @@ def _add_ablate(bench) -> None:
     b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
     b.add_argument("--batch", type=int, default=4, help="requests in the batching comparison (default: 4)")
     b.add_argument("--repeats", type=int, default=3)
+    add_pack_option(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_ablate)
 
@@ -198,13 +270,19 @@ def cmd_bench_ablate(args) -> int:
     from ..bench.ablate import ablate
 
     source, target, mapper, _ = load_pair(args)
+    if args.pack and not target.packed:
+        from ..engine.runner import pack_float32
+
+        if not pack_float32(target.dtype, target.device):
+            _pack(target)  # refused with the reason (the float32 rows pack it in place after timing it plain)
     print(f"optimisations vs their references: {source.path.name} -> {target.path.name}, T={args.length}, "
           f"rho={args.rho}, {args.dtype}, median of {args.repeats} after a warm-up")
-    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats)
-    print(f"{'optimisation':58s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
+    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack)
+    print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
     for r in rows:
-        print(f"{r['optimisation']:58s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
-    print_json({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "rows": rows})
+        print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
+    print_json({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "packed": target.packed,
+                "rows": rows})
     return 0
 
 

@@ -26,6 +26,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 Prompt = str | list[dict[str, Any]]  # raw text, or chat messages rendered by the template
 
 
+def generation_eos(path: Path, config) -> tuple[int, ...]:
+    """A checkpoint's end tokens: its config's and generation_config.json's (checked: the file is data)."""
+    ids = list(config.eos_token_ids)
+    file = path / "generation_config.json"
+    if file.is_file():
+        try:
+            raw = json.loads(file.read_text())
+        except (ValueError, RecursionError) as e:
+            raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
+        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if any(type(i) is not int or i < 0 for i in ids):
+        raise RarecacheError(f"{file}: eos_token_id must be integers >= 0, not {ids!r}"[:300])
+    return tuple(ids)
+
+
 @dataclass
 class Completion:
     text: str
@@ -50,18 +66,7 @@ class LLM:
                                  f"the model only {self.config.vocab_size}")
 
     def _generation_eos(self) -> tuple[int, ...]:
-        ids = list(self.config.eos_token_ids)
-        file = self.path / "generation_config.json"
-        if file.is_file():
-            try:
-                raw = json.loads(file.read_text())
-            except (ValueError, RecursionError) as e:
-                raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
-            eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if any(type(i) is not int or i < 0 for i in ids):
-            raise RarecacheError(f"{file}: eos_token_id must be integers >= 0, not {ids!r}"[:300])
-        return tuple(ids)
+        return generation_eos(self.path, self.config)
 
     def encode(self, prompt: Prompt) -> list[int]:
         ids = self.tokenizer.encode_chat(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)

@@ -8,6 +8,7 @@ model knowing.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,18 +40,29 @@ class AttnCapture:
 class Runner:
     def __init__(self, model: CausalLM, path: Path | None = None, pack: bool | None = None):
         """`pack`: prepack the decoder layers' linear weights and the LM head for oneDNN (in place; see
-        models.packed).
-        None packs where it is exact and faster (bfloat16 on a CPU); False keeps plain `F.linear`."""
+        models.packed). None packs where it is exact and faster (bfloat16 on a CPU); True also packs
+        float32 on a CPU (`pack_float32`); False keeps plain `F.linear`."""
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
         self.attention = attend  # the kernel; benchmarks swap in the dense reference to measure the gain
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
-        if pack and not can_pack(self.dtype, self.device):
-            raise ValueError("prepacked weights need bfloat16 on a CPU with oneDNN")
-        self.packed = (can_pack(self.dtype, self.device) if pack is None else pack) and pack_model(model) > 0
+        self.packed = False
+        if pack or (pack is None and can_pack(self.dtype, self.device)):
+            self.pack()
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
+
+    def pack(self) -> "Runner":
+        """Prepack the linear weights in place (once). In float32 this swaps MKL's `F.linear` for oneDNN's
+        kernel, which rounds differently (float32-close, not bitwise) and keeps small products fast: MKL
+        re-reads and re-blocks each weight on every call, which a recompute of a few dozen rows per layer
+        pays in full (measured in `bench ablate`); `Runner(..., pack=False)` stays the reference."""
+        if not (can_pack(self.dtype, self.device) or pack_float32(self.dtype, self.device)):
+            raise ValueError("prepacked weights need a CPU with oneDNN, in bfloat16 (AVX-512) or float32")
+        if not self.packed:
+            self.packed = pack_model(self.model) > 0
+        return self
 
     @classmethod
     def load(cls, path: str | Path, dtype: torch.dtype = torch.float32, device="cpu",
@@ -178,6 +190,22 @@ class Runner:
             outs = [self.forward(*pad_batch([p], self.device), cache.row(b)).logits for b, p in enumerate(prompts)]
             return cache, ForwardOutput(torch.cat(outs))
         return cache, self.forward(*pad_batch(prompts, self.device), cache)
+
+
+@functools.cache
+def _onednn_float32() -> bool:
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8), w, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def pack_float32(dtype: torch.dtype, device) -> bool:
+    """Whether float32 weights can be prepacked here (a CPU build with oneDNN): opt-in, `Runner.pack`."""
+    return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and _onednn_float32())
 
 
 def spans(prompts: list[list[int]], starts: list[int], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,29 @@ class _Job:
     t_decode: float = 0.0
 
 
+def check_request(models, cfg, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
+                  stop: tuple[str, ...] = (), salt: str | None = None) -> None:
+    """Every mistake a client can make in a chat request, for any engine's service (`cfg` gives
+    max_prompt_chars and max_new_tokens; `models` the names served)."""
+    if model not in models:
+        raise ModelNotFound(f"unknown model {model!r}; this server has {', '.join(models)}")
+    if not messages:
+        raise RarecacheError("messages is empty")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise RarecacheError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content")
+    if messages[-1]["role"] == "assistant":
+        raise RarecacheError("the last message is the assistant's; there is nothing to answer")
+    if sum(len(m["content"]) for m in messages) > cfg.max_prompt_chars:
+        raise RarecacheError(f"the messages exceed {cfg.max_prompt_chars} characters")
+    if sampling.max_new_tokens > cfg.max_new_tokens:
+        raise RarecacheError(f"max_tokens is at most {cfg.max_new_tokens} on this server")
+    if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
+        raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
+        raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
+
+
 class ChatService:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: ServiceConfig = ServiceConfig()):
@@ -128,30 +151,11 @@ class ChatService:
 
     # -- requests ----------------------------------------------------------------------------
 
-    def validate(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig) -> None:
-        if model not in self.models:
-            raise ModelNotFound(f"unknown model {model!r}; this server has {', '.join(self.models)}")
-        if not messages:
-            raise RarecacheError("messages is empty")
-        for i, m in enumerate(messages):
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise RarecacheError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content")
-        if messages[-1]["role"] == "assistant":
-            raise RarecacheError("the last message is the assistant's; there is nothing to answer")
-        if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
-            raise RarecacheError(f"the messages exceed {self.cfg.max_prompt_chars} characters")
-        if sampling.max_new_tokens > self.cfg.max_new_tokens:
-            raise RarecacheError(f"max_tokens is at most {self.cfg.max_new_tokens} on this server")
-
     def prepare(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
                 stop: tuple[str, ...] = (), salt: str | None = None) -> list[int]:
         """Validate a request and tokenise it: every mistake a client can make is raised here,
         before any work is queued (a streamed answer has no way to report one later)."""
-        self.validate(model, messages, sampling)
-        if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
-            raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
-            raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
+        check_request(self.models, self.cfg, model, messages, sampling, stop, salt)
         ids = self.models[model].encode([{"role": m["role"], "content": m["content"]} for m in messages])
         self.models[model].check_fits(len(ids), sampling.max_new_tokens, model)
         return ids

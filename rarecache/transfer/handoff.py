@@ -173,15 +173,16 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     t = _now(target)
     cache = target_cache or target.new_cache(B, max_len or max(lengths))
     toks, positions = spans(prompts, target_kept, device)
-    centred = mapper.apply(source, source_cache, target, cache, positions)
+    needs_rank = selector is not None and selector.needs_rank  # rank disagreement is computed inside the map
+    rank = mapper.apply_scored(source, source_cache, target, cache, positions, rank=needs_rank)
     timings["map"] = _now(target) - t
 
     t = _now(target)
     whole = spans(prompts, [0] * B, device)[0]  # (B, n)
     scores = None
     if selector is not None:
-        ctx = SelectionContext(source, target, mapper, whole, positions, cache, centred, src_attn, cfg.seed,
-                               target_prefill)
+        ctx = SelectionContext(source, target, mapper, whole, positions, cache, None, src_attn, cfg.seed,
+                               target_prefill, rank=rank)
         scores = selector.scores(ctx)  # (B, W)
     timings["score"] = _now(target) - t
     return Mapped(cache, whole, toks, positions, scores, lengths, target_kept, src_attn, timings)

@@ -33,6 +33,7 @@ from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
 from .features import rows, write_rows
 from .fit import SideFit
+from .fused import map_into
 from .mlp import SideMLP
 
 FORMAT_VERSION = 1
@@ -89,7 +90,7 @@ class Mapper:
         self.info = info
         self.sides = sides
         self.mlp = mlp  # residual MLPs per side when info.mlp_hidden > 0
-        self._cast: dict[tuple[str, torch.dtype, Any], tuple[torch.Tensor, ...]] = {}
+        self._cast: dict[tuple[str, torch.dtype, str], dict[str, Any]] = {}
 
     # -- file format -------------------------------------------------------------------
 
@@ -245,17 +246,20 @@ class Mapper:
 
     # -- application ---------------------------------------------------------------------
 
-    def _tensors(self, side: str, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    def tensors(self, side: str, dtype: torch.dtype, device) -> dict[str, Any]:
+        """One side's tensors in `dtype` on `device` (cast once, then cached), and its source layers as
+        Python lists (one per target layer)."""
         key = (side, dtype, str(device))
         if key not in self._cast:
             f = self.sides[side]
-            self._cast[key] = (f.sources.to(device), f.weight.to(device, dtype), f.bias.to(device, dtype),
-                               f.mean.to(device, dtype))
+            self._cast[key] = {"sources": f.sources.to(device), "source_list": f.sources.tolist(),
+                               **{n: getattr(f, n).to(device, dtype) for n in ("weight", "bias", "mean", "basis")}}
         return self._cast[key]
 
     def map_rows(self, side: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Source content rows x (B, T, Ls·ds) -> target rows ŷ (Lt, B, T, dt) and centred z = ŷ − ȳ."""
-        sources, weight, bias, mean = self._tensors(side, x.dtype, x.device)
+        t = self.tensors(side, x.dtype, x.device)
+        sources, weight, bias, mean = t["sources"], t["weight"], t["bias"], t["mean"]
         B, T, _ = x.shape
         Lt, kd, dt = weight.shape
         layers = x.reshape(B * T, -1, kd // self.info.k)  # (B·T, Ls, ds)
@@ -274,8 +278,25 @@ class Mapper:
               positions: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Map the source cache at positions (B, T) into the target cache (all layers, slots filled).
 
-        Returns the centred predictions z per side, (Lt, B, T, dt), for scoring.
-        """
+        Returns the centred predictions z per side, (Lt, B, T, dt), for scoring. One pass per target
+        layer (`transfer.fused`); equal to `apply_reference` (tested)."""
+        centred, _ = map_into(self, source, source_cache, target, target_cache, positions,
+                              dtype or target.dtype, centred=True)
+        return centred
+
+    @torch.inference_mode()
+    def apply_scored(self, source: Runner, source_cache: KVCache, target: Runner, target_cache: KVCache,
+                     positions: torch.Tensor, dtype: torch.dtype | None = None, rank: bool = True
+                     ) -> torch.Tensor | None:
+        """`apply` keeping only what a handoff's selector reads: the rank-disagreement score (B, T) when
+        `rank` (equal to `selectors.rank_scores` of `apply`'s output), else nothing (None)."""
+        return map_into(self, source, source_cache, target, target_cache, positions, dtype or target.dtype,
+                        rank=rank)[1]
+
+    @torch.inference_mode()
+    def apply_reference(self, source: Runner, source_cache: KVCache, target: Runner, target_cache: KVCache,
+                        positions: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The plain pipeline `apply` replaces, kept as its reference: every step over all layers at once."""
         dtype = dtype or target.dtype
         out = {}
         for side in SIDES:

@@ -31,10 +31,19 @@ class SelectionContext:
     tokens: torch.Tensor  # (B, n) whole prompts
     positions: torch.Tensor  # (B, W) the handed-off positions
     mapped: KVCache  # target cache after the map, before any recompute
-    centred: dict[str, torch.Tensor]  # the map's centred outputs z per side, (Lt, B, W, dt)
+    centred: dict[str, torch.Tensor] | None  # the map's centred outputs z per side, (Lt, B, W, dt), if kept
     source_attn: torch.Tensor | None = None  # (B, S) attention received in the source, if captured
     seed: int = 0
     _target_prefill: tuple[KVCache, torch.Tensor] | None = field(default=None, repr=False)
+    rank: torch.Tensor | None = None  # (B, W) rank disagreement, when the map computed it (Mapper.apply_scored)
+
+    def rank_scores(self) -> torch.Tensor:
+        """Rank disagreement per position (B, W): the map's, or computed from the centred outputs."""
+        if self.rank is not None:
+            return self.rank
+        if self.centred is None:
+            raise ValueError("rank disagreement needs the map's score or its centred outputs")
+        return rank_scores(self.mapper, self.centred)
 
     def target_prefill(self) -> tuple[KVCache, torch.Tensor]:
         """The target's own prefill (oracles only): its cache and attention received (B, S),
@@ -77,6 +86,7 @@ class Selector:
     name = ""
     oracle = False
     needs_source_attention = False
+    needs_rank = False  # reads rank disagreement: the handoff has the map compute it on the way
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:  # (B, W)
         raise NotImplementedError
@@ -88,9 +98,10 @@ class Selector:
 
 class RankDisagreement(Selector):
     name = "rank"
+    needs_rank = True
 
     def scores(self, ctx):
-        return rank_scores(ctx.mapper, ctx.centred)
+        return ctx.rank_scores()
 
 
 class Random(Selector):
@@ -132,9 +143,10 @@ class AttentionTimesRank(Selector):
 
     name = "attn-rank"
     needs_source_attention = True
+    needs_rank = True
 
     def scores(self, ctx):
-        return _row_share(_at(ctx.source_attn, ctx.positions)) * _row_share(rank_scores(ctx.mapper, ctx.centred))
+        return _row_share(_at(ctx.source_attn, ctx.positions)) * _row_share(ctx.rank_scores())
 
 
 class AttentionPlusRank(Selector):
@@ -142,9 +154,10 @@ class AttentionPlusRank(Selector):
 
     name = "attn+rank"
     needs_source_attention = True
+    needs_rank = True
 
     def scores(self, ctx):
-        return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(rank_scores(ctx.mapper, ctx.centred))
+        return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(ctx.rank_scores())
 
 
 class TargetAttention(Selector):

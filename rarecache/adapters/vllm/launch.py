@@ -1,4 +1,5 @@
-"""`rarecache serve --engine vllm`: check the flags, find the pair and its maps, start both engines, serve.
+"""`rarecache serve --engine vllm`: check the flags, find the pair and its maps, start both engines, serve;
+and `bench_service`, the same pair of engines for `rarecache bench serve / load --engine vllm`.
 
 commands/serve.py parses the flags both engines share and hands over here. Everything a
 user can get wrong is refused before the first engine starts (each takes about a minute on a
@@ -15,7 +16,9 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 from ...errors import RarecacheError
 
@@ -86,3 +89,61 @@ def _demo_map(args, store: Path) -> Path:
     mapper.save(path)
     os.chmod(path, 0o600)
     return path
+
+
+@contextmanager
+def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache_dir: Path | None = None,
+                  block_size: int = 32, kv_cache_bytes: int = 2 << 30, max_batch: int = 8,
+                  max_model_len: int | None = None, selector: str = "rank",
+                  store: Path | None = None) -> Iterator[tuple[Any, tuple[str, str], dict[str, Any]]]:
+    """Both models in vLLM engines for the benches, the target taking handoffs from the source
+    through `map_path`, on a fresh row store (removed after) unless `store` names one. Yields the
+    service, the two served names and the settings both arms run under (vLLM's CPU threads, the
+    scheduler's limits, versions), for the benches' JSON."""
+    import torch
+
+    from ...models.store import resolve_model
+    from ...serve.names import model_id
+    from .engines import engine_environment
+    from .serving import VllmChatService, VllmServeConfig
+
+    names = model_id(source), model_id(target)
+    if names[0] == names[1]:
+        raise RarecacheError(f"source and target would both be named {names[0]!r}")
+    if not Path(map_path).is_file():
+        raise RarecacheError(f"no map file {map_path}")
+    fresh = store is None
+    shm = Path("/dev/shm")
+    store = Path(tempfile.mkdtemp(prefix="rarecache-bench-rows-", dir=shm if shm.is_dir() else None)) if fresh \
+        else Path(store).expanduser()
+    try:
+        cfg = VllmServeConfig(store=store, selector=selector, dtype=dtype, max_batch=max_batch,
+                              kv_cache_bytes=kv_cache_bytes, block_size=block_size, max_model_len=max_model_len)
+        paths = [resolve_model(m, cache_dir=cache_dir) for m in (source, target)]
+        env = {} if torch.cuda.is_available() else engine_environment()
+        if env:
+            print("rarecache: vLLM CPU threads: " + " ".join(f"{k}={v}" for k, v in env.items()), file=sys.stderr)
+        service = VllmChatService(dict(zip(names, paths)), {names: Path(map_path)}, cfg)
+        try:
+            yield service, names, {**engine_settings(service, names[1]), "environment": env}
+        finally:
+            service.close()
+    finally:
+        if fresh:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def engine_settings(service, name: str) -> dict[str, Any]:
+    """What an engine of the service runs under, as vLLM resolved it (the same for both arms)."""
+    import torch
+    import vllm
+
+    vc = service.engines[name].core.vllm_config
+    sched, cache = vc.scheduler_config, vc.cache_config
+    return {"engine": "vllm", "vllm": vllm.__version__, "torch": torch.__version__, "dtype": service.cfg.dtype,
+            "block_size": cache.block_size, "kv_cache_bytes": service.cfg.kv_cache_bytes,
+            "prefix_caching": bool(getattr(cache, "enable_prefix_caching", None)),
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", None)),
+            "scheduling_policy": str(getattr(sched, "policy", "fcfs")), "enforce_eager": not service.cfg.compile,
+            "selector": service.cfg.selector, "cores": len(os.sched_getaffinity(0))}

@@ -29,7 +29,6 @@ scripts that build this service need the `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import threading
 import time
@@ -39,10 +38,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...engine.generate import SamplingConfig
+from ...engine.llm import generation_eos
 from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.tokenizer import Tokenizer
-from ...serve.service import MAX_SALT, MAX_STOP, MAX_STOP_CHARS, ROLES, ModelNotFound, Reply
+from ...serve.service import Reply, check_request
 from ...transfer.mapper import Mapper
 from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, check_selector, claim
@@ -94,20 +94,6 @@ def tenant_scope(salt: str | None) -> str:
     return "-" if salt is None else f"t:{salt}"
 
 
-def _generation_eos(path: Path, cfg: ModelConfig) -> tuple[int, ...]:
-    """The end tokens `LLM` uses: the config's and generation_config.json's (checked as there)."""
-    ids = list(cfg.eos_token_ids)
-    file = path / "generation_config.json"
-    if file.is_file():
-        try:
-            raw = json.loads(file.read_text())
-        except (ValueError, RecursionError) as e:
-            raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
-        eos = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if any(type(i) is not int or i < 0 for i in ids):
-        raise RarecacheError(f"{file}: eos_token_id must be integers >= 0, not {ids!r}"[:300])
-    return tuple(ids)
 
 
 @dataclass(frozen=True)
@@ -133,7 +119,7 @@ class VllmChatService:
             path = Path(path)
             config = ModelConfig.from_dir(path)
             self.models[name] = _Model(path, model_identity(path), config,
-                                       Tokenizer.from_dir(path, extra_eos=_generation_eos(path, config)))
+                                       Tokenizer.from_dir(path, extra_eos=generation_eos(path, config)))
         self.maps = dict(maps)
         for (a, b), path in self.maps.items():
             if a not in self.models or b not in self.models or a == b:
@@ -196,23 +182,7 @@ class VllmChatService:
     def prepare(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
                 stop: tuple[str, ...] = (), salt: str | None = None) -> list[int]:
         """Validate and tokenise a request, as ChatService.prepare (with vLLM's max_model_len)."""
-        if model not in self.models:
-            raise ModelNotFound(f"unknown model {model!r}; this server has {', '.join(self.models)}")
-        if not messages:
-            raise RarecacheError("messages is empty")
-        for i, m in enumerate(messages):
-            if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise RarecacheError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content")
-        if messages[-1]["role"] == "assistant":
-            raise RarecacheError("the last message is the assistant's; there is nothing to answer")
-        if sum(len(m["content"]) for m in messages) > self.cfg.max_prompt_chars:
-            raise RarecacheError(f"the messages exceed {self.cfg.max_prompt_chars} characters")
-        if sampling.max_new_tokens > self.cfg.max_new_tokens:
-            raise RarecacheError(f"max_tokens is at most {self.cfg.max_new_tokens} on this server")
-        if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
-            raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
-        if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
-            raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
+        check_request(self.models, self.cfg, model, messages, sampling, stop, salt)
         ids = self.models[model].tokenizer.encode_chat([{"role": m["role"], "content": m["content"]}
                                                         for m in messages])
         if not ids:
@@ -224,16 +194,17 @@ class VllmChatService:
                                  "(vLLM's max_model_len)")
         return ids
 
-    def peer_for(self, model: str, ids: list[int], salt: str | None) -> str | None:
+    def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None) -> str | None:
         """The peer to hand `ids` off from: one whose rows cover more whole blocks than `model`'s own."""
         bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
+        rho = self.cfg.rho if rho is None else rho
         self._settle(scope)
         own = self.store.lookup(self.models[model].identity, scope, ids)
         best, most = None, min(own.length if own else 0, P - 1) // bs * bs
         for (a, b) in self.maps:
             if b == model:
                 hit = self.store.lookup(self.models[a].identity, scope, ids)
-                n = claim(P, hit.length, bs, self.cfg.rho, self.cfg.selector)[0] if hit else 0
+                n = claim(P, hit.length, bs, rho, self.cfg.selector)[0] if hit else 0
                 if n > most:
                     best, most = a, n
         return best
@@ -259,26 +230,36 @@ class VllmChatService:
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-               salt: str | None = None) -> VllmReply:
+               salt: str | None = None, *, reread: bool = False, rho: float | None = None) -> VllmReply:
         """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
-        model's vLLM engine prefill it (reusing its own cached blocks), and say which it was."""
+        model's vLLM engine prefill it (reusing its own cached blocks), and say which it was.
+
+        `rho`: this request's ρ instead of the service's. `reread`: vLLM reads the whole prompt
+        itself: no handoff, a salt of its own (its prefix cache holds nothing of the prompt) and
+        nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        arrived = time.perf_counter()  # first_token counts the routing below too
+        if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1):
+            raise RarecacheError(f"rho must be a number in [0, 1], not {rho!r}")
+        rho = self.cfg.rho if rho is None else rho
         m = self.models[model]
-        peer = self.peer_for(model, ids, salt)
+        peer = None if reread else self.peer_for(model, ids, salt, rho)
         record = uuid.uuid4().hex
-        if peer is None:  # the tenant's salt: vLLM's prefix cache shares this model's rows within it
+        if reread:
+            vsalt, rc = f"r:{uuid.uuid4().hex}", {"handoff": False, "capture": False}
+        elif peer is None:  # the tenant's salt: vLLM's prefix cache shares this model's rows within it
             vsalt, rc = (None if salt is None else f"t:{salt}"), {"handoff": False}
         else:  # a salt of its own: nothing else can reach its (approximate) blocks
-            vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": self.cfg.rho, "selector": self.cfg.selector}
+            vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": rho, "selector": self.cfg.selector}
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,
             stop_token_ids=list(m.tokenizer.eos_token_ids), output_kind=RequestOutputKind.CUMULATIVE,
             extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}})
         prompt = {"prompt_token_ids": ids, **({"cache_salt": vsalt} if vsalt else {})}
-        job = Job(f"rc-{record}", prompt, params, m.tokenizer, tuple(stop), on_text, cancelled)
+        job = Job(f"rc-{record}", prompt, params, m.tokenizer, tuple(stop), on_text, cancelled, arrived)
         self.engines[model].submit([job])
         job.done.wait()
         if job.error is not None:

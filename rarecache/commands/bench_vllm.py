@@ -1,0 +1,151 @@
+"""`rarecache bench serve / load --engine vllm`: the flags each engine takes, checked before anything
+starts, and the vLLM handlers.
+
+`bench serve` and `bench load` time our own chat service by default; with `--engine vllm` they
+run the same questions on two vLLM engines loading RarecacheConnector (adapters/vllm). Some flags
+belong to one engine only, and a few mean the same but default differently, so those default to
+None here and `resolve` refuses the other engine's flags in one line and fills in this one's
+defaults. Starting the engines takes minutes on a small CPU: every flag and the map are checked
+first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .common import print_json
+
+SWITCH_OUT = Path("docs/artifacts/bench-vllm-switch.json")
+LOAD_OUT = Path("docs/artifacts/bench-vllm-load.json")
+SUMMARY = Path("docs/artifacts/bench-vllm-summary.json")
+
+# per command and engine: the flags only that engine takes, with their defaults
+SERVE = {"rarecache": {"reverse_map": None, "schedule": ["source", "target", "target"], "conversations": 3,
+                       "passage_tokens": 1024, "rho": 0.3, "max_new_tokens": 32},
+         "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "repeats": 3, "answer_tokens": 16,
+                  "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
+                  "no_summary": False}}
+LOAD = {"rarecache": {"model": "qwen2.5-coder-1.5b-instruct", "clients": 4, "requests": 2, "prompt_tokens": 128,
+                      "max_new_tokens": 32},
+        "vllm": {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
+                 "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": 0.3,
+                 "selector": "rank", "max_batch": 8, "saturation_batches": 3, "seed": 0, "block_size": 32,
+                 "cache_gib": 4.0, "store": None, "summary": SUMMARY, "no_summary": False}}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def resolve(args: argparse.Namespace, table: dict[str, dict]) -> None:
+    """Refuse a flag of the other engine; fill in this engine's defaults."""
+    mine = table[args.engine]
+    for engine, flags in table.items():
+        for dest, default in flags.items():
+            if engine != args.engine and dest not in mine and getattr(args, dest) not in (None, False):
+                raise RarecacheError(f"{_flag(dest)}: only with --engine {engine}")
+    for dest, default in mine.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
+def _common(g) -> None:
+    g.add_argument("--block-size", type=int, default=None,
+                   help="vLLM's block size (default: 32; CPU: a multiple of 32)")
+    g.add_argument("--cache-gib", type=float, default=None, help="paged caches, split between the engines (default: 4)")
+    g.add_argument("--store", type=Path, default=None, help="row store (default: a fresh one under /dev/shm, removed)")
+    g.add_argument("--summary", type=Path, default=None, help=f"update this bench's keys here (default: {SUMMARY})")
+    g.add_argument("--no-summary", action="store_true", help="do not touch the summary file")
+
+
+def add_serve_options(b) -> None:
+    g = b.add_argument_group("with --engine vllm")
+    g.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="prompt lengths T of the switched turn (default: 512 2048 4096)")
+    g.add_argument("--rhos", type=float, nargs="+", default=None, help="default: 0.1 0.3")
+    g.add_argument("--repeats", type=int, default=None, help="timed runs of each arm, interleaved (default: 3)")
+    g.add_argument("--answer-tokens", type=int, default=None, help="the source's first answer (default: 16)")
+    _common(g)
+
+
+def add_load_options(b) -> None:
+    g = b.add_argument_group("with --engine vllm (the RaReCache paper's serving experiment, §4.6)")
+    g.add_argument("--source", default=None, help="model whose rows are handed off (name or checkpoint dir)")
+    g.add_argument("--target", default=None, help="model that serves the load")
+    g.add_argument("--map", type=Path, default=None, help="map fitted source -> target")
+    g.add_argument("--loads", type=float, nargs="+", default=None,
+                   help="offered loads, λ over the target's measured saturation rate (default: 0.25 0.5 0.75 0.98)")
+    g.add_argument("--discard", type=int, default=None, help="first arrivals not counted (default: 5)")
+    g.add_argument("--answer-tokens", type=int, default=None, help="the source's first answer (default: 16)")
+    g.add_argument("--rho", type=float, default=None, help="default: 0.3")
+    g.add_argument("--selector", default=None, help="default: rank")
+    g.add_argument("--max-batch", type=int, default=None, help="vLLM's max_num_seqs per engine (default: 8)")
+    g.add_argument("--saturation-batches", type=int, default=None,
+                   help="full batches queued at once to measure saturation (default: 3, as the paper)")
+    g.add_argument("--seed", type=int, default=None, help="of the Poisson trace (default: 0)")
+    _common(g)
+
+
+def _engine_kwargs(args) -> dict:
+    if not args.cache_gib > 0:
+        raise RarecacheError(f"--cache-gib must be > 0, not {args.cache_gib}")
+    return {"dtype": args.dtype, "cache_dir": args.cache_dir, "block_size": args.block_size,
+            "kv_cache_bytes": int(args.cache_gib * (1 << 30)) // 2, "selector": args.selector, "store": args.store}
+
+
+def _load_map(path: Path):
+    from ..transfer.mapper import Mapper
+
+    if not Path(path).is_file():
+        raise RarecacheError(f"no map file {path}")
+    return Mapper.load(path)  # its calibration documents are kept out of the passages
+
+
+def cmd_bench_serve_vllm(args) -> int:
+    from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, switch_summary, update_summary
+
+    cfg = VllmSwitchConfig(lengths=tuple(args.lengths), rhos=tuple(args.rhos), repeats=args.repeats,
+                           answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens, corpus=args.corpus)
+    kw = _engine_kwargs(args)
+    mapper = _load_map(args.map)
+    from ..adapters.vllm.launch import bench_service
+
+    with bench_service(args.source, args.target, args.map, **kw) as (svc, names, settings):
+        result = run_vllm_switch_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
+                                       emit=lambda line: print(line, flush=True))
+    if not args.no_summary:
+        update_summary(args.summary, switch_summary(result), "switch", result["settings"])
+        print(f"summary updated: {args.summary}", file=sys.stderr)
+    print_json(result, args.out or SWITCH_OUT, indent=1)
+    return 0
+
+
+def cmd_bench_load_vllm(args) -> int:
+    from ..bench.load import PoissonConfig, load_summary, run_vllm_load_bench
+    from ..bench.serve import check_lengths, update_summary
+
+    if not (args.source and args.target and args.map):
+        raise RarecacheError("bench load --engine vllm needs --source, --target and --map")
+    cfg = PoissonConfig(loads=tuple(args.loads), requests=args.requests, discard=args.discard,
+                        prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens,
+                        max_new_tokens=args.max_new_tokens, rho=args.rho, saturation_batches=args.saturation_batches,
+                        seed=args.seed, corpus=args.corpus)
+    check_lengths([args.prompt_tokens], "--prompt-tokens")
+    if args.max_batch < 1:
+        raise RarecacheError(f"--max-batch must be >= 1, not {args.max_batch}")
+    kw = _engine_kwargs(args)
+    mapper = _load_map(args.map)
+    from ..adapters.vllm.launch import bench_service
+
+    with bench_service(args.source, args.target, args.map, max_batch=args.max_batch, **kw) as (svc, names, settings):
+        result = run_vllm_load_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
+                                     emit=lambda line: print(line, flush=True))
+    if not args.no_summary:
+        update_summary(args.summary, load_summary(result), "load",
+                       {**result["settings"], "ttft_ratios_at_load": result["ttft_ratios_at_load"]})
+        print(f"summary updated: {args.summary}", file=sys.stderr)
+    print_json(result, args.out or LOAD_OUT, indent=1)
+    return 0

@@ -1,0 +1,190 @@
+"""The handoff's fast paths against the references they replace (fused map and score, fp32
+prepacked weights), the memory accounting of `bench handoff` and the summary file it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rarecache.bench.handoff import SUMMARY_KEYS
+from rarecache.bench.memory import MIB, footprint, formula, measure, memory_kind, nbytes
+from rarecache.engine.runner import Runner, pack_float32
+from rarecache.transfer.handoff import HandoffConfig, handoff
+from rarecache.transfer.mapper import SIDES
+from rarecache.transfer.selectors import rank_scores
+
+
+def _caches(target, n, count):
+    return [target.new_cache(1, n) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_map_equals_reference(fitted, dtype):
+    """One pass per target layer (gather + de-rotate, K products, rotate into the cache, score) equals
+    the plain pipeline: the cache, the centred rows and the rank score."""
+    source, target, mapper, prompts = fitted
+    src_cache, _ = source.prefill(prompts[:1])
+    n = len(prompts[0])
+    pos = torch.arange(n)[None]
+    fast, slow, scored = _caches(target, n, 3)
+    z = mapper.apply(source, src_cache, target, fast, pos, dtype=dtype)
+    ref = mapper.apply_reference(source, src_cache, target, slow, pos, dtype=dtype)
+    rank = mapper.apply_scored(source, src_cache, target, scored, pos, dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-5)
+    for c in (fast, scored):
+        torch.testing.assert_close(c.k, slow.k, **tol)
+        torch.testing.assert_close(c.v, slow.v, **tol)
+        assert torch.equal(c.filled, slow.filled)
+    for side in SIDES:
+        torch.testing.assert_close(z[side], ref[side], **tol)
+    want = rank_scores(mapper, ref)
+    torch.testing.assert_close(rank, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
+    assert mapper.apply_scored(source, src_cache, target, target.new_cache(1, n), pos, rank=False) is None
+
+
+def test_fused_map_in_bfloat16_equals_reference(fitted):
+    """bf16 maps multiply the gathered blocks once (one rounding, as the reference): close at bf16 precision."""
+    source, target, mapper, prompts = fitted
+    src_cache, _ = source.prefill(prompts[:1])
+    n = len(prompts[0])
+    pos = torch.arange(n)[None]
+    fast, slow = _caches(target, n, 2)
+    z = mapper.apply(source, src_cache, target, fast, pos, dtype=torch.bfloat16)
+    ref = mapper.apply_reference(source, src_cache, target, slow, pos, dtype=torch.bfloat16)
+    for side in SIDES:
+        scale = float(ref[side].float().abs().max())
+        torch.testing.assert_close(z[side].float(), ref[side].float(), atol=2e-2 * scale, rtol=0)
+    torch.testing.assert_close(fast.k, slow.k, atol=2e-2 * float(slow.k.abs().max()), rtol=0)
+
+
+def test_fused_map_scattered_and_batched_positions(fitted):
+    """Positions that are not one run (a batch with padding, a later span, scattered) take the gather
+    path and still equal the reference."""
+    source, target, mapper, prompts = fitted
+    src_cache, _ = source.prefill(prompts)  # (2, 37), second row 23 long
+    n = 37
+    cases = [torch.tensor([[*range(37)], [*range(23)] + [-1] * 14]),  # padded batch
+             torch.tensor([[*range(10, 37)], [*range(5, 23)] + [-1] * 9]),  # handoff after kept prefixes
+             torch.tensor([[3, 7, 8, 20, 36], [0, 1, 2, 22, -1]])]  # scattered
+    for pos in cases:
+        fast, slow = target.new_cache(2, n), target.new_cache(2, n)
+        z = mapper.apply(source, src_cache, target, fast, pos)
+        ref = mapper.apply_reference(source, src_cache, target, slow, pos)
+        valid = pos >= 0
+        for side in SIDES:
+            torch.testing.assert_close(z[side][:, valid], ref[side][:, valid], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast.k[:, :, :, :n], slow.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fast.v[:, :, :, :n], slow.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+        assert torch.equal(fast.filled, slow.filled)
+        one = torch.tensor([[*range(4, 30)]]) if pos is cases[0] else torch.tensor([[2, 5, 6, 30]])  # slice, gather
+        a, b = target.new_cache(1, n), target.new_cache(1, n)
+        row = source.new_cache(1, n)
+        row.copy_prefix(src_cache.row(0), n)
+        mapper.apply(source, row, target, a, one)
+        mapper.apply_reference(source, row, target, b, one)
+        torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(a.v, b.v, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_map_with_residual_mlp_equals_reference(fitted):
+    from rarecache.transfer.mlp import SideMLP
+
+    source, target, mapper, prompts = fitted
+    g = torch.Generator().manual_seed(0)
+    lt, kd, dt = mapper.sides["k"].weight.shape
+    mlp = {s: SideMLP(torch.randn(lt, kd, 8, generator=g) * 0.1, torch.randn(lt, 8, generator=g),
+                      torch.randn(lt, 8, dt, generator=g) * 0.1, torch.randn(lt, dt, generator=g)) for s in SIDES}
+    both = mapper.with_mlp(mlp, 8)
+    src_cache, _ = source.prefill(prompts[:1])
+    pos = torch.arange(len(prompts[0]))[None]
+    fast, slow = _caches(target, pos.shape[1], 2)
+    z, ref = both.apply(source, src_cache, target, fast, pos), both.apply_reference(source, src_cache, target, slow, pos)
+    torch.testing.assert_close(fast.k, slow.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(z["v"], ref["v"], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fast.v, target.new_cache(1, pos.shape[1]).v)
+
+
+@pytest.mark.parametrize("name", ["rank", "random", "attn-rank", "suffix"])
+def test_handoff_with_fused_map_equals_reference_pipeline(fitted, name, monkeypatch):
+    """The whole handoff with the map's score fused in equals the handoff through the reference map
+    (selected positions, logits, cache); selectors that do not read the map get no score."""
+    source, target, mapper, prompts = fitted
+    cfg = HandoffConfig.named(0.3, name)
+    cache, logits, res = handoff(source, target, mapper, prompts, cfg)
+
+    def reference(self, source, source_cache, target, target_cache, positions, dtype=None, rank=True):
+        centred = self.apply_reference(source, source_cache, target, target_cache, positions, dtype)
+        return rank_scores(self, centred) if rank else None
+
+    monkeypatch.setattr(type(mapper), "apply_scored", reference)
+    ref_cache, ref_logits, ref_res = handoff(source, target, mapper, prompts, cfg)
+    assert res.positions == ref_res.positions
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k, ref_cache.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v, ref_cache.v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not pack_float32(torch.float32, "cpu"), reason="no oneDNN float32 packing here")
+def test_packed_float32_runner_equals_plain(fitted, pair_dir):
+    """float32 weights prepacked for oneDNN (opt-in) against F.linear: prefill, a scattered recompute
+    inside a handoff, and ρ = 1 against the packed runner's own prefill."""
+    source, plain, mapper, prompts = fitted
+    packed = Runner.load(pair_dir / "tgt", pack=True)
+    assert packed.packed and not plain.packed and not Runner.load(pair_dir / "tgt").packed  # opt-in only
+    (c1, o1), (c2, o2) = packed.prefill(prompts), plain.prefill(prompts)
+    torch.testing.assert_close(o1.logits, o2.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(c1.k, c2.k, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(c1.v, c2.v, atol=1e-5, rtol=1e-4)
+    for rho in (0.1, 0.3):
+        a = handoff(source, packed, mapper, prompts, HandoffConfig(rho))
+        b = handoff(source, plain, mapper, prompts, HandoffConfig(rho))
+        assert a[2].positions == b[2].positions
+        torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a[0].k, b[0].k, atol=1e-5, rtol=1e-4)
+    cache, logits, _ = handoff(source, packed, mapper, prompts, HandoffConfig(1.0))
+    own, out = packed.prefill(prompts, max_len=37)
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+    for b, n in enumerate(len(p) for p in prompts):
+        torch.testing.assert_close(cache.k[:, b, :, :n], own.k[:, b, :, :n], atol=1e-5, rtol=0)
+
+
+def test_memory_measure_sees_a_tensor_and_footprint_matches_the_caches(fitted):
+    source, target, mapper, _ = fitted
+    if memory_kind("cpu").startswith("not measured"):
+        pytest.skip("no /proc/self/clear_refs")
+    with measure() as held:
+        x = torch.ones(48 * 2**20 // 4)  # 48 MiB, touched
+    with measure() as idle:
+        torch.empty(48 * 2**20 // 4)  # never touched: costs no memory
+    assert held.mib >= 44 and idle.mib < 24
+    del x
+    T, batch = 30, 2
+    sizes = footprint(source, target, mapper, T, batch)
+    assert sizes["source_cache_mib"] * MIB == nbytes(*(lambda c: (c.k, c.v))(source.new_cache(batch, T)))
+    assert sizes["target_cache_mib"] * MIB == nbytes(*(lambda c: (c.k, c.v))(target.new_cache(batch, T)))
+    f = mapper.sides["k"]
+    per_side = (f.weight.numel() + f.bias.numel() + f.mean.numel() + f.basis.numel()) * 4
+    assert sizes["map_mib"] * MIB == 2 * per_side  # float32 map, float32 target: no cast copies
+    assert "2·4·B·(T+1)·48" in formula(source, target, mapper)  # tiny target: 4 layers, rows 2 x 24 wide
+
+
+def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
+    from rarecache.cli import main
+
+    _, _, mapper, _ = fitted
+    mapper.save(tmp_path / "m.safetensors")
+    out = tmp_path / "artifacts" / "summary.json"
+    assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
+                 str(tmp_path / "m.safetensors"), "--lengths", "32", "--rhos", "0.1", "0.3", "--batches", "1",
+                 "--repeats", "1", "--dtype", "float32", "--summary", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    got = json.loads(out.read_text())
+    assert [(r["T"], r["rho"]) for r in got["rows"]] == [(32, 0.1), (32, 0.3)]
+    for row, full in zip(got["rows"], printed["rows"]):
+        assert set(row) == set(SUMMARY_KEYS) and all(row[k] == full[k] for k in row)
+        assert row["of_sparse_ceiling"] > 0 and 0 < row["map_score_share_of_prefill"]
+        if row["peak_mem_handoff_mib"] is not None:  # it holds the source cache and the map besides its own peak
+            assert row["peak_mem_handoff_mib"] >= full["source_cache_mib"] + full["map_mib"]
+    assert got["dtype"] == "float32" and got["memory"] == printed["memory"]
