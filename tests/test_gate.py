@@ -92,20 +92,40 @@ def test_fit_recovers_the_planted_threshold():
     for _ in range(200):
         js = (torch.rand(3, generator=g) * 0.1).tolist()
         items.append((js, [0.0 if d < 0.05 else 1.0 for d in js], [0.1, 0.2, 0.3]))
-    th, out = fit_threshold({"t": items}, {"t": 0.0})
+    th, floor, out = fit_threshold({"t": items}, {"t": 0.0})
+    assert floor is None
     safe = max(d for js, _, _ in items for d in js if d < 0.05)
     assert th == safe and out["t"]["loss"] == 0.0
     # a looser bound accepts more, at a lower cost
-    th2, out2 = fit_threshold({"t": items}, {"t": 0.05})
+    th2, _, out2 = fit_threshold({"t": items}, {"t": 0.05})
     assert th2 > th and out2["t"]["cost"] < out["t"]["cost"] and out2["t"]["loss"] <= 0.05
     # every group must hold its bound: a second group that loses everything forces fallback
     bad = [([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 10
-    th3, out3 = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
+    th3, _, out3 = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
     assert th3 < 0 and out3["bad"]["fallback"] == 1.0 and out3["t"]["cost"] == 1.0
 
 
+def test_fit_uses_a_margin_floor_when_the_signal_alone_cannot_separate():
+    """Planted: js says nothing (always tiny); a rung's answer is kept exactly when its top-2 margin
+    is above 1 nat. js alone can only fall back everywhere; with the margin floor the fit accepts the
+    confident rungs and loses nothing."""
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for _ in range(200):
+        m = (torch.rand(3, generator=g) * 2).tolist()
+        items.append(([1e-4] * 3, [0.0 if x > 1.0 else 1.0 for x in m], [0.1, 0.2, 0.3], m))
+    th, floor, out = fit_threshold({"t": items}, {"t": 0.0}, margins=False)
+    assert th < 0 and out["t"]["cost"] == 1.0
+    th, floor, out = fit_threshold({"t": items}, {"t": 0.0}, margins=True)
+    assert floor is not None and floor >= 1.0 and out["t"]["loss"] == 0.0 and out["t"]["cost"] < 0.6
+    # the online decision agrees with the fitted rule
+    for js, ls, cs, m in items:
+        k = decide(js, th, m, floor)
+        assert k is None or m[k] >= floor
+
+
 def test_policy_file_round_trip_and_validation(tmp_path):
-    pol = GatePolicy("attn-source", (0.1, 0.3), 0.02, {"items": 5})
+    pol = GatePolicy("attn-source", (0.1, 0.3), 0.02, fitted={"items": 5})
     f = tmp_path / "p.json"
     f.write_text(pol.to_json())
     back = GatePolicy.load(f)
@@ -269,14 +289,14 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     mapper.save(path)
     args = ["serve", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map", str(path)]
     policy = tmp_path / "p.json"
-    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, {"tasks": {"t": {"map_sha256": "0" * 64}}}).to_json())
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": "0" * 64}}}).to_json())
     for extra, msg in ((["--rho", "auto"], "needs --gate-policy"), (["--rho", "half"], "a number in [0, 1] or auto"),
                        (["--gate-policy", str(policy)], "goes with --rho auto"),
                        (["--rho", "auto", "--gate-policy", str(policy)], "was not fitted through"),
                        (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
         assert main([*args, *extra]) == 2
         assert msg in capsys.readouterr().err
-    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, {"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
     assert "our own engine only" in capsys.readouterr().err
     started = {}

@@ -51,7 +51,8 @@ def cmd_gate_fit(args) -> int:
     policy = fit(_ladders(args.results, args.arm), args.max_changed, args.max_bpb)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(policy.to_json())
-    print(f"threshold {policy.threshold:.4g} bits ({'always falls back' if policy.threshold < 0 else 'accepts'})")
+    floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
+    print(f"threshold {policy.threshold:.4g} bits{floor} ({'always falls back' if policy.threshold < 0 else 'accepts'})")
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} "
               f"fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
@@ -75,7 +76,7 @@ def cmd_gate_report(args) -> int:
             raise RarecacheError(f"the results files went through different maps: {shas}")
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
         summary = {"map": shas.pop(), "policy": {"selector": policy.selector, "rungs": list(policy.rungs),
-                                                 "threshold": policy.threshold},
+                                                 "threshold": policy.threshold, "min_margin": policy.min_margin},
                    "tasks": {t: {k: r[k] for k in keys} | {"auc": r["auc"], "auc_ci": r["auc_ci"]}
                              for t, r in results.items()}}
         args.summary.parent.mkdir(parents=True, exist_ok=True)

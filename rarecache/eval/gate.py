@@ -40,6 +40,7 @@ class Ladders:
     rungs: list[float]
     items: list[str]
     js: list[list[float]]  # per item, per rung
+    margin: list[list[float]] | None  # per item, per rung: top-2 margin (None: the records predate it)
     loss: list[list[float]]
     cost: list[list[float]]
     value: list[list[float]]  # the metric per rung
@@ -78,10 +79,11 @@ def read_ladders(path: Path, arm: str | None = None) -> Ladders:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
     out = Ladders(task, metric, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
-                  items, [], [], [], [], [], [], [], _map_sha(path, arm))
+                  items, [], [], [], [], [], [], [], [], _map_sha(path, arm))
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
         out.js.append([g["js"] for g in rungs])
+        out.margin.append([g.get("margin") for g in rungs])
         out.cost.append([g["recomputed"] / ladder[i]["prompt_tokens"] for g in rungs])
         out.value.append([float(g[metric]) for g in rungs])
         out.target.append(float(t[metric]))
@@ -92,6 +94,8 @@ def read_ladders(path: Path, arm: str | None = None) -> Ladders:
             out.changed.append([g[key] != t[key] for g in rungs])
             out.loss.append([float(c) for c in out.changed[-1]])
         out.seconds.append(times.get(i, {}))
+    if any(m is None for ms in out.margin for m in ms):
+        out.margin = None
     return out
 
 
@@ -136,7 +140,8 @@ def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT,
 
 
 def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolicy:
-    """One policy for all the tasks given: the largest threshold that keeps each within its bound."""
+    """One policy for all the tasks given: the cheapest (threshold, margin floor) that keeps each
+    task within its bound."""
     sels = {lad.selector for lad in ladders}
     rungs = {tuple(lad.rungs) for lad in ladders}
     if len(sels) > 1 or len(rungs) > 1:
@@ -144,14 +149,16 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     names = [lad.task for lad in ladders]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
-    groups = {lad.task: list(zip(lad.js, lad.loss, lad.cost)) for lad in ladders}
+    margins = all(lad.margin is not None for lad in ladders)
+    groups = {lad.task: (list(zip(lad.js, lad.loss, lad.cost, lad.margin)) if margins
+                         else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
-    th, outcome = fit_threshold(groups, bounds)
+    th, floor, outcome = fit_threshold(groups, bounds, margins=margins)
     fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb},
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
                                    **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
                         for lad in ladders}}
-    return GatePolicy(sels.pop(), rungs.pop(), th, fitted)
+    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted)
 
 
 def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
@@ -166,7 +173,9 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
                              f"({policy.selector}, rungs {list(policy.rungs)})")
     gated, cost, secs, fell = [], [], [], 0
     for k_item, js in enumerate(lad.js):
-        k = decide(js, policy.threshold)
+        if policy.min_margin is not None and lad.margin is None:
+            raise RarecacheError(f"{lad.task}: the policy floors the margin, which these ladders do not record")
+        k = decide(js, policy.threshold, lad.margin[k_item] if lad.margin else None, policy.min_margin)
         tm = lad.seconds[k_item]
         fixed = tm.get("map", 0.0) + tm.get("score", 0.0)
         climbed = tm.get("rung_recompute", [])
@@ -193,8 +202,9 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
 
 
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
+    floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
-             f"threshold {policy.threshold:.4g} bits (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items)",
+             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items)",
              "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
              "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
     for task, r in results.items():

@@ -44,14 +44,18 @@ class GatePolicy:
     selector: str = "rank"
     rungs: tuple[float, ...] = RUNGS
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
+    min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
         if not rungs or any(not 0 < r < 1 for r in rungs) or any(b <= a for a, b in zip(rungs, rungs[1:])):
             raise RarecacheError(f"gate rungs must increase strictly inside (0, 1), got {list(rungs)}")
-        if not isinstance(self.threshold, (int, float)) or math.isnan(self.threshold):
-            raise RarecacheError(f"gate threshold must be a number, got {self.threshold!r}")
+        for name, v in (("threshold", self.threshold), ("min_margin", self.min_margin)):
+            if v is None and name == "min_margin":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise RarecacheError(f"gate {name} must be a number, got {v!r}")
         HandoffConfig(rungs[0], self.selector)  # validates the selector
         object.__setattr__(self, "rungs", rungs)
 
@@ -68,14 +72,14 @@ class GatePolicy:
             raise RarecacheError(f"{path}: not a readable gate policy ({e})") from None
         if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
             raise RarecacheError(f"{path}: not a gate policy (format {POLICY_FORMAT} expected)")
-        extra = set(data) - {"format", "selector", "rungs", "threshold", "fitted"}
+        extra = set(data) - {"format", "selector", "rungs", "threshold", "min_margin", "fitted"}
         if extra:
             raise RarecacheError(f"{path}: unknown gate policy field(s) {', '.join(sorted(extra))}")
         rungs, sel, fitted = data.get("rungs"), data.get("selector"), data.get("fitted", {})
         if (not isinstance(rungs, list) or not all(isinstance(r, (int, float)) for r in rungs)
                 or not isinstance(sel, str) or not isinstance(fitted, dict)):
             raise RarecacheError(f"{path}: gate policy needs selector (text), rungs (numbers), fitted (object)")
-        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), fitted)
+        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted)
 
 
 @dataclass
@@ -86,6 +90,9 @@ class Rung:
     top1_same: bool  # same most likely next token as the rung below
     outside: float  # share of the selector's score mass on positions not recomputed
     seconds: float  # this rung's recompute
+    margin: float = 0.0  # nats between the most and second most likely next token
+    entropy: float = 0.0  # bits, of the next-token distribution
+    js_plain: float = 0.0  # bits, against plain transfer (rung 0)
 
 
 @dataclass
@@ -111,6 +118,13 @@ def js_bits(a: torch.Tensor, b: torch.Tensor) -> float:
     m = torch.logaddexp(la, lb) - math.log(2)
     js = 0.5 * ((la.exp() * (la - m)).sum() + (lb.exp() * (lb - m)).sum())
     return max(0.0, js.item() / math.log(2))
+
+
+def _confidence(logits: torch.Tensor) -> tuple[float, float]:
+    """Top-2 log-probability margin (nats) and entropy (bits) of the next-token distribution."""
+    lp = F.log_softmax(logits.double(), -1)
+    top = lp.topk(2).values
+    return (top[0] - top[1]).item(), -(lp.exp() * lp).sum().item() / math.log(2)
 
 
 def _outside(scores: torch.Tensor, chosen: torch.Tensor) -> float:
@@ -154,19 +168,21 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         return lg, _now(target) - t
 
     prev, plain_s = run(order[:0])  # rung 0: plain transfer
-    rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s)]
+    plain = prev
+    rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s, *_confidence(prev))]
     per_rung, done, accepted = [], 1, None
     for k, rho in enumerate(policy.rungs):
         want = budget(rho, w)
         lg, secs = run(order[done:want])
         top = order[:want] - target_kept
-        rung = Rung(rho, want, js_bits(lg, prev), bool(lg.argmax() == prev.argmax()), _outside(scores, top), secs)
+        rung = Rung(rho, want, js_bits(lg, prev), bool(lg.argmax() == prev.argmax()), _outside(scores, top), secs,
+                    *_confidence(lg), js_bits(lg, plain))
         rungs.append(rung)
         done, prev = want, lg
         if snapshots is not None:
             snapshots.row(k).copy_prefix(cache, n)
         per_rung.append(lg)
-        if accepted is None and rung.js <= policy.threshold:
+        if accepted is None and _accepts(policy.threshold, policy.min_margin, rung.js, rung.margin):
             accepted = k
             if not climb_all:
                 break
@@ -178,24 +194,33 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
                                                         result, done / w)
     if accepted is not None:
         r = rungs[accepted + 1]
-        why = f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}"
+        why = f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}" + (
+            f", margin {r.margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
         return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
     t = _now(target)
     toks, pos = spans([ids], [target_kept], target.device)
     logits = target.forward(toks, pos, cache).logits  # every handed-off row rewritten: the target's own
     timings["fallback_prefill"] = _now(target) - t
-    why = (f"js above {policy.threshold:.4g} bits at every rung (last {rungs[-1].js:.4g})"
-           if policy.threshold >= 0 else "the policy always falls back")
+    why = (f"no rung had js <= {policy.threshold:.4g} bits" + (
+        f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
+        + f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})"
+        if policy.threshold >= 0 else "the policy always falls back")
     result.positions = [list(range(target_kept, n))]
     return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
 
 
 # -- the policy's decision on recorded ladders, and its fit ----------------------------------
 
-def decide(js: list[float], threshold: float) -> int | None:
-    """The rung (index into the policy's rungs) a threshold accepts, given each rung's js; None: fallback."""
+def _accepts(threshold: float, min_margin: float | None, js: float, margin: float) -> bool:
+    return js <= threshold and (min_margin is None or margin >= min_margin)
+
+
+def decide(js: list[float], threshold: float, margins: list[float] | None = None,
+           min_margin: float | None = None) -> int | None:
+    """The rung (index into the policy's rungs) a policy accepts, given each rung's js (and top-2
+    margin); None: fallback."""
     for k, d in enumerate(js):
-        if d <= threshold:
+        if _accepts(threshold, min_margin, d, margins[k] if margins is not None else 0.0):
             return k
     return None
 
@@ -205,21 +230,25 @@ def candidate_thresholds(ladders: list[list[float]]) -> list[float]:
     return [-1.0, *sorted({d for js in ladders for d in js})]
 
 
-def fit_threshold(groups: dict[str, list[tuple[list[float], list[float], list[float]]]],
-                  bounds: dict[str, float]) -> tuple[float, dict[str, dict]]:
-    """The largest threshold under which every group's mean loss stays within its bound.
+def fit_threshold(groups: dict[str, list[tuple]], bounds: dict[str, float],
+                  margins: bool = False) -> tuple[float, float | None, dict[str, dict]]:
+    """The policy that recomputes least while every group's mean loss stays within its bound.
 
-    `groups`: per task, per held-apart item, (js per rung, loss per rung, cost per rung) where
-    loss is what accepting that rung costs against the target's own answer (1 for a changed
-    multiple-choice answer, the bpb increase for a continuation) and cost the recomputed share;
-    a fallback costs 1 and loses nothing. Returns the threshold and, per group, what it gives.
+    `groups`: per task, per held-apart item, (js per rung, loss per rung, cost per rung[, margin
+    per rung]) where loss is what accepting that rung costs against the target's own answer (1 for
+    a changed multiple-choice answer, the bpb increase for a continuation) and cost the recomputed
+    share; a fallback costs 1 and loses nothing. Thresholds are searched over every observed js
+    and, with `margins`, a floor on the top-2 margin over deciles of the observed margins. Ties in
+    cost go to the larger threshold. Returns the threshold, the margin floor (None: unused) and,
+    per group, what they give.
     """
-    def outcome(th: float) -> dict[str, dict]:
+    def outcome(th: float, mm: float | None) -> dict[str, dict]:
         res = {}
         for g, items in groups.items():
             loss = cost = fell = 0.0
-            for js, ls, cs in items:
-                k = decide(js, th)
+            for it in items:
+                js, ls, cs = it[0], it[1], it[2]
+                k = decide(js, th, it[3] if mm is not None else None, mm)
                 if k is None:
                     fell, cost = fell + 1, cost + 1.0
                 else:
@@ -228,8 +257,19 @@ def fit_threshold(groups: dict[str, list[tuple[list[float], list[float], list[fl
             res[g] = {"loss": loss / n, "cost": cost / n, "fallback": fell / n, "n": len(items)}
         return res
 
-    best = -1.0
-    for th in candidate_thresholds([js for items in groups.values() for js, _, _ in items]):
-        if all(o["loss"] <= bounds[g] + 1e-12 for g, o in outcome(th).items()):
-            best = th
-    return best, outcome(best)
+    floors: list[float | None] = [None]
+    if margins:
+        import numpy as np
+
+        ms = [m for items in groups.values() for it in items for m in it[3]]
+        floors += sorted({float(q) for q in np.quantile(ms, np.linspace(0.1, 0.9, 9))}) if ms else []
+    best = (math.inf, -1.0, None)  # (mean cost over groups, threshold, floor)
+    for mm in floors:
+        for th in candidate_thresholds([it[0] for items in groups.values() for it in items]):
+            out = outcome(th, mm)
+            if all(o["loss"] <= bounds[g] + 1e-12 for g, o in out.items()):
+                c = sum(o["cost"] for o in out.values()) / len(out)
+                if c < best[0] - 1e-12 or (abs(c - best[0]) <= 1e-12 and mm == best[2] and th > best[1]):
+                    best = (c, th, mm)
+    _, th, mm = best
+    return th, mm, outcome(th, mm)
