@@ -308,3 +308,31 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     client.post("/v1/chat/completions", json={"model": "src", "messages": messages, "max_tokens": 3})
     r = client.post("/v1/chat/completions", json={"model": "tgt", "messages": messages, "max_tokens": 3})
     assert r.json()["rarecache"]["gate"]["decision"] == "fallback"
+
+
+def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
+    """A handoff leaves mapped rows in the receiving model's cache; a later request that reuses them
+    says how many it reused (never passed off as the model's own rows). All recomputed (ρ = 1) or a
+    gate fallback leaves none."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    for cfg, approximate in ((ServiceConfig(HandoffConfig(0.3)), True), (ServiceConfig(HandoffConfig(1.0)), False),
+                             (ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), NEVER)), False)):
+        client = TestClient(create_app(ChatService(models, maps, cfg)))
+        messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}]
+        client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3})
+        r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 3})
+        first = r.json()["rarecache"]
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "def add return"}]
+        again = client.post("/v1/chat/completions", json={"model": "large", "messages": messages,
+                                                          "max_tokens": 3}).json()["rarecache"]
+        assert again["handed_off_from"] is None and again["reused_tokens"] > 0
+        mapped = first["handed_off_tokens"] - first["recomputed_tokens"]
+        assert again["reused_approximate_tokens"] == (mapped if approximate else 0)
+        assert (mapped > 0) == approximate

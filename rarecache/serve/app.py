@@ -177,7 +177,8 @@ def _info(service: ChatService, reply: Reply) -> dict:
         return service.describe(reply)
     handed = reply.handed_off_from is not None
     gate = reply.gate
-    info = {"reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
+    info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
+            "handed_off_from": reply.handed_off_from,
             "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
             "rho": (gate["rho"] if gate else service.cfg.handoff.rho) if handed else None,
             "selector": (service.cfg.gate.selector if gate else service.cfg.handoff.name) if handed else None,

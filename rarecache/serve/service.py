@@ -78,6 +78,7 @@ class Reply:
     handed_off: int | None  # positions that came from the map (the recomputed ones included)
     seconds: dict[str, float] = field(default_factory=dict)
     gate: dict | None = None  # the quality gate's decision and why (GateResult.record), if it ran
+    reused_approximate: int = 0  # of the reused positions, those holding mapped rows from an earlier handoff
 
 
 @dataclass(eq=False)
@@ -333,7 +334,8 @@ class ChatService:
         job.reply = Reply(model, text, row.tokens, reason, len(job.ids), job.started.keep, job.source,
                           None if result is None else len(result.positions[0]),
                           None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
-                          dict(job.seconds), None if job.started.gate is None else job.started.gate.record())
+                          dict(job.seconds), None if job.started.gate is None else job.started.gate.record(),
+                          job.started.reused_approximate)
         job.done.set()
 
 

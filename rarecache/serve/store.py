@@ -66,6 +66,7 @@ class PrefixStore:
         if entry is not None and shared > 0:
             held.reserve(runner, shared).copy_prefix(entry.held.cache, shared)
             held.ids = entry.held.ids[:shared]
+            held.approximate = [q for q in entry.held.approximate if q < shared]
         new = Entry(held, salt, busy=True)
         self.entries[model].append(new)
         return new

@@ -34,6 +34,12 @@ class Held:
 
     cache: KVCache | None = None
     ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
+    approximate: list[int] = field(default_factory=list)  # positions whose rows came from a map, not the model
+
+    def keep(self, n: int) -> None:
+        """Hold only the first n positions (the rest are about to be rewritten)."""
+        self.ids = self.ids[:n]
+        self.approximate = [p for p in self.approximate if p < n]
 
     def reserve(self, runner: Runner, length: int) -> KVCache:
         """Make the cache hold `length` positions (allocated on first use, else grown) and return it."""
@@ -86,6 +92,7 @@ class Started:
     sampling: SamplingConfig  # the request's, with the model's end tokens filled in
     seconds: float  # prefill or handoff
     gate: GateResult | None = None  # set when the handoff went through the quality gate
+    reused_approximate: int = 0  # of the `keep` positions reused, how many hold mapped (not the model's own) rows
 
 
 @torch.inference_mode()
@@ -108,7 +115,8 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
         raise RarecacheError(f"no map from {source} to {model}")
     st = held[model]
     keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
-    st.ids = st.ids[:keep]  # rows past `keep` are about to be overwritten
+    st.keep(keep)  # rows past `keep` are about to be overwritten
+    reused_approximate = len(st.approximate)
     cache = st.reserve(llm.runner, need)
     cache.clear(keep)
     t0 = time.perf_counter()
@@ -116,7 +124,7 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
     if source is not None:
         src = held[source]
         src_keep = min(common_prefix(src.ids, ids), len(ids))
-        src.ids = src.ids[:src_keep]
+        src.keep(src_keep)
         src_cache = src.reserve(models[source].runner, need)
         src_cache.clear(src_keep)
         if gate is not None:
@@ -129,11 +137,15 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
                                         source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
                                         target_kept=[keep])
         src.ids = list(ids)  # the source prefilled the whole prompt
+        if gated is None or gated.decision != "fallback":  # rows the map wrote and nobody recomputed
+            chosen = set(result.positions[0])
+            st.approximate += [p for p in range(keep, len(ids)) if p not in chosen]
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
         logits = llm.runner.forward(toks, pos, cache).logits
     st.ids = list(ids)
-    return Started(cache, logits, keep, result, llm.with_eos(sampling), time.perf_counter() - t0, gated)
+    return Started(cache, logits, keep, result, llm.with_eos(sampling), time.perf_counter() - t0, gated,
+                   reused_approximate)
 
 
 @torch.inference_mode()
