@@ -265,6 +265,24 @@ def test_settings_are_checked(vpair, tmp_path):
         read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, vpair.root / "other")
 
 
+def _stand_in_service(monkeypatch) -> dict:
+    """Replace VllmChatService by a stand-in that records what it was built with (no engine starts);
+    returns that record."""
+    from rarecache.adapters.vllm import serving
+
+    seen = {}
+
+    class Service:
+        def __init__(self, models, maps, cfg, engine_kwargs=None):
+            seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
+
+        def close(self):
+            seen["closed"] = True
+
+    monkeypatch.setattr(serving, "VllmChatService", Service)
+    return seen
+
+
 def _stand_in_config(extra, model, tp=1):
     from vllm.config import KVTransferConfig
 
@@ -761,19 +779,9 @@ def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypa
     pytest.importorskip("fastapi")
     import uvicorn
 
-    from rarecache.adapters.vllm import serving
     from rarecache.cli import main
 
-    seen = {}
-
-    class Service:
-        def __init__(self, models, maps, cfg, engine_kwargs=None):
-            seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
-
-        def close(self):
-            seen["closed"] = True
-
-    monkeypatch.setattr(serving, "VllmChatService", Service)
+    seen = _stand_in_service(monkeypatch)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
     fwd, back = vpair.root / "src-tgt.map", vpair.root / "tgt-src.map"
     args = ["serve", "--engine", "vllm", "--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
@@ -1039,18 +1047,9 @@ def test_bench_cli_runs_what_it_was_asked_and_both_benches_share_the_summary(vpa
 def test_bench_service_starts_the_pair_it_was_given(vpair, tmp_path, monkeypatch):
     """The benches' engines (stand-ins here): the target takes handoffs from the source through the map,
     vLLM's CPU thread settings are set and reported, and a fresh row store is removed after."""
-    from rarecache.adapters.vllm import launch, serving
+    from rarecache.adapters.vllm import launch
 
-    seen = {}
-
-    class Service:
-        def __init__(self, models, maps, cfg, engine_kwargs=None):
-            seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
-
-        def close(self):
-            seen["closed"] = True
-
-    monkeypatch.setattr(serving, "VllmChatService", Service)
+    seen = _stand_in_service(monkeypatch)
     monkeypatch.setattr(launch, "engine_settings", lambda svc, name: {"target": name})
     fwd = vpair.root / "src-tgt.map"
     with launch.bench_service(str(vpair.root / "src"), str(vpair.root / "tgt"), fwd, dtype="float32",

@@ -27,6 +27,7 @@ from ..transfer.conversation import Conversation
 from ..transfer.gate import GatePolicy
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
+from .results import read_done
 from .tasks.coqa import CALIBRATION_STORIES, INSTRUCTION, MAX_TURNS, _stories
 
 
@@ -90,12 +91,7 @@ def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mappe
     if any(name == "switch/gate" for name, _ in parsed) and gate is None:
         raise RarecacheError("the gate arm needs a policy (--gate-policy)")
     models = {"source": source, "target": target}
-    done = set()
-    if out.is_file():
-        data = out.read_bytes()
-        if data and not data.endswith(b"\n"):  # a line cut short by a kill
-            out.write_bytes(data[: data.rfind(b"\n") + 1])
-        done = {(r["story"], r["arm"]) for r in map(json.loads, out.read_text().splitlines()) if r}
+    done = read_done(out, key=("story", "arm"))
     out.parent.mkdir(parents=True, exist_ok=True)
     jobs = [(s, turns, name, cfg) for s, turns in convs for name, cfg in parsed if (s, name) not in done]
     with open(out, "a") as f:

@@ -15,7 +15,6 @@ fallback costs 1.0 (the target's own prefill) and loses nothing.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import numpy as np
 from ..errors import RarecacheError
 from ..transfer.gate import GatePolicy, decide, fit_threshold
 from .metrics import N_BOOT, paired_diff_ci
-from .results import load_results
+from .results import load_results, map_sha256
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
 
@@ -79,7 +78,7 @@ def read_ladders(path: Path, arm: str | None = None) -> Ladders:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
     out = Ladders(task, metric, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
-                  items, [], [], [], [], [], [], [], [], _map_sha(path, arm))
+                  items, [], [], [], [], [], [], [], [], map_sha256(path, arm.partition("@")[2]))
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
         out.js.append([g["js"] for g in rungs])
@@ -104,15 +103,6 @@ def _timings(path: Path, arm: str) -> dict[str, dict]:
     if not tf.is_file():
         return {}
     return {t["item"]: t["phases"] for t in load_results(tf) if t.get("arm") == arm}
-
-
-def _map_sha(path: Path, arm: str) -> str | None:
-    meta = path.with_suffix(".meta.json")
-    if not meta.is_file():
-        return None
-    label = arm.partition("@")[2]
-    entry = json.loads(meta.read_text()).get("maps", {}).get(label)
-    return entry.get("sha256") if isinstance(entry, dict) else None
 
 
 def auc(scores: list[float], labels: list[bool]) -> float:

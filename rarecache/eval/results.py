@@ -24,8 +24,9 @@ from .arms import SEED
 from .tasks.base import Task
 
 
-def read_done(path: Path) -> set[tuple[str, str]]:
-    """(item, arm) pairs already in the results file; a line cut short by a kill is dropped."""
+def read_done(path: Path, key: tuple[str, str] = ("item", "arm")) -> set[tuple[str, str]]:
+    """(item, arm) pairs (or the `key` fields) already in the results file; a line cut short by a kill
+    is dropped."""
     done = set()
     if path.is_file():
         data = path.read_bytes()
@@ -35,10 +36,17 @@ def read_done(path: Path) -> set[tuple[str, str]]:
             if line.strip():
                 try:
                     row = json.loads(line)
-                    done.add((row["item"], row["arm"]))
+                    done.add((row[key[0]], row[key[1]]))
                 except (json.JSONDecodeError, KeyError):
                     raise RarecacheError(f"{path} has a malformed line; it is not a results file of this run")
     return done
+
+
+def map_sha256(path: Path, label: str) -> str | None:
+    """The sha256 of the map labelled `label` that produced the results file `path` (its meta file)."""
+    meta = path.with_suffix(".meta.json")
+    entry = json.loads(meta.read_text()).get("maps", {}).get(label) if meta.is_file() else None
+    return entry.get("sha256") if isinstance(entry, dict) else None
 
 
 def load_results(path: Path) -> list[dict]:

@@ -9,12 +9,11 @@ mean so the choice can be checked.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import RarecacheError
 from .report import arm_name, is_oracle, split_arm, summarise
-from .results import load_results
+from .results import load_results, map_sha256
 
 RHOS = (0.1, 0.2, 0.3)
 
@@ -30,12 +29,6 @@ def _task_summary(path: Path) -> tuple[str, str, dict[str, dict], int]:
     metric, chance = (TASKS[name].metric, TASKS[name].chance) if name in TASKS else headline(rows)
     summary = summarise(rows, metric, chance, lower_is_better=metric == "bpb")
     return name, metric, {r["arm"]: r for r in summary}, len({r["item"] for r in rows})
-
-
-def _map_sha(path: Path, label: str) -> str | None:
-    meta = path.with_suffix(".meta.json")
-    entry = json.loads(meta.read_text()).get("maps", {}).get(label) if meta.is_file() else None
-    return entry.get("sha256") if isinstance(entry, dict) else None
 
 
 def general_summary(paths: list[Path], label: str | None = None) -> dict:
@@ -59,7 +52,7 @@ def general_summary(paths: list[Path], label: str | None = None) -> dict:
         raise RarecacheError(f"no deployable selector was run at rho {', '.join(map(str, RHOS))} on every task "
                              f"through map {label!r}")
     default = max(means, key=means.get)
-    shas = {_map_sha(p, label) for p in paths}
+    shas = {map_sha256(p, label) for p in paths}
     if len(shas) > 1:
         raise RarecacheError(f"map {label!r} is not the same file in every results file")
     out = {"map": shas.pop(), "map_label": label, "default_selector": default,
