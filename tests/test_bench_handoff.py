@@ -188,3 +188,23 @@ def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
         if row["peak_mem_handoff_mib"] is not None:  # it holds the source cache and the map besides its own peak
             assert row["peak_mem_handoff_mib"] >= full["source_cache_mib"] + full["map_mib"]
     assert got["dtype"] == "float32" and got["memory"] == printed["memory"]
+
+
+def test_summary_keeps_earlier_cells_of_the_same_setup():
+    """A table run in parts: cells another run of the same setup measured stay, this run's replace theirs,
+    another setup's file is replaced whole."""
+    from rarecache.bench.handoff import summary
+
+    def cell(T, rho, share):
+        return {"T": T, "rho": rho, "batch": 1, "of_sparse_ceiling": share, "map_score_share_of_prefill": 0.01,
+                "peak_mem_handoff_mib": 1.0, "peak_mem_prefill_mib": 2.0}
+
+    head = {"pair": "a -> b", "dtype": "float32", "threads": 2}
+    first = summary([cell(512, 0.1, 0.7), cell(512, 0.3, 0.9)], None, **head)
+    second = summary([cell(4096, 0.1, 0.8), cell(512, 0.3, 0.95)], first, **head)
+    assert [(c["T"], c["rho"], c["of_sparse_ceiling"]) for c in second["rows"]] == [
+        (512, 0.1, 0.7), (512, 0.3, 0.95), (4096, 0.1, 0.8)]
+    other = summary([cell(4096, 0.1, 0.8)], first, **{**head, "threads": 1})
+    assert [(c["T"], c["rho"]) for c in other["rows"]] == [(4096, 0.1)]
+    broken = summary([cell(4096, 0.1, 0.8)], {**head, "rows": [{"T": 1}]}, **head)  # a malformed cell is dropped
+    assert [(c["T"], c["rho"]) for c in broken["rows"]] == [(4096, 0.1)]

@@ -16,10 +16,12 @@ the map it holds to its own peak. `summary` is the file the bench writes.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -118,10 +120,29 @@ SUMMARY_KEYS = ("T", "rho", "batch", "of_sparse_ceiling", "map_score_share_of_pr
                 "peak_mem_prefill_mib")
 
 
-def summary(rows: list[dict], **header) -> dict:
+def summary(rows: list[dict], previous: dict | None = None, **header) -> dict:
     """docs/artifacts/bench-handoff-summary.json: per cell the share of the sparse ceiling, the fixed cost
-    and both peaks (`header`: pair, dtype, threads, ... of the run)."""
-    return {**header, "rows": [{k: r[k] for k in SUMMARY_KEYS} for r in rows]}
+    and both peaks (`header`: pair, dtype, threads, ... of the run).
+
+    `previous` (the file as it was): its cells are kept where this run measured no cell of the same
+    (T, rho, batch) and it was measured the same way (same header), so a long table can be run in parts;
+    another setup's file is replaced whole."""
+    cells = [{k: r[k] for k in SUMMARY_KEYS} for r in rows]
+    if previous and {k: previous.get(k) for k in header} == header and isinstance(previous.get("rows"), list):
+        mine = {(c["T"], c["rho"], c["batch"]) for c in cells}
+        kept = [c for c in previous["rows"] if isinstance(c, dict) and set(c) == set(SUMMARY_KEYS)
+                and (c["T"], c["rho"], c["batch"]) not in mine]
+        cells = sorted(kept + cells, key=lambda c: (c["T"], c["batch"], c["rho"]))
+    return {**header, "rows": cells}
+
+
+def read_summary(path: Path) -> dict | None:
+    """The summary file as it is, or None when there is none or it is not a JSON object (then replaced)."""
+    try:
+        got = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def _sync(runner: Runner) -> None:

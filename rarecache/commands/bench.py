@@ -86,7 +86,7 @@ def add_pack_option(b) -> None:
 def cmd_bench_handoff(args) -> int:
     import torch
 
-    from ..bench.handoff import summary, time_cell
+    from ..bench.handoff import read_summary, summary, time_cell
     from ..bench.memory import formula, memory_kind
     from ..engine.llm import DTYPES
 
@@ -131,8 +131,11 @@ def cmd_bench_handoff(args) -> int:
     header = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "packed": target.packed, "device": args.device,
               "threads": threads, "memory": memory_kind(args.device)}
     if not args.no_summary:
-        write_out(args.summary, json.dumps(summary(rows, **header), indent=1) + "\n")
-        print(f"summary written to {args.summary}")
+        written = summary(rows, read_summary(args.summary), **header)
+        write_out(args.summary, json.dumps(written, indent=1) + "\n")
+        kept = len(written["rows"]) - len(rows)
+        print(f"summary written to {args.summary}" + (f" ({kept} cells of an earlier run of the same setup kept)"
+                                                       if kept else ""))
     print_json({**header, "rows": rows}, args.out, indent=1)
     return 0
 
