@@ -85,3 +85,140 @@ def test_drift_arms_and_missing_policy_are_refused(chat, tmp_path):
     source, target, maps = _pair(chat)
     with pytest.raises(RarecacheError, match="policy"):
         run_drift([("s", TURNS)], source, target, maps, ["gate"], None, tmp_path / "x.jsonl", progress=False)
+
+
+# -- the same run through the HTTP server (rarecache serve's scoring extensions)
+
+
+def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True):
+    """A DriftServer over the app on the tiny pair (FastAPI's TestClient as its transport)."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rarecache.eval.drift import DriftServer
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    maps = maps if reverse else {("small", "large"): maps[("small", "large")]}
+    app = create_app(ChatService(models, maps, ServiceConfig(cfg, gate=gate)))
+    return DriftServer("http://testserver", "small", "large", client=TestClient(app))
+
+
+def _timeless(x):
+    """A row's field without the seconds anything took (the gate records each rung's)."""
+    if isinstance(x, dict):
+        return {k: _timeless(v) for k, v in x.items() if k != "seconds"}
+    return [_timeless(v) for v in x] if isinstance(x, list) else x
+
+
+def _rows(path):
+    return {(r["story"], r["turn"], r["arm"], r["model"]): r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def test_drift_through_the_server_equals_the_conversation_path(chat, tmp_path):
+    """The same stories and arms, once through `Conversation` and once as requests to the server
+    (models alternating in the `model` field): every turn's bpb agrees, as do how many positions were
+    kept, handed off and recomputed and what the gate decided; the server's rows say so, and its
+    run resumes like the other."""
+    from rarecache.eval.drift import run_drift_server
+
+    source, target, maps = _pair(chat)
+    convs = [("s1", TURNS), ("s2", TURNS[::-1])]
+    never = GatePolicy("rank", (0.1, 0.3), -1.0)
+    local = tmp_path / "local.jsonl"
+    run_drift(convs, source, target, maps, ["alone", "0.2:rank", "gate"], never, local, progress=False)
+    served = tmp_path / "served.jsonl"
+    run_drift_server(convs[:1], _server(chat), ["alone", "0.2:rank"], served, progress=False)
+    first = served.read_text()
+    run_drift_server(convs, _server(chat), ["alone", "0.2:rank"], served, progress=False)
+    assert served.read_text().startswith(first)  # resumed: the first story is not redone
+    run_drift_server(convs, _server(chat, gate=never), ["gate"], served, progress=False)  # another server's arm
+    want, got = _rows(local), _rows(served)
+    assert set(got) == set(want) and len(got) == 2 * (2 + 2) * len(TURNS)
+    for key, w in want.items():
+        g = got[key]
+        assert g["via"] == "server" and g["served_model"] == {"source": "small", "target": "large"}[key[3]]
+        assert g["bpb"] == pytest.approx(w["bpb"], abs=1e-6), key
+        for field in ("prompt_tokens", "reused", "handed_off", "recomputed", "gate"):
+            assert _timeless(g.get(field)) == _timeless(w.get(field)), (key, field)
+    assert sum("handed_off" in r for r in got.values()) == 2 * 2 * (len(TURNS) - 1)  # both ways, every switch
+    _, fig_local = report(local)
+    _, fig_served = report(served)
+    for arm in ("switch/0.2:rank", "switch/gate"):
+        assert fig_served[arm]["delta"] == pytest.approx(fig_local[arm]["delta"], abs=1e-6)
+        assert fig_served[arm]["n"] == fig_local[arm]["n"] == 4
+
+
+def test_drift_through_the_server_refuses_what_it_would_not_measure(chat, tmp_path):
+    """An arm the server does not serve, a server without the map, a results file of the other path:
+    refused before a row is written."""
+    from rarecache.errors import RarecacheError
+    from rarecache.eval.drift import DriftServer, run_drift_server
+
+    source, target, maps = _pair(chat)
+    out = tmp_path / "x.jsonl"
+    with pytest.raises(RarecacheError, match="--rho 0.3 --selector rank"):
+        run_drift_server([("s", TURNS)], _server(chat), ["0.3:rank"], out, progress=False)
+    with pytest.raises(RarecacheError, match="not through the gate"):
+        run_drift_server([("s", TURNS)], _server(chat), ["gate"], out, progress=False)
+    with pytest.raises(RarecacheError, match="--rho 0.2 --selector rank"):
+        run_drift_server([("s", TURNS)], _server(chat, gate=GatePolicy("rank", (0.1, 0.3), -1.0)), ["0.2:rank"], out,
+                         progress=False)
+    assert not out.exists() or out.read_text() == ""
+    run_drift_server([("s", TURNS)], _server(chat, reverse=False), ["0.2:rank"], out, progress=False)  # one way
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [("handed_off" in r) for r in rows] == [False, True, False, True]  # the source re-reads what it missed
+    no_map = _server(chat)
+    no_map.names = {"source": "large", "target": "small"}
+    no_map._maps = {("source", "target")} - {("source", "target")}
+    with pytest.raises(RarecacheError, match="no map from large to small"):
+        run_drift_server([("s", TURNS)], no_map, ["0.2:rank"], tmp_path / "y.jsonl", progress=False)
+    with pytest.raises(RarecacheError, match="no model 'huge'"):
+        DriftServer("http://testserver", "small", "huge", client=_server(chat).client).maps()
+    local = tmp_path / "local.jsonl"
+    run_drift([("s", TURNS)], source, target, maps, ["alone"], None, local, progress=False)
+    with pytest.raises(RarecacheError, match="another --out"):
+        run_drift_server([("s", TURNS), ("t", TURNS)], _server(chat), ["alone"], local, progress=False)
+    with pytest.raises(RarecacheError, match="another --out"):
+        run_drift([("t", TURNS)], source, target, maps, ["alone"], None, out, progress=False)
+
+
+def test_drift_cli_through_a_server(chat, tmp_path, monkeypatch, capsys):
+    """`rarecache eval drift run --server URL --api-key KEY`: the turns go to the server named (here
+    the app behind a TestClient, with the key it was started with), and the flags that belong to
+    the server are refused."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    import rarecache.eval.drift as drift
+    from rarecache.cli import main
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    app = create_app(ChatService(models, maps, ServiceConfig(HandoffConfig(0.2))), api_key="k1")
+    made, real = {}, drift.DriftServer
+
+    def server(url, source, target, api_key):
+        made.update(url=url, api_key=api_key)
+        return real(url, source, target, api_key, client=TestClient(app))
+
+    monkeypatch.setattr(drift, "DriftServer", server)
+    monkeypatch.setattr(drift, "conversations", lambda cache_dir, stories: [("s1", TURNS)][:stories])
+    monkeypatch.delenv("RARECACHE_API_KEY", raising=False)
+    out = tmp_path / "drift.jsonl"
+    args = ["eval", "drift", "run", "--source", "small", "--target", "large", "--arms", "alone", "0.2:rank",
+            "--stories", "1", "--out", str(out), "--server", "http://127.0.0.1:8000"]
+    assert main(args) == 2 and "401" in capsys.readouterr().err  # no key: the server's refusal
+    monkeypatch.setenv("RARECACHE_API_KEY", "k1")
+    assert main(args) == 0
+    assert made == {"url": "http://127.0.0.1:8000", "api_key": "k1"}
+    assert "switch/0.2:rank" in capsys.readouterr().out
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 3 * len(TURNS) and all(r["via"] == "server" for r in rows)
+    for extra, said in ((["--map", "m.safetensors"], "--map"), (["--gate-policy", "p.json"], "--gate-policy")):
+        assert main([*args, *extra]) == 2 and said in capsys.readouterr().err
+    assert main([*args[:-1], "127.0.0.1:8000"]) == 2 and "http://" in capsys.readouterr().err
+    assert main([*args[:-2], "--api-key", "k1"]) == 2 and "--server" in capsys.readouterr().err
+    assert main(args[:-2]) == 2 and "--map" in capsys.readouterr().err

@@ -613,3 +613,175 @@ def test_soak_refuses_to_pick_a_host(tmp_path):
 
     with pytest.raises(RarecacheError, match="127.0.0.1"):
         SoakConfig(serve_args=("--host", "0.0.0.0"))
+
+
+# -- scoring a final assistant message (vLLM's continue_final_message + prompt_logprobs): Conversation.score over HTTP
+
+SCORED = [("the quick brown fox", "jumps over"), ("the lazy dog", "def add return"), ("tokens and", "spaces"),
+          ("add return", "the fox")]
+
+
+def score(client, model, messages, answer, **kw):
+    """POST a conversation ending in `answer` to score; the response body (asserted 200)."""
+    r = client.post("/v1/chat/completions", json={
+        "model": model, "messages": [*messages, {"role": "assistant", "content": answer}],
+        "continue_final_message": True, "add_generation_prompt": False, "prompt_logprobs": 0, "max_tokens": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def scored_logprobs(body) -> list[float]:
+    n = body["rarecache"]["final_message_tokens"]
+    entries = body["prompt_logprobs"]
+    assert len(entries) == body["usage"]["prompt_tokens"] and all(e is None for e in entries[:-n])
+    return [next(iter(e.values()))["logprob"] for e in entries[-n:]]
+
+
+def test_scoring_over_http_is_conversation_score_exactly(chat):
+    """One model, no switch: per turn, the logprobs the server returns for the final assistant message,
+    added up as `Conversation.score` adds them, give its bits per byte bit for bit; the response is
+    vLLM's shape (a {token id: {logprob, rank, decoded_token}} per scored token, null before), and the
+    server keeps the scored rows as the Conversation does (each next turn reuses as many positions)."""
+    import torch
+
+    from rarecache.transfer.conversation import Conversation
+
+    models, _ = chat
+    llm = models["large"]
+    svc = service(chat)
+    client = TestClient(create_app(svc))
+    conv = Conversation({"large": llm}, {})
+    messages = []
+    for user, answer in SCORED:
+        messages.append({"role": "user", "content": user})
+        body = score(client, "large", messages, answer)
+        turn = conv.score(user, answer, "large")
+        lps = scored_logprobs(body)
+        lp = lps[0] + (torch.tensor(lps[1:]).sum().item() if len(lps) > 1 else 0.0)
+        assert -lp / (math.log(2) * len(answer.encode())) == turn.bpb
+        tokens = llm.tokenizer.encode(answer, add_special_tokens=False)
+        scored = body["prompt_logprobs"][-len(tokens):]
+        assert [int(next(iter(e))) for e in scored] == tokens == turn.tokens
+        assert "".join(next(iter(e.values()))["decoded_token"] for e in scored) == answer
+        assert all(next(iter(e.values()))["rank"] >= 1 for e in scored)
+        info = body["rarecache"]
+        assert info["final_message_tokens"] == len(tokens) and info["handed_off_from"] is None
+        assert info["reused_tokens"] == turn.reused
+        assert body["usage"]["prompt_tokens"] == turn.prompt_tokens + len(tokens)
+        assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 0
+        (entry,) = svc.store.entries["large"]
+        assert entry.held.ids == conv.state["large"].ids  # the prompt and all but the answer's last token
+        messages.append({"role": "assistant", "content": answer})
+    assert conv.turns[-1].reused > 0
+    assert_rows_held(svc)
+
+
+def test_scoring_across_a_switch_at_rho_one_is_the_model_alone(chat):
+    """Switching model every turn through the server at ρ = 1: each turn's scored answer equals the
+    model reading the whole conversation itself, and each turn after the first was handed off from
+    the model that read the turn before."""
+    from .test_drift import direct_bpb
+
+    models, _ = chat
+    client = TestClient(create_app(service(chat)))
+    messages = []
+    for k, (user, answer) in enumerate(SCORED):
+        who, other = ("small", "large")[k % 2], ("large", "small")[k % 2]
+        messages.append({"role": "user", "content": user})
+        body = score(client, who, messages, answer)
+        bpb = -sum(scored_logprobs(body)) / (math.log(2) * len(answer.encode()))
+        assert bpb == pytest.approx(direct_bpb(models[who], messages, answer), abs=1e-4)
+        info = body["rarecache"]
+        if k == 0:
+            assert info["handed_off_from"] is None
+        else:
+            assert info["handed_off_from"] == other and info["recomputed_tokens"] == info["handed_off_tokens"] > 0
+        messages.append({"role": "assistant", "content": answer})
+    assert_rows_held(client.app.state.service)
+
+
+def test_continuing_a_final_message_scores_it_the_same_and_answers_after_it(chat):
+    """With max_tokens > 0 (vLLM's way), the answer continues the final message: the logprobs are the
+    ones a max_tokens 0 request returns, and the answer, streamed or not, is the model decoding after
+    the prompt and the message read in one pass."""
+    import torch
+
+    from rarecache.engine.generate import decode
+
+    models, _ = chat
+    llm = models["large"]
+    messages = [{"role": "user", "content": SCORED[0][0]}]
+    answer = SCORED[0][1]
+    only = scored_logprobs(score(TestClient(create_app(service(chat))), "large", messages, answer))
+    client = TestClient(create_app(service(chat)))
+    body = score(client, "large", messages, answer, max_tokens=4)
+    assert scored_logprobs(body) == only
+    full = llm.encode(messages) + llm.tokenizer.encode(answer, add_special_tokens=False)
+    cache, first = llm.runner.prefill([full], max_len=len(full) + 4)
+    want = decode(llm.runner, cache, first.logits, torch.tensor([len(full)]),
+                  llm.with_eos(SamplingConfig(max_new_tokens=4)))[0]
+    text = llm.tokenizer.decode(want.tokens)
+    assert body["choices"][0]["message"]["content"] == text
+    assert body["usage"]["completion_tokens"] == len(want.tokens)
+    r = client.post("/v1/chat/completions", json={
+        "model": "large", "messages": [*messages, {"role": "assistant", "content": answer}],
+        "continue_final_message": True, "max_tokens": 4, "stream": True})
+    assert r.status_code == 200
+    ev = events(r)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in ev[:-1] if e["choices"]) == text
+    assert ev[-2]["rarecache"]["final_message_tokens"] == len(full) - len(llm.encode(messages))
+    assert_rows_held(client.app.state.service)
+
+
+def test_scoring_requests_are_validated(chat):
+    """Bad combinations of the scoring fields get a 400 in OpenAI's error shape and leave no cache;
+    an engine that cannot read a final message refuses it."""
+    svc = service(chat)
+    client = TestClient(create_app(svc))
+    user = [{"role": "user", "content": "the quick brown fox"}]
+    final = [*user, {"role": "assistant", "content": "jumps"}]
+    base = {"model": "small", "messages": final, "continue_final_message": True, "prompt_logprobs": 0,
+            "max_tokens": 0}
+
+    def err(body, status=400):
+        return _openai_error(client.post("/v1/chat/completions", json=body), status)
+
+    assert "stream" in err({**base, "stream": True})
+    assert "stream" in err({**base, "stream": True, "max_tokens": 2})
+    assert "assistant's" in err({**base, "messages": user})
+    assert "needs continue_final_message" in err({**base, "continue_final_message": False})
+    assert "needs continue_final_message" in err({"model": "small", "messages": user, "prompt_logprobs": 0})
+    for k in (1, 5, -1):
+        assert "other than 0" in err({**base, "prompt_logprobs": k})
+    assert "0 or more" in err({**base, "prompt_logprobs": -2})
+    for bad in ("0", True, 0.0):
+        assert "prompt_logprobs" in err({**base, "prompt_logprobs": bad})
+    assert "continue_final_message" in err({**base, "continue_final_message": "yes"})
+    assert "max_tokens 0" in err({"model": "small", "messages": user, "max_tokens": 0})
+    assert "max_tokens 0" in err({"model": "small", "messages": final, "continue_final_message": True,
+                                  "max_tokens": 0})
+    assert "max_tokens 0" in err({"model": "small", "messages": user, "max_completion_tokens": 0})
+    assert "disagree" in err({**base, "max_completion_tokens": 2})
+    assert "max_tokens" in err({**base, "max_tokens": -1})
+    assert "cannot both be true" in err({**base, "add_generation_prompt": True})
+    assert "add_generation_prompt false" in err({"model": "small", "messages": user, "add_generation_prompt": False})
+    assert "empty" in err({**base, "messages": [*user, {"role": "assistant", "content": ""}]})
+    assert "before the final" in err({**base, "messages": [{"role": "assistant", "content": "jumps"}]})
+    assert "nothing to answer" in err({"model": "small", "messages": final, "max_tokens": 2})
+    assert "unknown model" in err({**base, "model": "huge"}, 404)
+    assert "positions" in err({**base, "messages": [*user, {"role": "assistant", "content": "fox " * 300}]})
+    assert "at most" in err({**base, "max_tokens": 2000})
+    assert err({**base, "logprobs": True}).endswith(": logprobs")  # still not implemented
+    assert err({**base, "top_logprobs": 2}).endswith(": top_logprobs")
+    assert not svc.store.entries["small"] and not svc.store.entries["large"]
+    ok = client.post("/v1/chat/completions", json={**base, "logprobs": False, "top_logprobs": 0})
+    assert ok.status_code == 200 and "prompt_logprobs" in ok.json()
+
+    class OtherEngine(ChatService):  # as the vLLM engine's service: no continue_final
+        continue_final = None
+
+    models, maps = chat
+    other = TestClient(create_app(OtherEngine(models, maps, ServiceConfig(HandoffConfig(rho=1.0)))))
+    r = other.post("/v1/chat/completions", json=base)
+    assert "engine" in _openai_error(r, 400) and "continue_final_message" in r.json()["error"]["message"]

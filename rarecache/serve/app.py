@@ -5,8 +5,35 @@ temperature, top_p, seed, stop, stream, and vLLM's cache_salt) and answers in th
 usual shape, with one extra object, `rarecache`, saying where the prompt's rows came
 from (kept, handed off from which model, how many positions were recomputed) and
 what each phase cost. A streamed answer (server-sent events) carries it in its last
-chunk. Anything the service does not do (n > 1, tools, penalties, logprobs) is
-refused with a 400 rather than silently ignored.
+chunk. Anything the service does not do (n > 1, tools, penalties, logprobs,
+top_logprobs) is refused with a 400 rather than silently ignored.
+
+Scoring a given answer takes vLLM's extensions: `continue_final_message: true` (the last
+message is the assistant's and is continued: no generation prompt is added after it;
+`add_generation_prompt`, if sent, must then be false) with `prompt_logprobs: 0` (the
+logprob of each prompt token) and `max_tokens: 0` (read the message, answer nothing).
+The response then has vLLM's top-level `prompt_logprobs`, one entry per prompt token:
+`{"<token id>": {"logprob": float, "rank": int, "decoded_token": str}}`, and
+`rarecache.final_message_tokens` says how many tokens the final message has (the last
+entries). The final message's rows stay held, so the next turn, on either model, keeps or
+hands off from them; `rarecache` says how the rows of the prompt before that message were
+obtained, as for any request. This is `Conversation.score` over HTTP: the bits per byte of
+an answer are -sum(logprob) / (ln 2 * its UTF-8 bytes). Where it differs from vLLM:
+  - only the final message's tokens are scored; the entries before them are null (vLLM
+    scores every prompt token but the first): the rows before it are reused or handed off,
+    not recomputed, so there are no logits for them;
+  - the prompt is the messages before the final one rendered with the generation prompt,
+    then the final message's text tokenised on its own (the sequence `Conversation.score`
+    reads), where vLLM tokenises the template's rendering of the whole conversation cut
+    after the final message's stripped text: the same text for ChatML-style templates, but
+    the tokens at the seam, and trailing whitespace of the message, may differ;
+  - only `prompt_logprobs: 0` (no alternatives; vLLM's k > 0 and -1 are refused), never with
+    `stream` (vLLM refuses only k > 0 and -1 there), and only with `continue_final_message`;
+  - `max_tokens: 0` is accepted, only with `prompt_logprobs` (vLLM needs 1 or more; with
+    1 or more here the answer continues the message, as in vLLM, after the scoring);
+  - a final message with no tokens is refused.
+`continue_final_message` alone (no `prompt_logprobs`) continues the message, streamed or
+not, as vLLM does. An engine that cannot read a final message (`--engine vllm`) refuses it.
 
 The body is as strict as OpenAI's: no coercion (`"2"`, `2.0` or `true` is not an
 integer, `"yes"` is not a boolean; an integer is a number), no NaN or Infinity. Every
@@ -27,7 +54,8 @@ import json
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from functools import partial
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +68,8 @@ from starlette.exceptions import HTTPException
 from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
 from .service import MAX_SALT, ChatService, ModelNotFound, Reply, Role
+
+LOGPROB_FLOOR = -9999.0  # what vLLM sends for a logprob of -inf (JSON has no infinity)
 
 UNSUPPORTED = ("n", "tools", "tool_choice", "functions", "function_call", "logprobs",
                "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
@@ -70,8 +100,8 @@ class ChatRequest(BaseModel):
     model_config = ConfigDict(**STRICT, extra="allow")  # unsupported OpenAI fields are named in the error
     model: str = Field(max_length=256)
     messages: list[Message] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with prompt_logprobs (checked in `chat`)
+    max_completion_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(0.0, ge=0, le=2)  # greedy unless asked: handoff results are comparable
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(0, ge=0, le=2**63 - 1)
@@ -80,6 +110,37 @@ class ChatRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # caches are shared within one salt
+    # vLLM's extensions for scoring a given final assistant message (module docstring)
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None  # vLLM's default, true, unless continue_final_message
+    prompt_logprobs: int | None = None
+
+    def answer_tokens(self, default: int) -> int:
+        for n in (self.max_completion_tokens, self.max_tokens):
+            if n is not None:
+                return n
+        return default
+
+    def refusal(self) -> str | None:
+        """What is wrong with the combination of the scoring fields, if anything."""
+        asked_zero = 0 in (self.max_tokens, self.max_completion_tokens)
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < -1:
+                return "prompt_logprobs must be 0 or more"
+            if self.prompt_logprobs != 0:
+                return "not supported by this server: prompt_logprobs other than 0 (alternatives to each prompt token)"
+            if self.stream:
+                return "prompt_logprobs are not available with stream"
+            if not self.continue_final_message:
+                return ("prompt_logprobs needs continue_final_message: this server scores the final assistant "
+                        "message of a conversation")
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message and add_generation_prompt cannot both be true"
+        if self.add_generation_prompt is False and not self.continue_final_message:
+            return "not supported by this server: add_generation_prompt false without continue_final_message"
+        if asked_zero and self.prompt_logprobs is None:
+            return "max_tokens 0 (no answer) is accepted only with continue_final_message and prompt_logprobs"
+        return None
 
     def stops(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -185,11 +246,20 @@ def _info(service: ChatService, reply: Reply) -> dict:
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
+    if reply.continued:  # continue_final_message: the last prompt tokens, read by the model itself
+        info["final_message_tokens"] = reply.continued
     return info
 
 
-async def _stream(service: ChatService, head: dict, ids: list[int], sampling: SamplingConfig,
-                  req: ChatRequest) -> AsyncIterator[str]:
+def _prompt_logprobs(reply: Reply) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` (prompt_logprobs 0): per prompt token, null, or for the final message's
+    tokens {token id: {logprob, rank, decoded_token}}."""
+    scored = [{str(t): {"logprob": LOGPROB_FLOOR if lp == float("-inf") else lp, "rank": rank, "decoded_token": text}}
+              for t, lp, rank, text in reply.prompt_logprobs or ()]
+    return [None] * (reply.prompt_tokens - len(scored)) + scored
+
+
+async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], req: ChatRequest) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
     with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
@@ -197,9 +267,8 @@ async def _stream(service: ChatService, head: dict, ids: list[int], sampling: Sa
 
     def work() -> None:
         try:
-            reply = service.answer(req.model, ids, sampling, req.stops(),
-                                   on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
-                                   cancelled=gone.is_set, salt=req.cache_salt)
+            reply = call(on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
+                         cancelled=gone.is_set)
             loop.call_soon_threadsafe(queue.put_nowait, ("done", reply))
         except Exception as e:  # noqa: BLE001  (reported to the client, which is already streaming)
             loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
@@ -293,11 +362,23 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             return _error(400, f"not supported by this server: {', '.join(refused)}")
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
             return _error(400, "max_tokens and max_completion_tokens disagree")
+        wrong = req.refusal()
+        if wrong is not None:
+            return _error(400, wrong)
+        if req.continue_final_message and not callable(getattr(service, "continue_final", None)):
+            return _error(400, "not supported by this server's engine: continue_final_message")
         try:
-            sampling = SamplingConfig(max_new_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens,
-                                      temperature=req.temperature, top_p=req.top_p, seed=req.seed)
+            new = req.answer_tokens(default_max_tokens)
+            sampling = None if new == 0 else SamplingConfig(max_new_tokens=new, temperature=req.temperature,
+                                                            top_p=req.top_p, seed=req.seed)
             messages = [m.model_dump() for m in req.messages]
-            ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
+            if req.continue_final_message:  # tokenised, checked; the final message read after the rest
+                prompt = service.prepare_continued(req.model, messages, sampling, req.stops(), req.cache_salt)
+                call = partial(service.continue_final, req.model, prompt, sampling, req.stops(), salt=req.cache_salt,
+                               logprobs=req.prompt_logprobs is not None)
+            else:
+                ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
+                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt)
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
@@ -310,18 +391,20 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:  # released once the stream ends, however it ends
-            return StreamingResponse(_stream(service, head, ids, sampling, req), media_type="text/event-stream",
+            return StreamingResponse(_stream(service, head, call, req), media_type="text/event-stream",
                                      background=BackgroundTask(release, done))
         try:
-            reply = await run_in_threadpool(service.answer, req.model, ids, sampling, req.stops(),
-                                            salt=req.cache_salt)
+            reply = await run_in_threadpool(call)
         except RarecacheError as e:
             return _error(400, str(e))
         finally:
             release(done)
-        return {**head, "object": "chat.completion",
+        body = {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
                              "finish_reason": reply.finish_reason}],
                 "usage": _usage(reply), "rarecache": _info(service, reply)}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _prompt_logprobs(reply)
+        return body
 
     return app

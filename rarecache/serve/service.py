@@ -12,6 +12,13 @@ A request's `salt` (the API's `cache_salt`) scopes both starting points: only en
 written under the same salt are reused or handed off, so tenants with different salts
 never read, extend or time each other's rows.
 
+A request may also end in an assistant message to be continued (`continue_final`, the API's
+`continue_final_message`): the prompt before that message gets its rows as above, then the
+model reads the message itself, scoring each of its tokens (the API's `prompt_logprobs`)
+and keeping their rows exactly as `Conversation.score` does, so the next turn, on either
+model, keeps or hands off from them; with no answer asked (`max_tokens` 0) that is all,
+else the answer continues the message.
+
 Requests are scheduled continuously: one worker thread admits a waiting request
 (its prefill or handoff runs alone, being compute-bound), then advances every
 running answer of a model by one token in one batched step (`Runner.decode_step`:
@@ -79,6 +86,17 @@ class Reply:
     seconds: dict[str, float] = field(default_factory=dict)
     gate: dict | None = None  # the quality gate's decision and why (GateResult.record), if it ran
     reused_approximate: int = 0  # of the reused positions, those holding mapped rows from an earlier handoff
+    continued: int = 0  # continue_final: tokens of the final assistant message, the last of `prompt_tokens`
+    # continue_final with logprobs: per token of that message, (token, logprob, rank in the vocabulary, its text)
+    prompt_logprobs: list[tuple[int, float, int, str]] | None = None
+
+
+@dataclass(frozen=True)
+class Continued:
+    """A request ending in an assistant message to continue, as `prepare_continued` tokenised it."""
+
+    ids: list[int]  # the prompt before the final message, with the template's generation prompt
+    tokens: list[int]  # the final message's text, tokenised on its own (as `Conversation.score` reads an answer)
 
 
 @dataclass(eq=False)
@@ -86,12 +104,14 @@ class _Job:
     """One request, from submission to reply; touched by the worker only, once submitted."""
 
     model: str
-    ids: list[int]
-    sampling: SamplingConfig
+    ids: list[int]  # the prompt (continue_final: up to the final message, whose tokens join it once read)
+    sampling: SamplingConfig | None  # None: continue_final with no answer (max_tokens 0)
     stop: tuple[str, ...]
     on_text: Callable[[str], None] | None
     cancelled: Callable[[], bool] | None
     salt: str | None = None  # entries are shared only within one salt
+    continued: list[int] | None = None  # continue_final: the final assistant message's tokens, read after `ids`
+    logprobs: bool = False  # continue_final: score them
     submitted: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     reply: "Reply | None" = None
@@ -102,14 +122,16 @@ class _Job:
     started: Started | None = None
     row: Row | None = None
     sent: int = 0  # characters of the answer already given to on_text
+    scored: list[tuple[int, float, int, str]] | None = None  # continue_final with logprobs
     seconds: dict[str, float] = field(default_factory=dict)
     t_decode: float = 0.0
 
 
-def check_request(models, cfg, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
-                  stop: tuple[str, ...] = (), salt: str | None = None) -> None:
+def check_request(models, cfg, model: str, messages: list[dict[str, str]], sampling: SamplingConfig | None,
+                  stop: tuple[str, ...] = (), salt: str | None = None, continue_final: bool = False) -> None:
     """Every mistake a client can make in a chat request, for any engine's service (`cfg` gives
-    max_prompt_chars and max_new_tokens; `models` the names served)."""
+    max_prompt_chars and max_new_tokens; `models` the names served). `continue_final`: the last
+    message is the assistant's, to be continued (`sampling` None: read, with no answer)."""
     if model not in models:
         raise ModelNotFound(f"unknown model {model!r}; this server has {', '.join(models)}")
     if not messages:
@@ -117,11 +139,15 @@ def check_request(models, cfg, model: str, messages: list[dict[str, str]], sampl
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise RarecacheError(f"messages[{i}] needs a role ({', '.join(ROLES)}) and a string content")
-    if messages[-1]["role"] == "assistant":
-        raise RarecacheError("the last message is the assistant's; there is nothing to answer")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise RarecacheError("continue_final_message needs the last message to be the assistant's (the text to "
+                             f"continue), not the {messages[-1]['role']}'s")
+    if not continue_final and messages[-1]["role"] == "assistant":
+        raise RarecacheError("the last message is the assistant's; there is nothing to answer "
+                             "(continue_final_message continues or scores it)")
     if sum(len(m["content"]) for m in messages) > cfg.max_prompt_chars:
         raise RarecacheError(f"the messages exceed {cfg.max_prompt_chars} characters")
-    if sampling.max_new_tokens > cfg.max_new_tokens:
+    if sampling is not None and sampling.max_new_tokens > cfg.max_new_tokens:
         raise RarecacheError(f"max_tokens is at most {cfg.max_new_tokens} on this server")
     if len(stop) > MAX_STOP or any(not isinstance(x, str) or not 0 < len(x) <= MAX_STOP_CHARS for x in stop):
         raise RarecacheError(f"stop takes at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
@@ -179,7 +205,39 @@ class ChatService:
                on_text: Callable[[str], None] | None = None,
                cancelled: Callable[[], bool] | None = None, salt: str | None = None) -> Reply:
         """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait."""
-        job = _Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt)
+        return self._submit(_Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt))
+
+    def prepare_continued(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig | None,
+                          stop: tuple[str, ...] = (), salt: str | None = None) -> Continued:
+        """`prepare` for a request whose last message is the assistant's, to continue (`sampling` None:
+        only to read it, with no answer). The messages before it are rendered with the template's
+        generation prompt and the final message's text is tokenised on its own after them: the
+        sequence `Conversation.score` reads for a given answer."""
+        check_request(self.models, self.cfg, model, messages, sampling, stop, salt, continue_final=True)
+        if len(messages) < 2:
+            raise RarecacheError("continue_final_message needs a message before the final assistant one")
+        llm = self.models[model]
+        ids = llm.encode([{"role": m["role"], "content": m["content"]} for m in messages[:-1]])
+        tokens = llm.tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+        if not tokens:
+            raise RarecacheError("the final assistant message is empty: there is nothing to continue or score")
+        llm.check_fits(len(ids) + len(tokens), 0 if sampling is None else sampling.max_new_tokens, model)
+        return Continued(ids, tokens)
+
+    def continue_final(self, model: str, prompt: Continued, sampling: SamplingConfig | None,
+                       stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
+                       cancelled: Callable[[], bool] | None = None, salt: str | None = None,
+                       logprobs: bool = True) -> Reply:
+        """Give `model` the rows of `prompt.ids` as `answer` does (kept, prefilled or handed off), then
+        let it read the final message's tokens itself: with `logprobs`, the reply's `prompt_logprobs`
+        scores each of them; their rows stay held for the next turn as `Conversation.score` leaves
+        them (all but the last token's, when no answer is asked). With `sampling`, the answer then
+        continues the message (`text`, `tokens` are the continuation only)."""
+        return self._submit(_Job(model, prompt.ids, sampling, tuple(stop), on_text, cancelled, salt,
+                                 continued=list(prompt.tokens), logprobs=logprobs))
+
+    def _submit(self, job: _Job) -> Reply:
+        """Queue a job and wait for its reply."""
         with self._wake:
             if self._closed:
                 raise RarecacheError("the service is closed")
@@ -255,7 +313,8 @@ class ChatService:
         model, ids = job.model, job.ids
         try:
             if job.cancelled is not None and job.cancelled():  # the client left while it waited
-                job.reply = Reply(model, "", [], "stop", len(ids), 0, None, None, None, dict(job.seconds))
+                job.reply = Reply(model, "", [], "stop", len(ids) + len(job.continued or ()), 0, None, None, None,
+                                  dict(job.seconds))
                 job.done.set()
                 return
             own, own_n = self.store.best(model, ids, job.salt)
@@ -273,7 +332,7 @@ class ChatService:
             now = time.monotonic()
             for e in job.held.values():
                 e.used = now
-            job.started = prefill_or_handoff(self.models, self.maps, self.cfg.handoff, job.sampling, model, ids,
+            job.started = prefill_or_handoff(self.models, self.maps, self.cfg.handoff, self._room(job), model, ids,
                                              {k: e.held for k, e in job.held.items()}, job.source, self.cfg.gate)
         except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
             self._fail(job, e)
@@ -283,11 +342,70 @@ class ChatService:
                 job.held[job.source].busy = False
             self.store.evict()
         job.seconds["prefill_or_handoff"] = job.started.seconds
+        logits = job.started.logits
+        if job.continued is not None:
+            try:
+                logits = self._read(job)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                return
+            if job.sampling is None:
+                self._finish_read(job)
+                return
         job.t_decode = time.perf_counter()
         checking = job.stop or job.on_text is not None or job.cancelled is not None
-        job.row = Row(job.started.sampling, (lambda toks: self._check(job, toks)) if checking else None)
+        job.row = Row(self.models[model].with_eos(job.sampling), (lambda toks: self._check(job, toks)) if checking
+                      else None)
         self._running.append(job)
-        self._take(job, job.started.logits)
+        self._take(job, logits)
+
+    @staticmethod
+    def _room(job: _Job) -> SamplingConfig:
+        """What `prefill_or_handoff` makes room for: the answer, and a final message to continue before it
+        (as `Conversation.score` asks: that message's tokens as the new ones, when no answer follows)."""
+        if job.continued is None:
+            return job.sampling
+        return SamplingConfig(max_new_tokens=len(job.continued) + (0 if job.sampling is None else
+                                                                   job.sampling.max_new_tokens))
+
+    @torch.inference_mode()
+    def _read(self, job: _Job) -> torch.Tensor | None:
+        """The model reads the final message's tokens after the prompt's rows, as `Conversation.score`
+        does (each token's logprob from the logits before it; the rows of all but the last written);
+        with an answer to come, the last token is fed too and its logits returned. `job.ids` then
+        ends with the message."""
+        t0 = time.perf_counter()
+        llm, cont, cache = self.models[job.model], job.continued, job.started.cache
+        n, scored = len(job.ids), []
+        first = torch.log_softmax(job.started.logits[0].float(), -1) if job.logprobs else None
+        if len(cont) > 1:  # the message's rows are written as it is read: the next turn keeps them
+            out = llm.runner.forward(torch.tensor([cont[:-1]]), torch.arange(n, n + len(cont) - 1)[None], cache,
+                                     logits_at="all" if job.logprobs else None)
+        if job.logprobs:
+            scored = [_scored(first, cont[0])]
+            if len(cont) > 1:
+                lps = torch.log_softmax(out.logits[0].float(), -1)
+                values = lps[torch.arange(len(cont) - 1), torch.tensor(cont[1:])]
+                ranks = (lps > values[:, None]).sum(-1) + 1
+                scored += [(t, v, r) for t, v, r in zip(cont[1:], values.tolist(), ranks.tolist())]
+            job.scored = [(t, v, r, llm.tokenizer.decode([t], skip_special_tokens=False)) for t, v, r in scored]
+        logits = None
+        if job.sampling is not None:  # the answer continues the message: feed its last token
+            last = n + len(cont) - 1
+            logits = llm.runner.forward(torch.tensor([[cont[-1]]]), torch.tensor([[last]]), cache).logits
+        job.ids = job.ids + cont
+        job.seconds["score" if job.logprobs else "read"] = time.perf_counter() - t0
+        return logits
+
+    def _finish_read(self, job: _Job) -> None:
+        """A continued message read with no answer: hold its rows (all but the last token's)."""
+        entry = job.held[job.model]
+        entry.held.ids = job.ids[:-1]
+        entry.busy = False
+        entry.used = time.monotonic()
+        self.store.evict(tuple(job.held.values()))
+        job.reply = self._reply(job, "", [], "length")
+        job.done.set()
 
     def _take(self, job: _Job, logits: torch.Tensor) -> None:
         try:
@@ -330,13 +448,24 @@ class ChatService:
                 job.on_text(text[job.sent:])
         except Exception as e:  # noqa: BLE001
             job.error = e
-        result = job.started.handoff
-        job.reply = Reply(model, text, row.tokens, reason, len(job.ids), job.started.keep, job.source,
-                          None if result is None else len(result.positions[0]),
-                          None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
-                          dict(job.seconds), None if job.started.gate is None else job.started.gate.record(),
-                          job.started.reused_approximate)
+        job.reply = self._reply(job, text, row.tokens, reason)
         job.done.set()
+
+    @staticmethod
+    def _reply(job: _Job, text: str, tokens: list[int], reason: str) -> Reply:
+        result = job.started.handoff
+        return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
+                     None if result is None else len(result.positions[0]),
+                     None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
+                     dict(job.seconds), None if job.started.gate is None else job.started.gate.record(),
+                     job.started.reused_approximate, 0 if job.continued is None else len(job.continued),
+                     job.scored)
+
+
+def _scored(lps: torch.Tensor, token: int) -> tuple[int, float, int]:
+    """(token, its logprob, its rank: 1 + how many tokens are likelier) from one position's log-softmax (V,)."""
+    value = lps[token]
+    return token, value.item(), int((lps > value).sum()) + 1
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> int | None:
