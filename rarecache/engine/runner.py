@@ -179,6 +179,24 @@ class Runner:
             h = self.finish(i, h, torch.cat(outs))
         return self.logits(h, pos)
 
+    @torch.inference_mode()
+    def read(self, tokens: list[int], start: int, cache: KVCache, before: torch.Tensor,
+             logprobs: bool = True) -> torch.Tensor | None:
+        """Read given tokens (a scored answer) after the `start` positions row 0 of `cache` holds:
+        the rows of all but the last token are written at start, start + 1, ... (the next turn keeps
+        them). `before` (V,): the logits at position start - 1. Returns (len(tokens), V): each token's
+        log-softmax over the vocabulary, float32, from the logits before it; None when `logprobs` is False."""
+        first = torch.log_softmax(before.float(), -1) if logprobs else None
+        out = None
+        if len(tokens) > 1:
+            out = self.forward(torch.tensor([tokens[:-1]]), torch.arange(start, start + len(tokens) - 1)[None], cache,
+                               logits_at="all" if logprobs else None)
+        if not logprobs:
+            return None
+        if out is None:
+            return first[None]
+        return torch.cat([first[None], torch.log_softmax(out.logits[0].float(), -1)])  # (len, V)
+
     def prefill(self, prompts: list[list[int]], max_len: int | None = None) -> tuple[KVCache, ForwardOutput]:
         """Prefill prompts of different lengths into a new batch cache; last-position logits (B, V).
 

@@ -376,17 +376,14 @@ class ChatService:
         ends with the message."""
         t0 = time.perf_counter()
         llm, cont, cache = self.models[job.model], job.continued, job.started.cache
-        n, scored = len(job.ids), []
-        first = torch.log_softmax(job.started.logits[0].float(), -1) if job.logprobs else None
-        if len(cont) > 1:  # the message's rows are written as it is read: the next turn keeps them
-            out = llm.runner.forward(torch.tensor([cont[:-1]]), torch.arange(n, n + len(cont) - 1)[None], cache,
-                                     logits_at="all" if job.logprobs else None)
-        if job.logprobs:
-            scored = [_scored(first, cont[0])]
+        n = len(job.ids)
+        lps = llm.runner.read(cont, n, cache, job.started.logits[0], job.logprobs)  # the message's rows stay
+        if lps is not None:
+            scored = [_scored(lps[0], cont[0])]
             if len(cont) > 1:
-                lps = torch.log_softmax(out.logits[0].float(), -1)
-                values = lps[torch.arange(len(cont) - 1), torch.tensor(cont[1:])]
-                ranks = (lps > values[:, None]).sum(-1) + 1
+                rest = lps[1:]  # (len - 1, V)
+                values = rest[torch.arange(len(cont) - 1), torch.tensor(cont[1:])]
+                ranks = (rest > values[:, None]).sum(-1) + 1
                 scored += [(t, v, r) for t, v, r in zip(cont[1:], values.tolist(), ranks.tolist())]
             job.scored = [(t, v, r, llm.tokenizer.decode([t], skip_special_tokens=False)) for t, v, r in scored]
         logits = None

@@ -225,13 +225,10 @@ class Conversation:
         except RarecacheError:
             self.messages.pop()
             raise
-        lp = torch.log_softmax(s.logits[0].float(), -1)[tokens[0]].item()
-        if len(tokens) > 1:  # the answer's rows are written as it is read: the next turn keeps them
-            n = len(ids)
-            out = llm.runner.forward(torch.tensor([tokens[:-1]]), torch.arange(n, n + len(tokens) - 1)[None], s.cache,
-                                     logits_at="all")
-            lps = torch.log_softmax(out.logits[0].float(), -1)
-            lp += lps[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum().item()
+        lps = llm.runner.read(tokens, len(ids), s.cache, s.logits[0])  # the answer's rows stay for the next turn
+        lp = lps[0, tokens[0]].item()
+        if len(tokens) > 1:
+            lp += lps[1:][torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])].sum().item()
         self.state[model].ids = ids + tokens[:-1]
         self.messages.append({"role": "assistant", "content": answer})
         self.last = model
