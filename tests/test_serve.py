@@ -785,3 +785,47 @@ def test_scoring_requests_are_validated(chat):
     other = TestClient(create_app(OtherEngine(models, maps, ServiceConfig(HandoffConfig(rho=1.0)))))
     r = other.post("/v1/chat/completions", json=base)
     assert "engine" in _openai_error(r, 400) and "continue_final_message" in r.json()["error"]["message"]
+
+
+def test_poisson_bench_on_our_own_server(chat, tmp_path):
+    """The paper's serving experiment on our ChatService (`bench load --poisson`), by the driver the
+    vLLM bench uses: the baseline arm reads every prompt itself, the handoff arm hands off every
+    request (the same conversations come back at each load: the target's caches of them are
+    dropped after each answer), and at ρ = 1 a switched turn answers as the target alone."""
+    from rarecache.bench.load import PoissonConfig, ServiceArms, load_summary, run_poisson_bench
+
+    models, maps = chat
+    fwd = maps[("small", "large")]
+    svc = ChatService(models, {("small", "large"): fwd}, ServiceConfig(HandoffConfig(rho=1.0), max_batch=2))
+    words = "the quick brown fox jumps over the lazy dog and again".split()
+    (tmp_path / "docs.txt").write_text("\n\n\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(80))
+                                                     for i in range(12)))
+    cfg = PoissonConfig(loads=(0.5, 1.0), requests=5, discard=1, prompt_tokens=224, answer_tokens=4, rho=1.0,
+                        saturation_batches=1, corpus=str(tmp_path / "docs.txt"))
+    arms = ServiceArms(svc)
+    try:
+        lines = []
+        result = run_poisson_bench(arms, "small", "large", cfg, [fwd], {"engine": "rarecache"},
+                                   emit=lines.append, engine="rarecache")
+        assert result["engine"] == "rarecache" and result["bench"] == "rarecache-load"
+        assert set(result["saturation_rps"]) == {"rarecache", "rarecache+handoff"}
+        for p in result["points"]:
+            assert p["rarecache"]["handed_off"] == 0 and p["rarecache+handoff"]["handed_off"] == 5
+            assert all(p[a]["counted"] == 4 and 0 < p[a]["ttft_p50_s"] <= p[a]["ttft_p99_s"]
+                       for a in ("rarecache", "rarecache+handoff"))
+        assert all(v > 0 for v in load_summary(result).values()) and "rarecache+handoff" in lines[-2]
+        assert svc.store.entries["large"] == []  # every target turn forgotten after its answer
+        # one switched turn, both arms: the same tokens at ρ = 1; the baseline read it all itself
+        from rarecache.bench.serve import switched_conversations
+
+        (ids, salt), = switched_conversations(arms, "small", "large", 224, 1, 4, 3, [fwd], str(tmp_path / "docs.txt"))
+        sampling = SamplingConfig(max_new_tokens=3, ignore_eos=True)
+        alone = arms.answer("large", ids, sampling, salt=salt, reread=True)
+        handed = arms.answer("large", ids, sampling, salt=salt, rho=1.0)
+        assert alone.prefilled == len(ids) and alone.handed_off_from is None
+        assert handed.handed_off_from == "small" and handed.note is None and handed.tokens == alone.tokens
+        assert handed.seconds["first_token"] > 0
+        with pytest.raises(RarecacheError, match="serves one budget"):
+            arms.answer("large", ids, sampling, salt=salt, rho=0.5)
+    finally:
+        svc.close()

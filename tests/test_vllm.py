@@ -283,14 +283,14 @@ def _stand_in_service(monkeypatch) -> dict:
     return seen
 
 
-def _stand_in_config(extra, model, tp=1):
+def _stand_in_config(extra, model, tp=1, pp=1):
     from vllm.config import KVTransferConfig
 
     ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR, kv_role="kv_both",
                            kv_connector_extra_config=extra)
     return SimpleNamespace(kv_transfer_config=ktc, model_config=SimpleNamespace(model=str(model)),
                            cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto"),
-                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1))
+                           parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp))
 
 
 @needs_vllm
@@ -304,8 +304,9 @@ def test_connector_init_refuses_a_mismatched_map(vpair, tmp_path):
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(RarecacheError, match="was fitted for src -> tgt .* not for this engine's model other"):
             RarecacheConnector(_stand_in_config(good, vpair.root / "other"), role, None)
-    with pytest.raises(RarecacheError, match="one rank"):
-        RarecacheConnector(_stand_in_config(good, vpair.root / "tgt", tp=2), KVConnectorRole.SCHEDULER, None)
+    with pytest.raises(RarecacheError, match="pipeline_parallel_size=2"):
+        RarecacheConnector(_stand_in_config(good, vpair.root / "tgt", pp=2), KVConnectorRole.SCHEDULER, None)
+    RarecacheConnector(_stand_in_config(good, vpair.root / "tgt", tp=2), KVConnectorRole.SCHEDULER, None)
     RarecacheConnector(_stand_in_config(good, vpair.root / "tgt"), KVConnectorRole.SCHEDULER, None)
 
 
@@ -741,6 +742,16 @@ def test_engine_environment_keeps_what_the_user_set():
         bound += list(range(int(a), int(b or a) + 1))
     assert bound == cores
     assert engine_environment({})["OMP_NUM_THREADS"] == str(len(cores))
+    if len(cores) >= 2:  # tensor parallel: the cores split between the ranks, in order
+        got = engine_environment({}, tensor_parallel_size=2)
+        ranks = got["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+        half = len(cores) // 2
+        assert len(ranks) == 2 and got["OMP_NUM_THREADS"] == str(half)
+        assert [engine_environment({}, 1)["VLLM_CPU_OMP_THREADS_BIND"]] != ranks
+    with pytest.raises(RarecacheError, match="needs a core per rank"):
+        engine_environment({}, tensor_parallel_size=len(cores) + 1)
+    with pytest.raises(RarecacheError, match="positive integer"):
+        engine_environment({}, tensor_parallel_size=0)
 
 
 def test_serve_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
@@ -759,6 +770,7 @@ def test_serve_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
         (["--block-size", "40"], "multiple of 16"),
         (["--reverse-map", str(tmp_path / "none.map")], "no map file"),
         (["--reverse-map", str(vpair.root / "src-tgt.map")], r"runs src -> tgt, out of this engine's model src"),
+        (["--tensor-parallel-size", "0"], "tensor_parallel_size must be a positive integer"),
     ]:
         assert main([*args, *extra]) == 2
         assert re.search(match, capsys.readouterr().err), extra
@@ -767,6 +779,8 @@ def test_serve_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
     plain = [a for a in args if a not in ("--engine", "vllm")]
     assert main([*plain, "--store", str(tmp_path)]) == 2
     assert "--store: only with --engine vllm" in capsys.readouterr().err
+    assert main([*plain, "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size: only with --engine vllm" in capsys.readouterr().err
     # a script without the __main__ guard, imported again by a process vLLM spawns: said, not a traceback
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     with pytest.raises(RarecacheError, match='if __name__ == "__main__"'):
@@ -978,8 +992,12 @@ def test_bench_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
         ([*load, "--prompt-tokens", "8"], "--prompt-tokens takes distinct prompt lengths >= 64"),
         ([*load, "--max-batch", "0"], "--max-batch must be >= 1"),
         ([*load, "--clients", "2"], "--clients: only with --engine rarecache"),
-        (["bench", "load", "--loads", "0.5"], "--loads: only with --engine vllm"),
-        (["bench", "load", "--source", "x"], "--source: only with --engine vllm"),
+        (["bench", "load", "--loads", "0.5"], "--loads: only with --poisson or --engine vllm"),
+        (["bench", "load", "--source", "x"], "--source: only with --poisson or --engine vllm"),
+        (["bench", "load", "--poisson", "--clients", "2"], "--clients: only with --engine rarecache$"),
+        (["bench", "load", "--poisson", "--block-size", "32"], "--block-size: only with --engine vllm$"),
+        (["bench", "load", "--poisson"], "bench load --poisson needs --source, --target and --map"),
+        ([*load, "--poisson"], "--poisson is for --engine rarecache"),
     ]:
         assert main(args) == 2, args
         assert re.search(match, capsys.readouterr().err), (args, match)
@@ -1092,8 +1110,30 @@ def test_poisson_driver_and_summaries():
     assert s == {"saturation_throughput_ratio": 1.5, "saturation_p50_ttft_ratio": 5.0,
                  "saturation_p99_ttft_ratio": 10.0}
     rows = [{"T": 512, "rho": 0.1, "speedup": 3.0}, {"T": 2048, "rho": 0.3, "speedup": 2.5}]
-    assert switch_summary({"rows": rows}) == {"switch_ttft_speedup_T2048_rho0.3": 2.5,
+    assert switch_summary({"rows": rows}) == {"switch_ttft_speedup_T2048_rho0.3": 2.5, "settings": {},
                                               "switch_ttft_speedup": {"512/0.1": 3.0, "2048/0.3": 2.5}}
+
+
+def test_switch_summary_keeps_cells_of_the_same_setup():
+    """A T = 4096 run after a 512 / 2048 one on the same engines keeps the earlier cells (its own win
+    where both measured one); a run with other engine settings replaces them."""
+    from rarecache.bench.serve import switch_summary
+
+    setup = {"engine": "vllm", "dtype": "float32", "environment": {"OMP_NUM_THREADS": "2"}}
+    first = switch_summary({"rows": [{"T": 512, "rho": 0.1, "speedup": 3.0}, {"T": 2048, "rho": 0.3, "speedup": 2.5}],
+                            "settings": {**setup, "lengths": [512, 2048], "rhos": [0.1, 0.3], "repeats": 3}})
+    previous = {**first, "settings": {"switch": first.pop("settings")}}
+    later = {"rows": [{"T": 4096, "rho": 0.3, "speedup": 3.1}, {"T": 2048, "rho": 0.3, "speedup": 2.7}],
+             "settings": {**setup, "lengths": [2048, 4096], "rhos": [0.3], "repeats": 2}}
+    got = switch_summary(later, previous)
+    assert got["switch_ttft_speedup"] == {"512/0.1": 3.0, "2048/0.3": 2.7, "4096/0.3": 3.1}
+    assert got["switch_ttft_speedup_T2048_rho0.3"] == 2.7
+    assert got["settings"] == {**setup, "lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "repeats": [2, 3]}
+    other = {**later, "settings": {**later["settings"], "dtype": "bfloat16"}}
+    assert switch_summary(other, previous)["switch_ttft_speedup"] == {"2048/0.3": 2.7, "4096/0.3": 3.1}
+    assert switch_summary(later, None)["settings"] == later["settings"]
+    assert switch_summary(later, {"settings": "junk", "switch_ttft_speedup": {"1/1": 1}})["switch_ttft_speedup"] == {
+        "2048/0.3": 2.7, "4096/0.3": 3.1}
 
 
 def test_bench_baseline_must_be_vllm_reading_it_all():

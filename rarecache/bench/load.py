@@ -22,6 +22,7 @@ import random
 import statistics
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -210,16 +211,54 @@ def open_loop(send: Callable[[int], float], arrivals: list[float], discard: int)
             "ttft_mean_s": statistics.fmean(ttft), "throughput_rps": len(kept) / span, "counted": len(kept)}
 
 
+class ServiceArms:
+    """Our ChatService behind the interface the switched-turn benches drive (VllmChatService's
+    `prepare` / `answer(..., reread=, rho=)`), so the paper's serving experiment runs on both
+    engines with one driver. `reread`: a salt nobody used, so the target holds nothing of the
+    prompt and reads all of it; a handoff is our service's own (its source entry under the
+    conversation's salt). After each answer of the target the caches it kept of that salt are
+    dropped, so the next request of the same conversation is handed off (or read) again, as in
+    vLLM, where handed-off blocks are never reused."""
+
+    def __init__(self, svc: ChatService):
+        self.svc, self.models, self.cfg = svc, svc.models, svc.cfg
+
+    def prepare(self, model: str, messages: list[dict], sampling: SamplingConfig, stop=(), salt=None) -> list[int]:
+        return self.svc.prepare(model, messages, sampling, stop, salt)
+
+    def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop=(), salt=None, *,
+               reread: bool = False, rho: float | None = None) -> Reply:
+        if rho is not None and rho != self.svc.cfg.handoff.rho:
+            raise RarecacheError(f"this service hands off at rho {self.svc.cfg.handoff.rho:g}, not {rho:g} (our "
+                                 "server serves one budget)")
+        if reread:
+            salt = f"reread-{uuid.uuid4().hex}"
+        reply = self.svc.answer(model, ids, sampling, stop, salt=salt)
+        if reread or rho is not None:  # the target's turn: read anew next time
+            self.svc.forget(model, salt)
+        reply.prefilled = len(ids) - reply.reused - (reply.handed_off or 0) + (reply.recomputed or 0)
+        reply.note = None if rho is None or reply.handed_off_from is not None else "not handed off"
+        return reply
+
+
 def run_vllm_load_bench(svc, source: str, target: str, cfg: PoissonConfig, maps=(), settings=None, cache_dir=None,
                         emit=print) -> dict:
-    """vLLM alone vs vLLM + handoff under the same Poisson traces, on the same engines (the service as
-    bench/serve.py takes it). Every request is a switched conversation's turn 2 whose turn 1 the
-    source answered beforehand (untimed): the target's side is what is measured."""
+    """vLLM alone vs vLLM + handoff under the same Poisson traces (`run_poisson_bench` on vLLM)."""
+    return run_poisson_bench(svc, source, target, cfg, maps, settings, cache_dir, emit, engine="vllm")
+
+
+def run_poisson_bench(svc, source: str, target: str, cfg: PoissonConfig, maps=(), settings=None, cache_dir=None,
+                      emit=print, engine: str = "vllm") -> dict:
+    """The target alone vs the target with handoffs under the same Poisson traces, on the same
+    service (VllmChatService, or our ChatService through `ServiceArms`; `engine` names the arms).
+    Every request is a switched conversation's turn 2 whose turn 1 the source answered
+    beforehand (untimed): the target's side is what is measured."""
     n_sat = cfg.saturation_batches * svc.cfg.max_batch
     convs = switched_conversations(svc, source, target, cfg.prompt_tokens, max(cfg.requests, n_sat),
                                    cfg.answer_tokens, cfg.max_new_tokens, list(maps), cfg.corpus, cache_dir)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, ignore_eos=True)
-    arms = {"vllm": None, "vllm+handoff": cfg.rho}
+    alone, with_handoff = arm_names(engine)
+    arms = {alone: None, with_handoff: cfg.rho}
     handed, lock = {arm: 0 for arm in arms}, threading.Lock()
 
     def sender(arm: str) -> Callable[[int], float]:
@@ -236,29 +275,30 @@ def run_vllm_load_bench(svc, source: str, target: str, cfg: PoissonConfig, maps=
     mu = {}
     for arm in arms:
         mu[arm] = saturation_rate(sender(arm), n_sat)
-    if not handed["vllm+handoff"]:
+    if not handed[with_handoff]:
         raise RarecacheError("no request was handed off: the comparison would be vLLM against itself")
-    emit(f"Poisson arrivals at {target} inside vLLM (from {source}), prompts of ~{cfg.prompt_tokens} tokens, "
+    where = "inside vLLM" if engine == "vllm" else f"on {engine}'s own server"
+    emit(f"Poisson arrivals at {target} {where} (from {source}), prompts of ~{cfg.prompt_tokens} tokens, "
          f"{cfg.max_new_tokens} new, rho {cfg.rho:g}, max batch {svc.cfg.max_batch}, FCFS; saturation "
-         f"({cfg.saturation_batches} full batches queued at once): vLLM {mu['vllm']:.3f} req/s, with handoff "
-         f"{mu['vllm+handoff']:.3f} req/s ({mu['vllm+handoff'] / mu['vllm']:.2f}x)")
-    emit(f"{'load':>5} {'req/s':>7} {'arm':<13} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'done/s':>7} "
+         f"({cfg.saturation_batches} full batches queued at once): {alone} {mu[alone]:.3f} req/s, with handoff "
+         f"{mu[with_handoff]:.3f} req/s ({mu[with_handoff] / mu[alone]:.2f}x)")
+    emit(f"{'load':>5} {'req/s':>7} {'arm':<18} {'p50 ms':>9} {'p99 ms':>9} {'mean ms':>9} {'done/s':>7} "
          f"{'handed off':>10}")
     trace = poisson_trace(cfg.requests, cfg.seed)
     points = []
     for j, u in enumerate(cfg.loads):
-        rate = u * mu["vllm"]
+        rate = u * mu[alone]
         point = {"load": u, "rate_rps": rate}
         for arm in (list(arms) if j % 2 == 0 else list(arms)[::-1]):  # neither arm always first
-            before = handed["vllm+handoff"]
+            before = handed[with_handoff]
             point[arm] = open_loop(sender(arm), [t / rate for t in trace], cfg.discard)
-            point[arm]["handed_off"] = handed["vllm+handoff"] - before if arms[arm] is not None else 0
+            point[arm]["handed_off"] = handed[with_handoff] - before if arms[arm] is not None else 0
         points.append(point)
         for arm in arms:
             o = point[arm]
-            emit(f"{u:>5g} {rate:>7.3f} {arm:<13} {o['ttft_p50_s'] * 1e3:>9.0f} {o['ttft_p99_s'] * 1e3:>9.0f} "
+            emit(f"{u:>5g} {rate:>7.3f} {arm:<18} {o['ttft_p50_s'] * 1e3:>9.0f} {o['ttft_p99_s'] * 1e3:>9.0f} "
                  f"{o['ttft_mean_s'] * 1e3:>9.0f} {o['throughput_rps']:>7.3f} {o['handed_off']:>7}/{cfg.requests}")
-    result = {"bench": "vllm-load", "source": source, "target": target,
+    result = {"bench": f"{engine}-load", "engine": engine, "source": source, "target": target,
               "settings": {**(settings or {}), "loads": list(cfg.loads), "requests": cfg.requests,
                            "discard": cfg.discard, "prompt_tokens": cfg.prompt_tokens,
                            "answer_tokens": cfg.answer_tokens, "max_new_tokens": cfg.max_new_tokens, "rho": cfg.rho,
@@ -280,14 +320,20 @@ def saturation_point(result: dict) -> float | None:
     return max(under) if under else None
 
 
+def arm_names(engine: str) -> tuple[str, str]:
+    """The two arms of the Poisson bench on `engine`: the target alone, and with handoffs."""
+    return engine, f"{engine}+handoff"
+
+
 def load_summary(result: dict) -> dict:
-    """The summary's keys for the load bench: μ with handoff / μ alone, and vLLM alone's TTFT over the
-    handoff's at the saturation point."""
+    """The summary's keys for the load bench: μ with handoff / μ alone, and the target alone's TTFT
+    over the handoff's at the saturation point."""
     mu, u = result["saturation_rps"], saturation_point(result)
     at = next((p for p in result["points"] if p["load"] == u), None)
+    alone, with_handoff = arm_names(result.get("engine", "vllm"))
 
     def ratio(key: str) -> float | None:
-        return at["vllm"][key] / at["vllm+handoff"][key] if at else None
+        return at[alone][key] / at[with_handoff][key] if at else None
 
-    return {"saturation_throughput_ratio": mu["vllm+handoff"] / mu["vllm"],
+    return {"saturation_throughput_ratio": mu[with_handoff] / mu[alone],
             "saturation_p50_ttft_ratio": ratio("ttft_p50_s"), "saturation_p99_ttft_ratio": ratio("ttft_p99_s")}

@@ -273,10 +273,32 @@ def run_vllm_switch_bench(svc, source: str, target: str, cfg: VllmSwitchConfig, 
             "rows": rows}
 
 
-def switch_summary(result: dict) -> dict:
-    """The summary's keys for the switch bench: vLLM alone / handoff, per "T/rho"."""
+# what may differ between runs whose cells one summary holds: which cells, and how many repeats
+PER_RUN = ("lengths", "rhos", "repeats")
+
+
+def switch_summary(result: dict, previous: dict | None = None) -> dict:
+    """The summary's keys for the switch bench: vLLM alone / handoff, per "T/rho". `previous` (the
+    summary file as it was): its cells are kept where this run measured none, if its switch settings
+    are this run's but for PER_RUN (the same engines and environment), so the table can be run in
+    parts; otherwise they are dropped. `settings` is this run's, with the lengths and rhos of every
+    cell kept."""
     cells = {f"{r['T']}/{r['rho']:g}": r["speedup"] for r in result["rows"]}
-    return {"switch_ttft_speedup_T2048_rho0.3": cells.get("2048/0.3"), "switch_ttft_speedup": cells}
+    settings = dict(result.get("settings") or {})
+    old = ((previous or {}).get("settings") or {})
+    old = old.get("switch") if isinstance(old, dict) else None
+    same = isinstance(old, dict) and {k: v for k, v in old.items() if k not in PER_RUN} == {
+        k: v for k, v in settings.items() if k not in PER_RUN}
+    kept = previous.get("switch_ttft_speedup") if same else None
+    if isinstance(kept, dict):
+        cells = {**{k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, (int, float))}, **cells}
+        for k in ("lengths", "rhos"):
+            settings[k] = sorted(set(old.get(k) or []) | set(settings.get(k) or []))
+        if old.get("repeats") != settings.get("repeats"):
+            settings["repeats"] = sorted({old.get("repeats"), settings.get("repeats")} - {None})
+    cells = dict(sorted(cells.items(), key=lambda kv: tuple(float(x) for x in kv[0].split("/"))))
+    return {"switch_ttft_speedup_T2048_rho0.3": cells.get("2048/0.3"), "switch_ttft_speedup": cells,
+            "settings": settings}
 
 
 def update_summary(path: Path, keys: dict, bench: str, settings: dict) -> dict:

@@ -212,7 +212,7 @@ def _add_load(bench) -> None:
     from .bench_vllm import add_load_options
 
     b = bench.add_parser("load", help="throughput of the chat service under concurrent clients: batched "
-                                      "decoding vs one request at a time; with --engine vllm, Poisson load",
+                                      "decoding vs one request at a time; with --engine vllm or --poisson, Poisson load",
                          description="A load generator: CLIENTS threads each send REQUESTS chat requests back to "
                                      "back (a held-out corpus passage and a question) to one model through the "
                                      "chat service, once with one answer decoded at a time and once with up to "
@@ -221,7 +221,9 @@ def _add_load(bench) -> None:
                                      "With --engine vllm: switched conversations arriving as a Poisson process at "
                                      "each offered load (over the target's measured saturation rate), vLLM alone vs "
                                      "vLLM + handoff under the same traces: TTFT p50/p99 and throughput; writes "
-                                     "docs/artifacts/bench-vllm-load.json and the summary's saturation keys.")
+                                     "docs/artifacts/bench-vllm-load.json and the summary's saturation keys. With --poisson "
+                                     "(our own server): the same experiment on one ChatService, target alone vs with "
+                                     "handoffs; writes docs/artifacts/bench-load-poisson.json.")
     b.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
                    help="rarecache: our chat service (default); vllm: two vLLM engines with RarecacheConnector")
     b.add_argument("--model", default=None, help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
@@ -242,11 +244,15 @@ def _add_load(bench) -> None:
 
 
 def cmd_bench_load(args) -> int:
-    from .bench_vllm import LOAD, cmd_bench_load_vllm, resolve
+    from .bench_vllm import LOAD, cmd_bench_load_poisson, cmd_bench_load_vllm, resolve
 
-    resolve(args, LOAD)
+    if args.poisson and args.engine == "vllm":
+        raise RarecacheError("--poisson is for --engine rarecache (with --engine vllm the bench is always it)")
+    resolve(args, LOAD, "poisson" if args.poisson else None)
     if args.engine == "vllm":
         return cmd_bench_load_vllm(args)
+    if args.poisson:
+        return cmd_bench_load_poisson(args)
     from ..bench.load import LoadBenchConfig, run_load_bench
     from ..engine.llm import LLM
 

@@ -28,25 +28,30 @@ SERVE = {"rarecache": {"reverse_map": None, "schedule": ["source", "target", "ta
          "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "repeats": 3, "answer_tokens": 16,
                   "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
                   "no_summary": False}}
+POISSON = {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
+           "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": 0.3,
+           "selector": "rank", "max_batch": 8, "saturation_batches": 3, "seed": 0}
 LOAD = {"rarecache": {"model": "qwen2.5-coder-1.5b-instruct", "clients": 4, "requests": 2, "prompt_tokens": 128,
                       "max_new_tokens": 32},
-        "vllm": {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
-                 "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": 0.3,
-                 "selector": "rank", "max_batch": 8, "saturation_batches": 3, "seed": 0, "block_size": 32,
-                 "cache_gib": 4.0, "store": None, "summary": SUMMARY, "no_summary": False}}
+        "poisson": dict(POISSON),  # --engine rarecache --poisson: the same experiment on our own server
+        "vllm": {**POISSON, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
+                 "no_summary": False}}
+POISSON_OUT = Path("docs/artifacts/bench-load-poisson.json")
+WHERE = {"rarecache": "--engine rarecache", "poisson": "--poisson", "vllm": "--engine vllm"}
 
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def resolve(args: argparse.Namespace, table: dict[str, dict]) -> None:
-    """Refuse a flag of the other engine; fill in this engine's defaults."""
-    mine = table[args.engine]
-    for engine, flags in table.items():
-        for dest, default in flags.items():
-            if engine != args.engine and dest not in mine and getattr(args, dest) not in (None, False):
-                raise RarecacheError(f"{_flag(dest)}: only with --engine {engine}")
+def resolve(args: argparse.Namespace, table: dict[str, dict], mode: str | None = None) -> None:
+    """Refuse a flag of another mode (an engine, or --poisson); fill in this mode's defaults."""
+    mode = mode or args.engine
+    mine = table[mode]
+    for dest in dict.fromkeys(d for flags in table.values() for d in flags):
+        if dest not in mine and getattr(args, dest) not in (None, False):
+            modes = " or ".join(WHERE[m] for m, flags in table.items() if dest in flags)
+            raise RarecacheError(f"{_flag(dest)}: only with {modes}")
     for dest, default in mine.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
@@ -72,7 +77,10 @@ def add_serve_options(b) -> None:
 
 
 def add_load_options(b) -> None:
-    g = b.add_argument_group("with --engine vllm (the RaReCache paper's serving experiment, §4.6)")
+    g = b.add_argument_group("with --engine vllm or --poisson (the RaReCache paper's serving experiment, §4.6)")
+    g.add_argument("--poisson", action="store_true",
+                   help="with --engine rarecache: the serving experiment on our own server (the target alone vs "
+                        "with handoffs, one ChatService); writes docs/artifacts/bench-load-poisson.json")
     g.add_argument("--source", default=None, help="model whose rows are handed off (name or checkpoint dir)")
     g.add_argument("--target", default=None, help="model that serves the load")
     g.add_argument("--map", type=Path, default=None, help="map fitted source -> target")
@@ -82,7 +90,8 @@ def add_load_options(b) -> None:
     g.add_argument("--answer-tokens", type=int, default=None, help="the source's first answer (default: 16)")
     g.add_argument("--rho", type=float, default=None, help="default: 0.3")
     g.add_argument("--selector", default=None, help="default: rank")
-    g.add_argument("--max-batch", type=int, default=None, help="vLLM's max_num_seqs per engine (default: 8)")
+    g.add_argument("--max-batch", type=int, default=None,
+                   help="vLLM's max_num_seqs per engine, or our service's max_batch (default: 8)")
     g.add_argument("--saturation-batches", type=int, default=None,
                    help="full batches queued at once to measure saturation (default: 3, as the paper)")
     g.add_argument("--seed", type=int, default=None, help="of the Poisson trace (default: 0)")
@@ -105,6 +114,7 @@ def _load_map(path: Path):
 
 
 def cmd_bench_serve_vllm(args) -> int:
+    from ..bench.handoff import read_summary
     from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, switch_summary, update_summary
 
     cfg = VllmSwitchConfig(lengths=tuple(args.lengths), rhos=tuple(args.rhos), repeats=args.repeats,
@@ -117,18 +127,20 @@ def cmd_bench_serve_vllm(args) -> int:
         result = run_vllm_switch_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
                                        emit=lambda line: print(line, flush=True))
     if not args.no_summary:
-        update_summary(args.summary, switch_summary(result), "switch", result["settings"])
+        keys = switch_summary(result, read_summary(args.summary))
+        update_summary(args.summary, keys, "switch", keys.pop("settings"))
         print(f"summary updated: {args.summary}", file=sys.stderr)
     print_json(result, args.out or SWITCH_OUT, indent=1)
     return 0
 
 
-def cmd_bench_load_vllm(args) -> int:
-    from ..bench.load import PoissonConfig, load_summary, run_vllm_load_bench
-    from ..bench.serve import check_lengths, update_summary
+def _poisson_config(args):
+    from ..bench.load import PoissonConfig
+    from ..bench.serve import check_lengths
 
     if not (args.source and args.target and args.map):
-        raise RarecacheError("bench load --engine vllm needs --source, --target and --map")
+        raise RarecacheError(f"bench load {'--engine vllm' if args.engine == 'vllm' else '--poisson'} needs "
+                             "--source, --target and --map")
     cfg = PoissonConfig(loads=tuple(args.loads), requests=args.requests, discard=args.discard,
                         prompt_tokens=args.prompt_tokens, answer_tokens=args.answer_tokens,
                         max_new_tokens=args.max_new_tokens, rho=args.rho, saturation_batches=args.saturation_batches,
@@ -136,6 +148,43 @@ def cmd_bench_load_vllm(args) -> int:
     check_lengths([args.prompt_tokens], "--prompt-tokens")
     if args.max_batch < 1:
         raise RarecacheError(f"--max-batch must be >= 1, not {args.max_batch}")
+    return cfg
+
+
+def cmd_bench_load_poisson(args) -> int:
+    """The paper's serving experiment on our own ChatService: the same driver as inside vLLM."""
+    import torch
+
+    from ..bench.load import ServiceArms, load_summary, run_poisson_bench
+    from ..engine.llm import LLM
+    from ..serve.names import model_id
+    from ..serve.service import ChatService, ServiceConfig
+    from ..transfer.handoff import HandoffConfig
+
+    cfg = _poisson_config(args)
+    handoff = HandoffConfig.named(args.rho, args.selector)  # refuses a selector it does not know
+    mapper = _load_map(args.map)
+    names = model_id(args.source), model_id(args.target)
+    models = {n: LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for n, m in zip(names, (args.source, args.target))}
+    svc = ChatService(models, {names: mapper}, ServiceConfig(handoff, max_batch=args.max_batch,
+                                                             max_new_tokens=max(args.max_new_tokens, args.answer_tokens)))
+    settings = {"engine": "rarecache", "dtype": args.dtype, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "selector": args.selector, "scheduling_policy": "fcfs"}
+    try:
+        result = run_poisson_bench(ServiceArms(svc), *names, cfg, [mapper], settings, args.cache_dir,
+                                   emit=lambda line: print(line, flush=True), engine="rarecache")
+    finally:
+        svc.close()
+    result["summary"] = load_summary(result)
+    print_json(result, args.out or POISSON_OUT, indent=1)
+    return 0
+
+
+def cmd_bench_load_vllm(args) -> int:
+    from ..bench.load import load_summary, run_vllm_load_bench
+    from ..bench.serve import update_summary
+
+    cfg = _poisson_config(args)
     kw = _engine_kwargs(args)
     mapper = _load_map(args.map)
     from ..adapters.vllm.launch import bench_service

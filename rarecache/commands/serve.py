@@ -76,6 +76,9 @@ def register(sub) -> None:
     v.add_argument("--block-size", type=int, default=None,
                    help="vLLM's block size; a handoff claims whole blocks (default: vLLM's; CPU: a multiple of 32)")
     v.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
+    v.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks per engine (default: 1); the connector writes each rank's KV heads, and the "
+                        "recompute runs on every rank over its shards (on a CPU the cores are split between them)")
     v.add_argument("--compile", action="store_true",
                    help="let vLLM compile the model (torch.compile, CUDA graphs); default eager, the tested path")
     add_model_options(p)
@@ -135,7 +138,8 @@ def cmd_serve(args) -> int:
 
         return serve_vllm(args, names, api_key)
     given = [flag for flag, value in (("--store", args.store), ("--block-size", args.block_size),
-                                      ("--max-model-len", args.max_model_len), ("--compile", args.compile))
+                                      ("--max-model-len", args.max_model_len), ("--compile", args.compile),
+                                      ("--tensor-parallel-size", None if args.tensor_parallel_size == 1 else 1))
              if value not in (None, False)]
     if given:
         raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")

@@ -251,6 +251,15 @@ class ChatService:
             raise job.error
         return job.reply
 
+    def forget(self, model: str, salt: str | None) -> int:
+        """Drop `model`'s held caches of `salt` that no running answer is writing (a conversation
+        its client ended; the benches' way to have the next request read it anew). Returns how many."""
+        with self.lock:  # the worker's: between two of its admissions or steps
+            gone = [e for e in self.store.entries[model] if e.salt == salt and not e.busy]
+            for e in gone:
+                self.store.drop(model, e)
+        return len(gone)
+
     def close(self) -> None:
         """Stop the worker once the running answers end; waiting requests are refused."""
         with self._wake:
@@ -357,6 +366,7 @@ class ChatService:
         job.row = Row(self.models[model].with_eos(job.sampling), (lambda toks: self._check(job, toks)) if checking
                       else None)
         self._running.append(job)
+        job.seconds["first_token"] = time.perf_counter() - job.submitted  # its logits are here: TTFT
         self._take(job, logits)
 
     @staticmethod

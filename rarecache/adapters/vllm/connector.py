@@ -74,11 +74,10 @@ class RarecacheConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = getattr(vllm_config, "parallel_config", None)
-        tp = getattr(parallel, "tensor_parallel_size", 1)
         pp = getattr(parallel, "pipeline_parallel_size", 1)
-        if (tp, pp) != (1, 1):
-            raise RarecacheError(f"RarecacheConnector runs on one rank for now (tensor_parallel_size={tp}, "
-                                 f"pipeline_parallel_size={pp}); see docs/VLLM.md for the plan")
+        if pp != 1:
+            raise RarecacheError(f"RarecacheConnector needs every layer on each rank (pipeline_parallel_size={pp}); "
+                                 "tensor parallelism is supported (docs/VLLM.md)")
         model_cfg = getattr(vllm_config, "model_config", None)
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings: Settings = read_settings(extra, getattr(model_cfg, "model", None))

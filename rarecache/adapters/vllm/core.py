@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -33,6 +33,7 @@ from ...transfer.features import rows, write_rows
 from ...transfer.handoff import budget
 from ...transfer.mapper import Mapper
 from ...transfer.selectors import SELECTORS, SelectionContext
+from .sharding import HeadRange
 from .store import RECORD_NAME, model_identity, same_model
 
 RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
@@ -230,14 +231,19 @@ class Handed:
 
 @torch.inference_mode()
 def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfig, k_src: torch.Tensor,
-              v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0) -> Handed:
+              v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0,
+              heads: HeadRange | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Handed:
     """Map the peer's rows k_src, v_src (Ls, Hs, n, Ds) of `tokens` into the target and recompute
     the `recompute` positions the selector scores highest with the target's weights, over the
     mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
     selective recompute), with rows from the store instead of a source Runner.
 
     `target` is a Runner (our own or `weights.runner_over` vLLM's model); with recompute = 0 a
-    namespace holding its `config`, `rope`, `dtype` and `device` is enough."""
+    namespace holding its `config`, `rope`, `dtype` and `device` is enough. Tensor parallel:
+    `heads` are the KV heads of this rank, whose config `target` has (weights.rank_config); the
+    map and the scores run on whole rows, so every rank picks the same positions, and only the
+    rank's columns go into its cache. `agree(positions)` returns the positions every rank is to
+    recompute (rank 0's, broadcast), so the ranks' collectives line up whatever their scores."""
     Ls, Hs, n, Ds = k_src.shape
     if n != len(tokens):
         raise RarecacheError(f"{n} rows for {len(tokens)} tokens")
@@ -252,8 +258,9 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
         x = rows(source, src_cache, positions, side).to(dtype)  # (1, n, Ls·Hs·Ds)
         out[side] = mapper.map_rows(side, x)
     cfg = target.config
+    cols = slice(None) if heads is None else heads.columns(cfg.head_dim)  # this rank's heads of a whole row
     cache = KVCache.for_model(cfg, 1, n, dtype, device)
-    write_rows(target, cache, positions, out["k"][0], out["v"][0])
+    write_rows(target, cache, positions, out["k"][0][..., cols], out["v"][0][..., cols])
     chosen: list[int] = []
     if recompute > 0:
         if not isinstance(target, Runner):
@@ -263,6 +270,8 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
         ctx = SelectionContext(None, target, mapper, whole, positions, cache, centred, None, seed)
         scores = SELECTORS[selector].scores(ctx)[0].float()  # (n,)
         pos = scores.topk(min(recompute, n)).indices.sort().values  # (K,)
+        if agree is not None:
+            pos = agree(pos)
         target.forward(whole[:, pos], pos[None], cache, logits_at=None)
         chosen = pos.tolist()
     return Handed(cache.k[:, 0, :, :n], cache.v[:, 0, :, :n], chosen)

@@ -26,12 +26,16 @@ def _rss_mib() -> float:
 
 class WorkerExtension:
     def rarecache_dump_blocks(self, block_ids: list[int], path: str) -> str:
-        """Save the raw paged blocks `block_ids` of every layer ("layer.{i}": (nb, Hkv, bs, 2D)) to `path`."""
+        """Save the raw paged blocks `block_ids` of every layer ("layer.{i}": (nb, Hkv, bs, 2D)) to `path`
+        (`path` + ".rank{r}" under tensor parallelism: each rank holds its own heads)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+        if get_tensor_model_parallel_world_size() > 1:
+            path = f"{path}.rank{get_tensor_model_parallel_rank()}"
         kv = get_kv_transfer_group()._kv
         idx = torch.tensor(block_ids, dtype=torch.long)
-        save_file({f"layer.{i}": t[idx].clone() for i, t in kv.items()}, path)
+        save_file({f"layer.{i}": t[idx].cpu().clone() for i, t in kv.items()}, path)
         return path
 
     def rarecache_check_weights(self, token_ids: list[int], path: str) -> dict:

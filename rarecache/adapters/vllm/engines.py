@@ -23,21 +23,33 @@ from ...errors import RarecacheError
 from ...models.tokenizer import Tokenizer
 
 
-def engine_environment(environ=os.environ) -> dict[str, str]:
+def engine_environment(environ=os.environ, tensor_parallel_size: int = 1) -> dict[str, str]:
     """vLLM's CPU thread settings, unless already set: every core this process may use goes to the
     engine's OpenMP threads (vLLM's default keeps one for its front end and halves the speed on
-    a small machine). Returns the settings in force."""
+    a small machine); with tensor parallelism the cores are split evenly between the ranks
+    (vLLM CPU binds rank r to the r-th `|`-separated list). Returns the settings in force."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    tp = tensor_parallel_size
+    if type(tp) is not int or tp < 1:
+        raise RarecacheError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
+    if tp > len(cores):
+        raise RarecacheError(f"tensor_parallel_size {tp} needs a core per rank; this process may use {len(cores)}")
+    per = len(cores) // tp
+    wanted = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(_spans(cores[r * per:(r + 1) * per]) for r in range(tp)),
+              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(per)}
+    for key, value in wanted.items():
+        environ.setdefault(key, value)
+    return {key: environ[key] for key in wanted}
+
+
+def _spans(cores: list[int]) -> str:
+    """Sorted core ids -> vLLM's list syntax: runs as a-b, joined by commas."""
     spans, start = [], cores[0]
     for a, b in zip(cores, cores[1:] + [None]):
         if b != a + 1:
             spans.append(f"{start}-{a}" if a > start else f"{a}")
             start = b
-    wanted = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(spans), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-              "OMP_NUM_THREADS": str(len(cores))}
-    for key, value in wanted.items():
-        environ.setdefault(key, value)
-    return {key: environ[key] for key in wanted}
+    return ",".join(spans)
 
 
 def cut(text: str, stop: tuple[str, ...]) -> int | None:

@@ -45,7 +45,8 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
         cfg = VllmServeConfig(store=store, rho=args.rho, selector=args.selector, dtype=args.dtype,
                               max_batch=args.max_batch, max_new_tokens=args.max_tokens_limit,
                               kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2, block_size=args.block_size,
-                              max_model_len=args.max_model_len, compile=args.compile)
+                              max_model_len=args.max_model_len, compile=args.compile,
+                              tensor_parallel_size=args.tensor_parallel_size)
         paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
         maps = {}
         for pair, path in (((names[0], names[1]), args.map), ((names[1], names[0]), args.reverse_map)):
@@ -56,7 +57,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
         if args.map is None:  # the bundled pair: the demo's map (calibrated by our runner on first use)
             maps[(names[0], names[1])] = _demo_map(args, store)
         if not torch.cuda.is_available():
-            settings = engine_environment()
+            settings = engine_environment(tensor_parallel_size=cfg.tensor_parallel_size)
             print("rarecache: vLLM CPU threads: " + " ".join(f"{k}={v}" for k, v in settings.items()),
                   file=sys.stderr)
         service = VllmChatService(dict(zip(names, paths)), maps, cfg)

