@@ -524,10 +524,16 @@ def _close(a, b, tol=1e-4):
 def test_capture_holds_the_sources_own_rows(vpair, source_run):
     """What the source engine saved is what our Runner computes for the same tokens (prompt and
     decoded tokens but the last): vLLM's RoPE is our neox rotate_half, and the reader is right."""
+    assert_captured(vpair, vpair.store, source_run.answers)
+
+
+def assert_captured(vpair, root, answers) -> None:
+    """The store at `root` holds, for each prompt i answered under salt "s{i}", the rows our Runner
+    computes for prompt + answer (but its last token), and the answer is our Runner's greedy one."""
     from rarecache.adapters.vllm.store import RowStore, model_identity
 
-    store = RowStore(vpair.store)
-    for i, (prompt, out) in enumerate(zip(vpair.prompts, source_run.answers)):
+    store = RowStore(root)
+    for i, (prompt, out) in enumerate(zip(vpair.prompts, answers)):
         assert out.info["captured"] == len(prompt) + NEW - 1
         seq = prompt + out.tokens[:-1]
         hit = store.lookup(model_identity(vpair.root / "src"), f"s{i}", seq + [0])

@@ -15,9 +15,8 @@ import os
 import pytest
 import torch
 
-from rarecache.engine.runner import pad_batch
-
-from .test_vllm import BS, EXTENSION, HAVE_VLLM, NEW, _close, _Engine, _paged_rows, _run, vpair  # noqa: F401
+from .test_vllm import (BS, EXTENSION, HAVE_VLLM, _close, _Engine, _paged_rows, _run, assert_captured,  # noqa: F401
+                        vpair)
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'rarecache[vllm]')"),
@@ -60,21 +59,7 @@ def tp_source_run(vpair, tp_served):
 def test_tp2_capture_joins_the_ranks_rows(vpair, tp_served, tp_source_run):
     """The source at TP = 2 (its one KV head on both ranks) files whole rows: what our Runner
     computes for the same tokens, and its greedy answer is our Runner's."""
-    from rarecache.adapters.vllm.store import RowStore, model_identity
-
-    _, root = tp_served
-    store = RowStore(root)
-    for i, (prompt, out) in enumerate(zip(vpair.prompts, tp_source_run)):
-        assert out.info["captured"] == len(prompt) + NEW - 1
-        seq = prompt + out.tokens[:-1]
-        hit = store.lookup(model_identity(vpair.root / "src"), f"s{i}", seq + [0])
-        assert (hit.length, hit.stored) == (len(seq), len(seq))
-        k, v = store.load(hit, len(seq), vpair.src.config)
-        cache = vpair.src.new_cache(1, len(seq))
-        logits = vpair.src.forward(*pad_batch([seq]), cache, logits_at="all").logits[0]
-        torch.testing.assert_close(k, cache.k[:, 0, :, :len(seq)], atol=1e-5, rtol=0)
-        torch.testing.assert_close(v, cache.v[:, 0, :, :len(seq)], atol=1e-5, rtol=0)
-        assert logits[len(prompt) - 1:].argmax(-1).tolist() == out.tokens
+    assert_captured(vpair, tp_served[1], tp_source_run)
 
 
 def test_tp2_rho_1_equals_vllm_alone(vpair, tp_served, tp_source_run):
