@@ -388,14 +388,11 @@ class ChatService:
         llm, cont, cache = self.models[job.model], job.continued, job.started.cache
         n = len(job.ids)
         lps = llm.runner.read(cont, n, cache, job.started.logits[0], job.logprobs)  # the message's rows stay
-        if lps is not None:
-            scored = [_scored(lps[0], cont[0])]
-            if len(cont) > 1:
-                rest = lps[1:]  # (len - 1, V)
-                values = rest[torch.arange(len(cont) - 1), torch.tensor(cont[1:])]
-                ranks = (rest > values[:, None]).sum(-1) + 1
-                scored += [(t, v, r) for t, v, r in zip(cont[1:], values.tolist(), ranks.tolist())]
-            job.scored = [(t, v, r, llm.tokenizer.decode([t], skip_special_tokens=False)) for t, v, r in scored]
+        if lps is not None:  # (len, V): each token's logprob, and its rank (1 + how many tokens are likelier)
+            values = lps[torch.arange(len(cont)), torch.tensor(cont)]
+            ranks = (lps > values[:, None]).sum(-1) + 1
+            job.scored = [(t, v, r, llm.tokenizer.decode([t], skip_special_tokens=False))
+                          for t, v, r in zip(cont, values.tolist(), ranks.tolist())]
         logits = None
         if job.sampling is not None:  # the answer continues the message: feed its last token
             last = n + len(cont) - 1
@@ -467,12 +464,6 @@ class ChatService:
                      dict(job.seconds), None if job.started.gate is None else job.started.gate.record(),
                      job.started.reused_approximate, 0 if job.continued is None else len(job.continued),
                      job.scored)
-
-
-def _scored(lps: torch.Tensor, token: int) -> tuple[int, float, int]:
-    """(token, its logprob, its rank: 1 + how many tokens are likelier) from one position's log-softmax (V,)."""
-    value = lps[token]
-    return token, value.item(), int((lps > value).sum()) + 1
 
 
 def _cut(text: str, stop: tuple[str, ...]) -> int | None:

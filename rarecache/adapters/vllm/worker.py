@@ -131,7 +131,7 @@ class WorkerSide:
             raise RarecacheError("another tensor-parallel rank could not read the peer's rows")
         t1 = time.perf_counter()
         device = self._kv[0].device
-        target = (self._runner if spec.recompute > 0 else target_namespace(self._local, self._kv[0].dtype, device))
+        target = self._runner if spec.recompute > 0 else target_namespace(self._local, self._kv[0].dtype, device)
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
                         spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None)
         t2 = time.perf_counter()
