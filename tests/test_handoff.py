@@ -126,8 +126,8 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(RarecacheError, match="unknown schedule 'magic'; choose from positions, layer-prefix$"):
         HandoffConfig(schedule="magic")
     # the one word users give: the message lists every name they may give
-    with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, "
-                                             r"suffix, attn-rank, attn\+rank, attn-target, l2-oracle, layer-prefix$"):
+    with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
+                                             r"attn-rank, attn\+rank, suffix\+attn, attn-target, l2-oracle, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
     with pytest.raises(RarecacheError, match=r"^rho must be in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")
@@ -282,3 +282,27 @@ def test_combined_selectors_combine_attention_and_rank(fitted, name):
     torch.testing.assert_close(both.scores[0].float(), want, rtol=1e-4, atol=1e-7)
     k = budget(0.3, len(ids[0]))
     assert both.positions[0] == sorted(select_top(want, k).tolist())
+
+
+def test_suffix_plus_attention_takes_newest_and_attended_in_turn(fitted):
+    """Any budget's set is the union of the newest ⌈k/2⌉-ish positions and the most attended ones,
+    taken in turn (recomputed by hand from the attn-source scores), and budgets nest."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[:1]
+    n = len(ids[0])
+    _, _, attn = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector="attn-source"))
+    by_attention = attn.scores[0].float().argsort(descending=True, stable=True).tolist()
+    by_recency = list(range(n - 1, -1, -1))
+    want, seen = [], set()
+    for a, r in zip(by_attention, by_recency):  # in turn: newest, attended, newest, ...
+        for p in (r, a):
+            if p not in seen:
+                seen.add(p)
+                want.append(p)
+    previous: set[int] = set()
+    for rho in (0.1, 0.3, 0.6):
+        _, _, res = handoff(source, target, mapper, ids, HandoffConfig(rho=rho, selector="suffix+attn"))
+        k = budget(rho, n)
+        assert res.positions[0] == sorted(want[:k])
+        assert previous <= set(res.positions[0])
+        previous = set(res.positions[0])

@@ -160,6 +160,32 @@ class AttentionPlusRank(Selector):
         return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(ctx.rank_scores())
 
 
+def _order_rank(scores: torch.Tensor) -> torch.Tensor:
+    """Each position's place (0 = first) when a row (B, W) is sorted by score, highest first."""
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    return torch.empty_like(order).scatter_(1, order, torch.arange(scores.shape[1], device=scores.device)
+                                            .expand_as(order).contiguous())
+
+
+class SuffixPlusAttention(Selector):
+    """The newest positions and the ones the source attends to most, taken in turn: any budget's
+    top set holds about half of each (a position on both lists counts once). The newest
+    positions are what the mapped cache gets most wrong for the next token (on 0-shot MMLU the
+    suffix alone keeps the target's accuracy); the attended ones (sinks, delimiters, the
+    exemplars' answers) are what every later position reads. One ordering for every budget,
+    so the gate's nested rungs apply."""
+
+    name = "suffix+attn"
+    needs_source_attention = True
+
+    def scores(self, ctx):
+        pad = ctx.positions < 0
+        newest = _order_rank(ctx.positions.float())  # padding is last there already
+        attended = _order_rank(_at(ctx.source_attn, ctx.positions).masked_fill(pad, -1.0))
+        turn = torch.minimum(2 * newest, 2 * attended + 1)  # alternate: newest first, then attended
+        return (2 * pad.shape[1] - turn).float().masked_fill(pad, 0.0)  # positive, padding last
+
+
 class TargetAttention(Selector):
     name = "attn-target"
     oracle = True
@@ -203,5 +229,6 @@ def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(), Suffix(),
-                                                       AttentionTimesRank(), AttentionPlusRank(), TargetAttention(),
+                                                       AttentionTimesRank(), AttentionPlusRank(), SuffixPlusAttention(),
+                                                       TargetAttention(),
                                                        L2Oracle())}
