@@ -12,7 +12,8 @@ from rarecache.models.rope import Rope
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig
 from rarecache.transfer.corpus import load_corpus
-from rarecache.transfer.fit import Layout, fit_side, heldout_r2
+from rarecache.transfer.fit import (Layout, fit_side, fit_side_heads, from_head_blocks, head_blocks, head_rows,
+                                   head_stats, heldout_r2, heldout_r2_heads)
 from rarecache.transfer.mapper import Mapper
 from rarecache.transfer.stats import RegressionStats
 
@@ -91,6 +92,85 @@ def test_streamed_statistics_equal_one_shot():
     assert one.n == chunked.n
     for name in ("sx", "sy", "syy", "xx", "xy"):
         torch.testing.assert_close(getattr(chunked, name), getattr(one, name), atol=1e-9, rtol=1e-12)
+
+
+# -- head-matched maps ------------------------------------------------------------------------
+
+def planted_heads(n=4000, src=Layout(5, 2 * 6), tgt=Layout(3, 2 * 4), heads=2, k=2, noise=0.0, seed=0):
+    """Data where head h of target layer l is an affine map of head h of exactly k source layers
+    (the same k for every head of a layer)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, src.layers * src.width, generator=g, dtype=torch.float64) * 2 + 1
+    sh = Layout(src.layers, src.width // heads)
+    chosen, blocks, ys = [], [], []
+    for _ in range(tgt.layers):
+        layers = sorted(torch.randperm(src.layers, generator=g)[:k].tolist())
+        out = []
+        for h in range(heads):
+            w = torch.randn(k * sh.width, tgt.width // heads, generator=g, dtype=torch.float64)
+            b = torch.randn(tgt.width // heads, generator=g, dtype=torch.float64)
+            out.append(head_rows(x, src, heads, h)[:, sh.index(layers)] @ w + b)
+            blocks.append((w, b))
+        ys.append(torch.cat(out, 1))
+        chosen.append(layers)
+    y = torch.cat(ys, 1)
+    return x, y + noise * torch.randn(y.shape, generator=g, dtype=torch.float64), chosen, blocks
+
+
+def test_head_statistics_are_the_blocks_of_the_dense_ones():
+    """Accumulating per head gives exactly the head blocks of the dense statistics."""
+    src, tgt = Layout(5, 12), Layout(3, 8)
+    x, y, _, _ = planted_heads(n=500, noise=0.5)
+    dense = RegressionStats(x.shape[1], y.shape[1])
+    dense.update(x, y)
+    for h, block in enumerate(head_stats(dense, src, tgt, 2)):
+        own = RegressionStats(x.shape[1] // 2, y.shape[1] // 2)
+        own.update(head_rows(x, src, 2, h), head_rows(y, tgt, 2, h))
+        for name in ("sx", "sy", "syy", "xx", "xy"):
+            torch.testing.assert_close(getattr(block, name), getattr(own, name), atol=1e-9, rtol=1e-12)
+
+
+def test_head_matched_fit_recovers_a_planted_head_map():
+    src, tgt = Layout(5, 12), Layout(3, 8)
+    x, y, chosen, blocks = planted_heads()
+    dense = RegressionStats(x.shape[1], y.shape[1])
+    dense.update(x, y)
+    fit = fit_side_heads(head_stats(dense, src, tgt, 2), src, tgt, k=2, lam=1e-9, rank=3)
+    assert fit.sources.tolist() == chosen
+    torch.testing.assert_close(fit.r2, torch.ones(3, dtype=torch.float64), atol=1e-9, rtol=0)
+    got = head_blocks(fit.weight, 2, 2)  # (Lt, H, K·Ds, Dt)
+    for l in range(3):
+        for h in range(2):
+            w, b = blocks[2 * l + h]
+            torch.testing.assert_close(got[l, h], w, atol=1e-6, rtol=0)
+            torch.testing.assert_close(fit.bias[l, 4 * h : 4 * (h + 1)], b, atol=1e-6, rtol=0)
+    # the dense weight is zero off the head blocks and predicts y exactly
+    torch.testing.assert_close(from_head_blocks(got, 2), fit.weight, atol=0, rtol=0)
+    for l in range(3):
+        pred = x[:, src.index(fit.sources[l].tolist())] @ fit.weight[l] + fit.bias[l]
+        torch.testing.assert_close(pred, y[:, tgt.block(l)], atol=1e-6, rtol=0)
+    # a dense fit of the same data finds the same map (the truth is head-matched)
+    full = fit_side(dense, src, tgt, k=2, lam=1e-9, rank=3)
+    torch.testing.assert_close(full.weight, fit.weight, atol=1e-6, rtol=0)
+    basis = fit.basis[0]
+    torch.testing.assert_close(basis.T @ basis, torch.eye(3, dtype=torch.float64), atol=1e-9, rtol=0)
+
+
+def test_head_matched_heldout_r2_equals_direct_computation():
+    src, tgt = Layout(5, 12), Layout(3, 8)
+    x, y, _, _ = planted_heads(n=3000, noise=1.0)
+    x = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    train, test = RegressionStats(x.shape[1], y.shape[1]), RegressionStats(x.shape[1], y.shape[1])
+    train.update(x[:2000], y[:2000])
+    test.update(x[2000:], y[2000:])
+    fit = fit_side_heads(head_stats(train, src, tgt, 2), src, tgt, k=2, lam=0.01, rank=2)
+    got = heldout_r2_heads(fit, head_stats(test, src, tgt, 2), src, tgt)
+    for l in range(3):
+        xs, ys = x[2000:, src.index(fit.sources[l].tolist())], y[2000:, tgt.block(l)]
+        pred = xs @ fit.weight[l] + fit.bias[l]
+        want = 1 - ((ys - pred) ** 2).sum() / ((ys - ys.mean(0)) ** 2).sum()
+        torch.testing.assert_close(got[l], want, atol=1e-10, rtol=0)
+    assert 0.3 < got.min() < 0.99
 
 
 # -- end to end on tiny models ---------------------------------------------------------------
@@ -172,3 +252,45 @@ def test_self_map_reproduces_own_cache(pair, tmp_path):
 
     nll = passage_nll(source, source, mapper, ids, prefix=20)
     assert abs(nll["mapped"] - nll["target"]) < 1e-3 and nll["source"] == pytest.approx(nll["target"], abs=1e-5)
+
+
+HEADS = CalibrationConfig(tokens=600, heldout_tokens=150, seq_len=48, k=2, rank=4, checkpoint_every=1,
+                          head_matched=True)
+
+
+def test_head_matched_calibration_resumes_saves_smaller_and_runs(pair, tmp_path):
+    """A head-matched run accumulates per head, resumes to the same map, writes only the weight's head
+    blocks (the file is smaller than the dense map's), and loads back to the same map."""
+    source, target, tok, corpus = pair
+    whole = Calibration(source, target, tok, corpus, HEADS, tmp_path / "a.map").run(progress=False)
+    run = Calibration(source, target, tok, corpus, HEADS, tmp_path / "b.map")
+    assert run.run(progress=False, max_sequences=3) is None
+    resumed = Calibration(source, target, tok, corpus, HEADS, tmp_path / "b.map").run(progress=False)
+    for side in ("k", "v"):
+        assert torch.equal(whole.sides[side].weight, resumed.sides[side].weight)
+    assert whole.info.heads == 2 and len(whole.info.r2_heldout["k"]) == 4
+    dense = Calibration(source, target, tok, corpus, CFG, tmp_path / "d.map").run(progress=False)
+    whole.save(tmp_path / "h.safetensors")
+    dense.save(tmp_path / "d.safetensors")
+    assert (tmp_path / "h.safetensors").stat().st_size < 0.75 * (tmp_path / "d.safetensors").stat().st_size
+    back = Mapper.load(tmp_path / "h.safetensors")
+    assert back.info == whole.info
+    for side in ("k", "v"):
+        torch.testing.assert_close(back.sides[side].weight, whole.sides[side].weight.float(), atol=0, rtol=0)
+    back.check_pair(source, target)
+    pos = torch.arange(30)[None]
+    ids = tok.encode(corpus.documents[-1])[:30]
+    own, _ = source.prefill([ids])
+    a, b = target.new_cache(1, 30), target.new_cache(1, 30)
+    back.apply(source, own, target, a, pos)
+    back.apply_reference(source, own, target, b, pos)
+    torch.testing.assert_close(a.k, b.k, atol=1e-5, rtol=1e-5)
+
+
+def test_head_matched_refuses_models_with_other_head_counts(pair, tmp_path):
+    source, target, tok, corpus = pair
+    import dataclasses
+    one = dataclasses.replace(source.config, num_kv_heads=1)
+    source.config = one
+    with pytest.raises(RarecacheError, match="head-matched maps need as many KV heads"):
+        Calibration(source, target, tok, corpus, HEADS, tmp_path / "m")

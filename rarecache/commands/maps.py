@@ -47,6 +47,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")
     p.add_argument("--lam", type=float, default=0.01, help="ridge lambda (default: 0.01)")
     p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank r (default: d_t/8)")
+    p.add_argument("--head-matched", action="store_true",
+                   help="fit each target KV head only from the same head of the source layers (both models need "
+                        "the same number of KV heads): 1/H of the statistics memory and of the map file")
     p.add_argument("--out", type=Path, default=None,
                    help="map file to write (.safetensors); with --preset general the default is the general "
                         "map's place, where `rarecache serve` looks for it: "
@@ -105,14 +108,15 @@ def cmd_calibrate(args) -> int:
 
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
-                            rank=args.rank)
+                            rank=args.rank, head_matched=args.head_matched)
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)
     corpus = early or _corpus(args, tokenizer)
     from ..transfer.costs import PairShape, describe
 
-    print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0),
+    print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0,
+                   cfg.head_matched),
           file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)

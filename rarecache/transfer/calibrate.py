@@ -33,7 +33,7 @@ from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
 from .features import rows
-from .fit import Layout, fit_side, heldout_r2
+from .fit import Layout, fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads
 from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
@@ -49,6 +49,7 @@ class CalibrationConfig:
     lam: float = 0.01
     rank: int | None = None  # None: d_t / 8 (the paper's 128 for d_t = 1024)
     checkpoint_every: int = 8  # sequences between state checkpoints
+    head_matched: bool = False  # each target KV head from the same head of the source layers (fit.py)
 
     def __post_init__(self):
         if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
@@ -85,12 +86,35 @@ class Calibration:
             raise RarecacheError(f"rank {self.rank} exceeds the target row width {self.tgt.width}")
         self.run_id = {"source": identity(source), "target": identity(target), "corpus": corpus.describe(),
                        "config": asdict(cfg), "dtype": str(source.dtype)}
-        self.stats = {f"{part}.{s}": RegressionStats(self.src.layers * self.src.width,
-                                                     self.tgt.layers * self.tgt.width, device)
-                      for part in ("fit", "heldout") for s in SIDES}
+        self.heads = 0  # dense statistics; > 0: one set per KV head (head-matched)
+        if cfg.head_matched:
+            hs, ht = source.config.num_kv_heads, target.config.num_kv_heads
+            if hs != ht or hs < 2:
+                raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; "
+                                     f"{source.path.name if source.path else 'the source'} has {hs}, "
+                                     f"{target.path.name if target.path else 'the target'} {ht}")
+            self.heads = hs
+        dx, dy = self.src.layers * self.src.width, self.tgt.layers * self.tgt.width
+        self.stats = {name: RegressionStats(dx // max(1, self.heads), dy // max(1, self.heads), device)
+                      for name in self._names()}
         self.sequences_done = 0
         self.documents_used = 0
         self.fit_documents = 0  # documents the fit part read; held-out data starts after them
+
+    def _names(self, part: str | None = None, side: str | None = None) -> list[str]:
+        """Statistics names: PART.SIDE, or PART.SIDE.hH per head for a head-matched run."""
+        heads = [f".h{h}" for h in range(self.heads)] or [""]
+        return [f"{p}.{s}{h}" for p in ((part,) if part else ("fit", "heldout"))
+                for s in ((side,) if side else SIDES) for h in heads]
+
+    def _update(self, part: str, xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor]) -> None:
+        for s in SIDES:
+            if not self.heads:
+                self.stats[f"{part}.{s}"].update(xs[s], ys[s])
+                continue
+            for h in range(self.heads):
+                self.stats[f"{part}.{s}.h{h}"].update(head_rows(xs[s], self.src, self.heads, h),
+                                                      head_rows(ys[s], self.tgt, self.heads, h))
 
     # -- state -------------------------------------------------------------------------
 
@@ -132,7 +156,7 @@ class Calibration:
             self.state_path.unlink(missing_ok=True)
         elif self._load_state() and progress:
             tqdm.write(f"resuming {self.state_path.name} after {self.sequences_done} sequences")
-        cfg, fit, held = self.cfg, self.stats["fit.k"], self.stats["heldout.k"]
+        cfg, fit, held = self.cfg, self.stats[self._names("fit", "k")[0]], self.stats[self._names("heldout", "k")[0]]
         total = cfg.tokens + cfg.heldout_tokens
         bar = tqdm(total=total, initial=min(fit.n + held.n, total), unit="tok", desc="calibrate",
                    disable=not progress, dynamic_ncols=True)
@@ -154,9 +178,7 @@ class Calibration:
             if part == "heldout" and doc < self.fit_documents:
                 keep = keep[:0]  # held-out data never shares a document with the fit
             if len(keep):
-                xs, ys = features(self.source, ids, keep), features(self.target, ids, keep)
-                for s in SIDES:
-                    self.stats[f"{part}.{s}"].update(xs[s], ys[s])
+                self._update(part, features(self.source, ids, keep), features(self.target, ids, keep))
                 bar.update(len(keep))
             self.sequences_done, self.documents_used = i + 1, doc + 1
             if part == "fit":
@@ -179,14 +201,20 @@ class Calibration:
         cfg = self.cfg
         sides, r2_held = {}, {}
         for s in SIDES:
-            sides[s] = fit_side(self.stats[f"fit.{s}"], self.src, self.tgt, cfg.k, cfg.lam, self.rank)
-            if self.stats[f"heldout.{s}"].n > 1:
-                r2_held[s] = heldout_r2(sides[s], self.stats[f"heldout.{s}"], self.src, self.tgt).tolist()
+            fit, held = ([self.stats[n] for n in self._names(part, s)] for part in ("fit", "heldout"))
+            if self.heads:
+                sides[s] = fit_side_heads(fit, self.src, self.tgt, cfg.k, cfg.lam, self.rank)
+                if held[0].n > 1:
+                    r2_held[s] = heldout_r2_heads(sides[s], held, self.src, self.tgt).tolist()
+                continue
+            sides[s] = fit_side(fit[0], self.src, self.tgt, cfg.k, cfg.lam, self.rank)
+            if held[0].n > 1:
+                r2_held[s] = heldout_r2(sides[s], held[0], self.src, self.tgt).tolist()
         calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
-                 "sequences": self.sequences_done, "heldout_tokens": self.stats["heldout.k"].n,
+                 "sequences": self.sequences_done, "heldout_tokens": held[0].n,
                  "document_ids": list(self.corpus.ids[: self.documents_used])}
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
-                       lam=cfg.lam, rank=self.rank, tokens=self.stats["fit.k"].n, corpus=self.corpus.describe(),
-                       calibration=calib, r2_heldout=r2_held)
+                       lam=cfg.lam, rank=self.rank, tokens=fit[0].n, corpus=self.corpus.describe(),
+                       calibration=calib, r2_heldout=r2_held, heads=self.heads)
         return Mapper(info, sides)

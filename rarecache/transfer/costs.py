@@ -63,7 +63,7 @@ def map_bytes(p: PairShape, k: int, rank: int | None = None, dtype_bytes: int = 
     return 2 * (weight + rest) * dtype_bytes
 
 
-def describe(p: PairShape, k: int, rank: int | None, heldout: bool = True) -> str:
+def describe(p: PairShape, k: int, rank: int | None, heldout: bool = True, head_matched: bool = False) -> str:
     gib = 1 << 30
     line = (f"calibration statistics {statistics_bytes(p, heldout) / gib:.2f} GiB float64 "
             f"(XᵀX {p.dx}², XᵀY {p.dx}x{p.dy}, 2 sides{' x fit+held-out' if heldout else ''}); "
@@ -71,4 +71,4 @@ def describe(p: PairShape, k: int, rank: int | None, heldout: bool = True) -> st
     if p.src_heads == p.tgt_heads and p.src_heads > 1:
         line += (f"; head-matched: {statistics_bytes(p, heldout, True) / gib:.2f} GiB statistics, "
                  f"{map_bytes(p, k, rank, 2, True) / gib:.3f} GiB map (bf16)")
-    return line
+    return line + ("; this run: head-matched" if head_matched else "; this run: dense")

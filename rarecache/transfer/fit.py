@@ -4,6 +4,14 @@ Per target layer and side: the single-source R² of every source layer, the top 
 by R², ridge on the centred statistics W = (XᵀX + λI)⁻¹XᵀY with bias b = ȳ − x̄W,
 and the rank-disagreement basis V_r, the top-r eigenvectors of the prediction
 covariance Σ_ŷ = Wᵀ Σ_xx W (no extra pass over data). All in float64.
+
+Head-matched maps (CacheBridge) fit each target KV head only from the same head of
+the chosen source layers, so they need only the per-head blocks of XᵀX and XᵀY:
+1/H of the statistics and of the weight. The source layers are chosen per target
+layer for all heads at once (single-source R² pooled over heads), so the fit is a
+dense `SideFit` whose weight is zero off the head blocks and runs through the same
+application code; its basis is the top r of the per-head Σ_ŷ eigenvectors (the
+cross-head blocks of Σ_ŷ need statistics a head-matched run does not keep).
 """
 
 from __future__ import annotations
@@ -96,14 +104,126 @@ def fit_side(s: RegressionStats, src: Layout, tgt: Layout, k: int, lam: float, r
                    torch.stack(bases), torch.stack(eigs), torch.stack(r2), r2_single)
 
 
+def _heldout_sse(w: torch.Tensor, b: torch.Tensor, s: RegressionStats, idx: torch.Tensor, blk: slice
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual and total sums of squares of ŷ = xW + b on the statistics `s` (inputs idx, outputs blk)."""
+    g, c, sx, sy = s.xx[idx][:, idx], s.xy[idx, blk], s.sx[idx], s.sy[blk]
+    sse = (s.syy[blk].sum() - 2 * (w * c).sum() - 2 * b @ sy + (w * (g @ w)).sum()
+           + 2 * b @ (w.T @ sx) + s.n * b @ b)
+    return sse, s.syy[blk].sum() - (sy @ sy) / s.n
+
+
 def heldout_r2(fit: SideFit, s: RegressionStats, src: Layout, tgt: Layout) -> torch.Tensor:
     """R² (Lt,) of the fitted maps on statistics of data they were not fitted on."""
     out = torch.empty(tgt.layers, dtype=torch.float64)
     for l in range(tgt.layers):
-        idx, blk = src.index(fit.sources[l].tolist()), tgt.block(l)
-        w, b = fit.weight[l], fit.bias[l]
-        g, c, sx, sy = s.xx[idx][:, idx], s.xy[idx, blk], s.sx[idx], s.sy[blk]
-        sse = (s.syy[blk].sum() - 2 * (w * c).sum() - 2 * b @ sy + (w * (g @ w)).sum()
-               + 2 * b @ (w.T @ sx) + s.n * b @ b)
-        out[l] = 1 - sse / (s.syy[blk].sum() - (sy @ sy) / s.n)
+        sse, sst = _heldout_sse(fit.weight[l], fit.bias[l], s, src.index(fit.sources[l].tolist()), tgt.block(l))
+        out[l] = 1 - sse / sst
+    return out
+
+
+# -- head-matched maps -------------------------------------------------------------------------
+
+def head_layouts(src: Layout, tgt: Layout, heads: int) -> tuple[Layout, Layout]:
+    """One head's layouts: every layer's row holds `heads` heads side by side."""
+    if heads < 2 or src.width % heads or tgt.width % heads:
+        raise ValueError(f"rows {src.width} and {tgt.width} wide do not split into {heads} heads")
+    return Layout(src.layers, src.width // heads), Layout(tgt.layers, tgt.width // heads)
+
+
+def head_columns(layout: Layout, heads: int, h: int) -> torch.Tensor:
+    """Indices of head h's columns in a side's concatenated rows (every layer's h-th head block)."""
+    d = layout.width // heads
+    return (torch.arange(layout.layers)[:, None] * layout.width + h * d + torch.arange(d)).flatten()
+
+
+def head_rows(x: torch.Tensor, layout: Layout, heads: int, h: int) -> torch.Tensor:
+    """Rows (N, L·H·D) -> head h's rows (N, L·D)."""
+    return x.view(x.shape[0], layout.layers, heads, -1)[:, :, h].reshape(x.shape[0], -1)
+
+
+def head_stats(dense: RegressionStats, src: Layout, tgt: Layout, heads: int) -> list[RegressionStats]:
+    """The per-head blocks of dense statistics: exactly what a head-matched run accumulates."""
+    out = []
+    for h in range(heads):
+        ix, iy = head_columns(src, heads, h), head_columns(tgt, heads, h)
+        s = RegressionStats.__new__(RegressionStats)
+        s.n, s.sx, s.sy, s.syy = dense.n, dense.sx[ix], dense.sy[iy], dense.syy[iy]
+        s.xx, s.xy = dense.xx[ix][:, ix], dense.xy[ix][:, iy]
+        out.append(s)
+    return out
+
+
+def head_blocks(weight: torch.Tensor, k: int, heads: int) -> torch.Tensor:
+    """A head-matched weight (Lt, K·ds, dt) -> its head blocks (Lt, H, K·Ds, Dt) (what a file stores)."""
+    lt, kd, dt = weight.shape
+    w = weight.view(lt, k, heads, kd // (k * heads), heads, dt // heads)
+    return torch.stack([w[:, :, h, :, h].reshape(lt, -1, dt // heads) for h in range(heads)], dim=1)
+
+
+def from_head_blocks(blocks: torch.Tensor, k: int) -> torch.Tensor:
+    """Head blocks (Lt, H, K·Ds, Dt) -> the weight (Lt, K·H·Ds, H·Dt), zero off the blocks."""
+    lt, heads, kd_h, dt_h = blocks.shape
+    w = blocks.new_zeros(lt, k, heads, kd_h // k, heads, dt_h)
+    for h in range(heads):
+        w[:, :, h, :, h] = blocks[:, h].view(lt, k, kd_h // k, dt_h)
+    return w.view(lt, k * heads * (kd_h // k), heads * dt_h)
+
+
+def fit_side_heads(stats: list[RegressionStats], src: Layout, tgt: Layout, k: int, lam: float, rank: int
+                   ) -> SideFit:
+    """A head-matched fit from per-head statistics (`head_stats`, or accumulated per head)."""
+    heads = len(stats)
+    sh, th = head_layouts(src, tgt, heads)
+    cs = [_centred(s) for s in stats]
+    Lt, Ls, Dt = tgt.layers, src.layers, th.width
+    sse_single = torch.zeros(Lt, Ls, dtype=torch.float64)
+    for j in range(Ls):
+        b = sh.block(j)
+        for _, _, xx, xy, sst in cs:
+            w = _ridge(xx[b, b], xy[b], lam)
+            sse_single[:, j] += _sse(w, xx[b, b], xy[b], sst).view(Lt, Dt).sum(1)
+    r2_single = 1 - sse_single / sum(c[4].view(Lt, Dt).sum(1) for c in cs)[:, None]
+    k = min(k, Ls)
+    n = stats[0].n
+    sources, weights, biases, bases, eigs, r2 = [], [], [], [], [], []
+    for l in range(Lt):
+        chosen = sorted(r2_single[l].topk(k).indices.tolist())
+        idx, out = sh.index(chosen), th.block(l)
+        blocks, bias, sse, sst_l, vals, vecs = [], [], 0.0, 0.0, [], []
+        for h, (mx, my, xx, xy, sst) in enumerate(cs):
+            g, c = xx[idx][:, idx], xy[idx, out]
+            w = _ridge(g, c, lam)  # (K·Ds, Dt)
+            blocks.append(w)
+            bias.append(my[out] - mx[idx] @ w)
+            sse, sst_l = sse + _sse(w, g, c, sst[out]).sum(), sst_l + sst[out].sum()
+            cov = w.T @ g @ w / n
+            ev, evec = torch.linalg.eigh((cov + cov.T) / 2)
+            vals.append(ev)
+            vecs.append(torch.zeros(heads * Dt, Dt, dtype=ev.dtype).index_copy_(
+                0, torch.arange(h * Dt, (h + 1) * Dt), evec))  # head h's eigenvectors in the whole row
+        ev, order = torch.cat(vals).sort(descending=True)
+        sources.append(torch.tensor(chosen))
+        weights.append(from_head_blocks(torch.stack(blocks)[None], k)[0])
+        biases.append(torch.cat(bias))
+        bases.append(torch.cat(vecs, dim=1)[:, order[:rank]])
+        eigs.append(ev)
+        r2.append(1 - sse / sst_l)
+    mean = torch.stack([c[1].view(Lt, Dt) for c in cs], dim=1).reshape(Lt, heads * Dt)
+    return SideFit(torch.stack(sources), torch.stack(weights), torch.stack(biases), mean, torch.stack(bases),
+                   torch.stack(eigs), torch.stack(r2), r2_single)
+
+
+def heldout_r2_heads(fit: SideFit, stats: list[RegressionStats], src: Layout, tgt: Layout) -> torch.Tensor:
+    """`heldout_r2` of a head-matched fit on per-head held-out statistics, pooled over heads."""
+    heads = len(stats)
+    sh, th = head_layouts(src, tgt, heads)
+    k = fit.sources.shape[1]
+    blocks = head_blocks(fit.weight, k, heads)  # (Lt, H, K·Ds, Dt)
+    out = torch.empty(tgt.layers, dtype=torch.float64)
+    for l in range(tgt.layers):
+        idx, blk = sh.index(fit.sources[l].tolist()), th.block(l)
+        parts = [_heldout_sse(blocks[l, h], fit.bias[l, h * th.width:(h + 1) * th.width], s, idx, blk)
+                 for h, s in enumerate(stats)]
+        out[l] = 1 - sum(p[0] for p in parts) / sum(p[1] for p in parts)
     return out

@@ -32,7 +32,7 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
 from .features import rows, write_rows
-from .fit import SideFit
+from .fit import SideFit, from_head_blocks, head_blocks
 from .fused import map_into
 from .mlp import SideMLP
 
@@ -79,6 +79,7 @@ class MapInfo:
     r2_heldout: dict[str, list[float]] = field(default_factory=dict)  # side -> per target layer
     format_version: int = FORMAT_VERSION
     mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/mlp.py)
+    heads: int = 0  # > 0: head-matched with this many KV heads (fit.py); the file keeps the weight's head blocks
 
     @property
     def direction(self) -> str:
@@ -100,6 +101,9 @@ class Mapper:
 
     def save(self, path: str | Path) -> None:
         tensors = {f"{s}.{name}": getattr(self.sides[s], name).contiguous() for s in SIDES for name in _TENSORS}
+        if self.info.heads:  # only the blocks: the rest of a head-matched weight is zero by construction
+            tensors.update({f"{s}.weight": head_blocks(self.sides[s].weight, self.info.k, self.info.heads)
+                            for s in SIDES})
         if self.mlp:
             tensors.update({k: v.contiguous() for s in SIDES for k, v in self.mlp[s].tensors(s).items()})
         tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
@@ -140,6 +144,14 @@ class Mapper:
         missing = sorted({f"{s}.{n}" for s in SIDES for n in _TENSORS} - set(tensors))
         if missing:
             raise RarecacheError(f"{path} lacks tensor(s) {', '.join(missing)}")
+        if info.heads:
+            for s in SIDES:
+                w = tensors[f"{s}.weight"]
+                if w.dim() != 4 or w.shape[1] != info.heads or w.shape[2] % info.k or not w.is_floating_point():
+                    raise RarecacheError(f"{path}: {s}.weight of a head-matched map must be float head blocks "
+                                         f"(layers, {info.heads} heads, k·source width, target width); it has "
+                                         f"shape {tuple(w.shape)}")
+                tensors[f"{s}.weight"] = from_head_blocks(w, info.k)
         sides = {s: SideFit(**{n: tensors[f"{s}.{n}"] for n in _TENSORS}) for s in SIDES}
         mlp = None
         if info.mlp_hidden:
@@ -197,6 +209,9 @@ class Mapper:
         """Refuse a map whose tensors do not fit these models: target layers, target row width, source
         layers and source row width (what `map_rows` and `apply` rely on)."""
         cs, ct, k = source.config, target.config, self.info.k
+        if self.info.heads and not self.info.heads == cs.num_kv_heads == ct.num_kv_heads:
+            raise RarecacheError(f"this map is head-matched over {self.info.heads} KV heads; {_name(source)} has "
+                                 f"{cs.num_kv_heads} and {_name(target)} {ct.num_kv_heads}")
         want = (ct.num_layers, ct.kv_dim, k * cs.kv_dim, cs.num_layers)
         for s, fit in self.sides.items():
             (lt, kd, dt), ls = fit.weight.shape, fit.r2_single.shape[1]
@@ -233,7 +248,8 @@ class Mapper:
     def summary(self) -> str:
         """Direction, fitting choices, corpus and R2 per side (in-sample, and held out when measured)."""
         i = self.info
-        lines = [f"map {i.direction}: {'ridge + MLP ' + str(i.mlp_hidden) if i.mlp_hidden else 'ridge'}, "
+        kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
+        lines = [f"map {i.direction}: {kind}, "
                  f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
                  f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
                  f"{i.calibration.get('documents_used')} used)"]
@@ -318,8 +334,9 @@ def _check_info(info: MapInfo) -> None:
     for side in (info.source, info.target):
         if not (isinstance(side, dict) and all(isinstance(side.get(k), str) for k in ("name", "config", "weights"))):
             raise TypeError("source and target must each give a name, config and weights string")
-    if not (whole(info.k, 1) and whole(info.rank, 0) and whole(info.tokens, 0) and whole(info.mlp_hidden, 0)):
-        raise TypeError("k (>= 1), rank, tokens and mlp_hidden (>= 0) must be integers")
+    if not (whole(info.k, 1) and whole(info.rank, 0) and whole(info.tokens, 0) and whole(info.mlp_hidden, 0)
+            and whole(info.heads, 0) and info.heads != 1):
+        raise TypeError("k (>= 1), rank, tokens, mlp_hidden and heads (0 or >= 2) must be integers")
     if not (isinstance(info.lam, (int, float)) and not isinstance(info.lam, bool) and math.isfinite(info.lam)):
         raise TypeError("lam must be a finite number")
     if not all(isinstance(x, dict) for x in (info.corpus, info.calibration, info.r2_heldout)):
