@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The general map's structure and size figures (#15, RESULTS.md 8): the 16k-position general map, dense and
+# head-matched from the same positions (the dense one is also the 16k point of R2 against positions), and the
+# prefix perplexity of each. Resumable like general.sh (a map that exists is kept, a calibration resumes
+# from its .state). While it runs the general queue is paused (SIGSTOP), so both get whole cores; it is
+# continued at the end, also when this script fails.
+#   nohup bash scripts/frozen.sh scripts/maps.sh >> ~/.cache/rarecache/runs/maps.log 2>&1 &
+set -euxo pipefail
+cd "$(dirname "$0")/.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; A=$R/artifacts
+mkdir -p $M $A
+queue=$(pgrep -f "frozen/scripts/general.sh" | head -1 || true)
+[ -n "$queue" ] && kill -STOP -- -"$(ps -o pgid= "$queue" | tr -d ' ')"
+trap '[ -n "$queue" ] && kill -CONT -- -"$(ps -o pgid= "$queue" | tr -d " ")"' EXIT
+gen() {  # out tokens [flags...]
+  [ -f "$1" ] || rarecache calibrate --source $S --target $T --preset general --tokens "$2" --heldout-tokens 8192 \
+      --dtype float32 --out "$1" "${@:3}"
+}
+gen $M/general-16k-0.5b-to-1.5b.safetensors 16384
+gen $M/general-16k-heads-0.5b-to-1.5b.safetensors 16384 --head-matched
+for m in general-16k general-16k-heads general-64k; do
+  [ -f $A/ppl-$m.json ] || rarecache ppl --source $S --target $T --map $M/$m-0.5b-to-1.5b.safetensors \
+      --passages 12 --prefix 256 --continuation 256 --dtype float32 --out $A/ppl-$m.json
+done
+echo MAPS DONE
