@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The general map's structure and size figures (#15, RESULTS.md 8): the 16k-position general map, dense and
-# head-matched from the same positions (the dense one is also the 16k point of R2 against positions), and the
+# head-matched from the same positions (refit from the dense run's kept statistics) (the dense one is also the 16k point of R2 against positions), and the
 # prefix perplexity of each. Resumable like general.sh (a map that exists is kept, a calibration resumes
 # from its .state). While it runs the general queue is paused (SIGSTOP), so both get whole cores; it is
 # continued at the end, also when this script fails.
@@ -17,8 +17,9 @@ gen() {  # out tokens [flags...]
   [ -f "$1" ] || rarecache calibrate --source $S --target $T --preset general --tokens "$2" --heldout-tokens 8192 \
       --dtype float32 --out "$1" "${@:3}"
 }
-gen $M/general-16k-0.5b-to-1.5b.safetensors 16384
-gen $M/general-16k-heads-0.5b-to-1.5b.safetensors 16384 --head-matched
+gen $M/general-16k-0.5b-to-1.5b.safetensors 16384 --keep-state
+H=$M/general-16k-heads-0.5b-to-1.5b.safetensors  # the same positions' head blocks: no second pass over data
+[ -f $H ] || rarecache refit --map $M/general-16k-0.5b-to-1.5b.safetensors --head-matched --out $H
 for m in general-16k general-16k-heads general-64k; do
   [ -f $A/ppl-$m.json ] || rarecache ppl --source $S --target $T --map $M/$m-0.5b-to-1.5b.safetensors \
       --passages 12 --prefix 256 --continuation 256 --dtype float32 --out $A/ppl-$m.json

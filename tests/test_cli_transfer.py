@@ -40,6 +40,22 @@ def test_calibrate_writes_a_map_and_inspect_reads_it(mapped, capsys):
     assert (mapped / "r2.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
+    """calibrate --keep-state leaves the statistics; refit turns them into the head-matched map of the same
+    positions, which inspect reads and names; refit without a state says how to get one."""
+    out = tmp_path / "d.safetensors"
+    args = ["calibrate", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--corpus",
+            str(mapped / "corpus.txt"), "--tokens", "300", "--heldout-tokens", "0", "--seq-len", "48",
+            "--k", "2", "--rank", "4", "--dtype", "float32", "--keep-state", "--out", str(out)]
+    assert main(args) == 0 and (tmp_path / "d.safetensors.state").is_file()
+    assert main(["refit", "--map", str(out), "--head-matched", "--out", str(tmp_path / "h.safetensors")]) == 0
+    assert "head-matched ridge, k=2" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "h.safetensors")]) == 0
+    assert "head-matched ridge" in capsys.readouterr().out
+    assert main(["refit", "--map", str(mapped / "m.safetensors"), "--out", str(tmp_path / "x")]) == 2
+    assert "calibrate with --keep-state" in capsys.readouterr().err
+
+
 def test_generate_with_handoff(mapped, capsys):
     base = ["generate", "--model", str(mapped / "tgt"), "--source", str(mapped / "src"), "--map",
             str(mapped / "m.safetensors"), "--dtype", "float32", "--max-new-tokens", "6", "--json", "the quick fox"]

@@ -294,3 +294,38 @@ def test_head_matched_refuses_models_with_other_head_counts(pair, tmp_path):
     source.config = one
     with pytest.raises(RarecacheError, match="head-matched maps need as many KV heads"):
         Calibration(source, target, tok, corpus, HEADS, tmp_path / "m")
+
+
+def test_refit_from_the_kept_state(pair, tmp_path):
+    """A dense run's kept statistics refit to the same map, to other choices, and to the head-matched map of
+    the very same positions (equal to a head-matched calibration's)."""
+    from rarecache.transfer.calibrate import refit
+
+    source, target, tok, corpus = pair
+    dense = Calibration(source, target, tok, corpus, CFG, tmp_path / "d.map").run(progress=False)
+    state = tmp_path / "d.map.state"
+    same = refit(dense, state)
+    assert same.info == dense.info
+    for side in ("k", "v"):
+        assert torch.equal(same.sides[side].weight, dense.sides[side].weight)
+    heads = refit(dense, state, head_matched=True)
+    direct = Calibration(source, target, tok, corpus, HEADS, tmp_path / "h.map").run(progress=False)
+    assert heads.info.heads == 2 and heads.info.tokens == direct.info.tokens
+    for side in ("k", "v"):
+        for name in ("weight", "bias", "mean", "r2"):
+            torch.testing.assert_close(getattr(heads.sides[side], name), getattr(direct.sides[side], name),
+                                       atol=1e-8, rtol=1e-8)
+        torch.testing.assert_close(torch.tensor(heads.info.r2_heldout[side]),
+                                   torch.tensor(direct.info.r2_heldout[side]), atol=1e-8, rtol=0)
+    one = refit(dense, state, k=1, rank=2)
+    assert one.info.k == 1 and one.sides["k"].weight.shape[1] == source.config.kv_dim
+    with pytest.raises(RarecacheError, match="head-matched statistics: it refits head-matched maps only"):
+        refit(direct, tmp_path / "h.map.state")
+    other = Calibration(source, target, tok, corpus, CalibrationConfig(tokens=300, heldout_tokens=0, seq_len=48,
+                                                                       k=2, rank=4), tmp_path / "o.map")
+    other.run(progress=False)
+    with pytest.raises(RarecacheError, match="holds 300 fit positions, the map 600"):
+        refit(dense, tmp_path / "o.map.state")
+    (tmp_path / "junk").write_bytes(b"junk")
+    with pytest.raises(RarecacheError, match="is not a calibration state"):
+        refit(dense, tmp_path / "junk")

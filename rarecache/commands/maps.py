@@ -12,6 +12,7 @@ from .common import add_model_options, add_pair_options, load_models, load_pair,
 
 def register(sub) -> None:
     _add_calibrate(sub)
+    _add_refit(sub)
     _add_mlp(sub)
     _add_inspect(sub)
     _add_ppl(sub)
@@ -55,9 +56,43 @@ def _add_calibrate(sub) -> None:
                         "map's place, where `rarecache serve` looks for it: "
                         "~/.cache/rarecache/maps/general-SOURCE-to-TARGET.safetensors")
     p.add_argument("--restart", action="store_true", help="discard a saved state and start over")
+    p.add_argument("--keep-state", action="store_true",
+                   help="keep OUT.state (the float64 statistics) after the fit, for `rarecache refit`")
     p.add_argument("--device", default="cpu", help="where statistics accumulate (default: cpu)")
     add_model_options(p)
     p.set_defaults(func=cmd_calibrate)
+
+
+def _add_refit(sub) -> None:
+    p = sub.add_parser("refit", help="fit a map again from its kept calibration statistics (other k, lambda, "
+                                     "rank, or head-matched), in seconds",
+                       description="Read MAP and MAP.state (written by `calibrate --keep-state`) and fit again "
+                                   "with other choices. A dense state also gives the head-matched map of the "
+                                   "same positions. The new map keeps MAP's models, corpus and documents.")
+    p.add_argument("--map", type=Path, required=True, help="map whose calibration kept its state (MAP.state)")
+    p.add_argument("--state", type=Path, default=None, help="the statistics (default: MAP.state)")
+    p.add_argument("--k", type=int, default=None, help="source layers per target layer (default: MAP's)")
+    p.add_argument("--lam", type=float, default=None, help="ridge lambda (default: MAP's)")
+    p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank (default: MAP's)")
+    p.add_argument("--head-matched", action="store_true", help="fit each target KV head from the same source head")
+    p.add_argument("--out", type=Path, required=True, help="map file to write")
+    p.set_defaults(func=cmd_refit)
+
+
+def cmd_refit(args) -> int:
+    from ..transfer.calibrate import refit
+    from ..transfer.mapper import Mapper
+
+    mapper = Mapper.load(args.map)
+    state = args.state or Path(str(args.map) + ".state")
+    if not state.is_file():
+        raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one")
+    new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    new.save(args.out)
+    print(new.summary())
+    print(f"wrote {args.out}")
+    return 0
 
 
 def _check_corpus_flags(args) -> None:
@@ -122,7 +157,8 @@ def cmd_calibrate(args) -> int:
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
     mapper = calibration.run(restart=args.restart)
     mapper.save(args.out)
-    calibration.state_path.unlink(missing_ok=True)
+    if not args.keep_state:
+        calibration.state_path.unlink(missing_ok=True)
     print(mapper.summary())
     print(f"wrote {args.out}")
     return 0
