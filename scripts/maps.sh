@@ -24,4 +24,14 @@ for m in general-16k general-16k-heads general-64k; do
   [ -f $A/ppl-$m.json ] || rarecache ppl --source $S --target $T --map $M/$m-0.5b-to-1.5b.safetensors \
       --passages 12 --prefix 256 --continuation 256 --dtype float32 --out $A/ppl-$m.json
 done
+# the mapping paper's diagnostics (seed 002 4.5) through the general map, on a few-shot and a 0-shot task
+G=$M/general-64k-0.5b-to-1.5b.safetensors
+for task in hellaswag mmlu; do
+  [ -f $A/diagnose-general-$task.txt ] || rarecache inspect $G --diagnose $task --source $S --target $T \
+      --prompts 8 --rho 0.2 --dtype float32 --diagnose-plot $A/diagnose-general-$task.png > $A/diagnose-general-$task.txt
+done
+# the nonlinear option (4.4) on the 16k general map, against its ridge on held-out positions
+[ -f $M/general-16k-mlp-0.5b-to-1.5b.safetensors ] || rarecache mlp $M/general-16k-0.5b-to-1.5b.safetensors \
+    --source $S --target $T --preset general --tokens 8192 --heldout-tokens 4096 --dtype float32 \
+    --out $M/general-16k-mlp-0.5b-to-1.5b.safetensors > $A/mlp-general-16k.txt
 echo MAPS DONE
