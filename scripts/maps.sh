@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; A=$R/artifacts
 mkdir -p $M $A
-queue=$(pgrep -f "frozen/scripts/general.sh" | head -1 || true)
+queue=$(pgrep -f "frozen-general/scripts/general.sh" | head -1 || true)
 [ -n "$queue" ] && kill -STOP -- -"$(ps -o pgid= "$queue" | tr -d ' ')"
 trap '[ -n "$queue" ] && kill -CONT -- -"$(ps -o pgid= "$queue" | tr -d " ")"' EXIT
 gen() {  # out tokens [flags...]
