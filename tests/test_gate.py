@@ -147,7 +147,7 @@ def test_policy_file_round_trip_and_validation(tmp_path):
 
 # -- the ladder arm of an evaluation, and the fit/report commands on it ------------------------
 
-def _ladder_run(models, tmp_path, items, name):
+def _ladder_run(models, tmp_path, items, name, sel="rank"):
     from rarecache.eval.arms import parse_arms
     from rarecache.eval.run import run_task
 
@@ -155,7 +155,7 @@ def _ladder_run(models, tmp_path, items, name):
 
     source, target, mapper = models
     task = ToyChoice()
-    arms = parse_arms(["target", "0.1:rank", "0.5:rank", "ladder:rank"], ("",))
+    arms = parse_arms(["target", f"0.1:{sel}", f"0.5:{sel}", f"ladder:{sel}"], ("",))
     return run_task(task, task.items()[items], source, target, mapper, arms, tmp_path / name, progress=False)
 
 
@@ -166,18 +166,19 @@ def models(pair_dir, fitted):
     return LLM(pair_dir / "src"), LLM(pair_dir / "tgt"), fitted[2]
 
 
-def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(models, tmp_path):
+@pytest.mark.parametrize("sel", ["rank", "suffix+attn"])
+def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(models, tmp_path, sel):
     from rarecache.eval.results import load_results
 
-    rows = load_results(_ladder_run(models, tmp_path, slice(0, 3), "a.jsonl"))
+    rows = load_results(_ladder_run(models, tmp_path, slice(0, 3), "a.jsonl", sel))
     by = {(r["item"], r["arm"]): r for r in rows}
     for item in {r["item"] for r in rows}:
-        lad = by[(item, "ladder/rank")]["ladder"]
+        lad = by[(item, f"ladder/{sel}")]["ladder"]
         assert [g["rho"] for g in lad] == [0.1, 0.2, 0.3, 0.5]
-        assert lad[0]["logprobs"] == pytest.approx(by[(item, "rho=0.1/rank")]["logprobs"], abs=1e-4)
+        assert lad[0]["logprobs"] == pytest.approx(by[(item, f"rho=0.1/{sel}")]["logprobs"], abs=1e-4)
         n = by[(item, "target")]["prompt_tokens"]
         assert [g["recomputed"] for g in lad] == [budget(r, n) for r in (0.1, 0.2, 0.3, 0.5)]
-        assert "correct" not in by[(item, "ladder/rank")]  # no headline metric: summaries skip it
+        assert "correct" not in by[(item, f"ladder/{sel}")]  # no headline metric: summaries skip it
 
 
 def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
