@@ -87,14 +87,8 @@ class Calibration:
         self.run_id = {"source": identity(source), "target": identity(target), "corpus": corpus.describe(),
                        "config": asdict(cfg), "dtype": str(source.dtype),
                        "kv_heads": [source.config.num_kv_heads, target.config.num_kv_heads]}
-        self.heads = 0  # dense statistics; > 0: one set per KV head (head-matched)
-        if cfg.head_matched:
-            hs, ht = source.config.num_kv_heads, target.config.num_kv_heads
-            if hs != ht or hs < 2:
-                raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; "
-                                     f"{source.path.name if source.path else 'the source'} has {hs}, "
-                                     f"{target.path.name if target.path else 'the target'} {ht}")
-            self.heads = hs
+        # dense statistics (0), or one set per KV head (head-matched)
+        self.heads = matched_heads(*self.run_id["kv_heads"]) if cfg.head_matched else 0
         dx, dy = self.src.layers * self.src.width, self.tgt.layers * self.tgt.width
         self.stats = {name: RegressionStats(dx // max(1, self.heads), dy // max(1, self.heads), device)
                       for name in self._names()}
@@ -105,6 +99,10 @@ class Calibration:
     def _names(self, part: str | None = None, side: str | None = None) -> list[str]:
         return [n for p in ((part,) if part else ("fit", "heldout")) for s in ((side,) if side else SIDES)
                 for n in stat_names(p, s, self.heads)]
+
+    def _counter(self, part: str) -> RegressionStats:
+        """Statistics of the part whose n counts its positions (every set of a part has the same n)."""
+        return self.stats[self._names(part, "k")[0]]
 
     def _update(self, part: str, xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor]) -> None:
         for s in SIDES:
@@ -150,7 +148,7 @@ class Calibration:
             self.state_path.unlink(missing_ok=True)
         elif self._load_state() and progress:
             tqdm.write(f"resuming {self.state_path.name} after {self.sequences_done} sequences")
-        cfg, fit, held = self.cfg, self.stats[self._names("fit", "k")[0]], self.stats[self._names("heldout", "k")[0]]
+        cfg, fit, held = self.cfg, self._counter("fit"), self._counter("heldout")
         total = cfg.tokens + cfg.heldout_tokens
         bar = tqdm(total=total, initial=min(fit.n + held.n, total), unit="tok", desc="calibrate",
                    disable=not progress, dynamic_ncols=True)
@@ -196,10 +194,10 @@ class Calibration:
         sides, r2_held = fit_sides(self.stats, self.src, self.tgt, self.heads, cfg.k, cfg.lam, self.rank)
         calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
-                 "sequences": self.sequences_done, "heldout_tokens": self.stats[self._names("heldout", "k")[0]].n,
+                 "sequences": self.sequences_done, "heldout_tokens": self._counter("heldout").n,
                  "document_ids": list(self.corpus.ids[: self.documents_used])}
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
-                       lam=cfg.lam, rank=self.rank, tokens=self.stats[self._names("fit", "k")[0]].n,
+                       lam=cfg.lam, rank=self.rank, tokens=self._counter("fit").n,
                        corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads)
         return Mapper(info, sides)
 
@@ -280,13 +278,18 @@ def refit(mapper: Mapper, state: Path, k: int | None = None, lam: float | None =
                           mlp_hidden=0), sides)
 
 
+def matched_heads(source_heads: int, target_heads: int) -> int:
+    """The KV heads a head-matched map splits rows into, or a clear error when the pair cannot."""
+    if source_heads != target_heads or source_heads < 2:
+        raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; this pair has "
+                             f"{source_heads} and {target_heads}")
+    return source_heads
+
+
 def _heads_of(run: dict) -> int:
     """The KV heads of a dense state's models, if a head-matched refit can split them."""
     heads = run.get("kv_heads")
     if not (isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads)):
         raise RarecacheError("this calibration state does not record the models' KV heads (it was written "
                              "before head-matched maps): calibrate again with --head-matched")
-    if heads[0] != heads[1] or heads[0] < 2:
-        raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; this pair has "
-                             f"{heads[0]} and {heads[1]}")
-    return heads[0]
+    return matched_heads(*heads)

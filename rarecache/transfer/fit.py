@@ -139,19 +139,12 @@ def head_columns(layout: Layout, heads: int, h: int) -> torch.Tensor:
 
 def head_rows(x: torch.Tensor, layout: Layout, heads: int, h: int) -> torch.Tensor:
     """Rows (N, L·H·D) -> head h's rows (N, L·D)."""
-    return x.view(x.shape[0], layout.layers, heads, -1)[:, :, h].reshape(x.shape[0], -1)
+    return x[:, head_columns(layout, heads, h).to(x.device)]
 
 
 def head_stats(dense: RegressionStats, src: Layout, tgt: Layout, heads: int) -> list[RegressionStats]:
     """The per-head blocks of dense statistics: exactly what a head-matched run accumulates."""
-    out = []
-    for h in range(heads):
-        ix, iy = head_columns(src, heads, h), head_columns(tgt, heads, h)
-        s = RegressionStats.__new__(RegressionStats)
-        s.n, s.sx, s.sy, s.syy = dense.n, dense.sx[ix], dense.sy[iy], dense.syy[iy]
-        s.xx, s.xy = dense.xx[ix][:, ix], dense.xy[ix][:, iy]
-        out.append(s)
-    return out
+    return [dense.block(head_columns(src, heads, h), head_columns(tgt, heads, h)) for h in range(heads)]
 
 
 def head_blocks(weight: torch.Tensor, k: int, heads: int) -> torch.Tensor:

@@ -32,6 +32,14 @@ class RegressionStats:
         self.xx += x.T @ x
         self.xy += x.T @ y
 
+    def block(self, ix: torch.Tensor, iy: torch.Tensor) -> "RegressionStats":
+        """The statistics of the x columns `ix` against the y columns `iy`: exactly what accumulating
+        only those columns would have given (a head-matched map's per-head blocks)."""
+        s = RegressionStats.__new__(RegressionStats)
+        s.n, s.sx, s.sy, s.syy = self.n, self.sx[ix], self.sy[iy], self.syy[iy]
+        s.xx, s.xy = self.xx[ix][:, ix], self.xy[ix][:, iy]
+        return s
+
     def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         n = torch.tensor([self.n], dtype=torch.int64)
         return {f"{prefix}.n": n, f"{prefix}.sx": self.sx, f"{prefix}.sy": self.sy, f"{prefix}.syy": self.syy,
