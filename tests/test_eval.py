@@ -294,6 +294,68 @@ def test_choice_scoring_over_a_shared_cache_equals_separate_full_passes(models, 
         assert r["correct_norm"] == (r["prediction_norm"] == item.gold)
 
 
+class ToyFewShot(ToyChoice):
+    """Every prompt starts with the same exemplars, as a few-shot task's do."""
+    name = "toyfewshot"
+    EXEMPLARS = " ".join(WORDS[j % len(WORDS)] for j in range(3, 60))
+
+    def _all(self):
+        return [dataclasses.replace(i, messages=({"role": "user", "content": self.EXEMPLARS + " | " +
+                                                  i.messages[0]["content"]},)) for i in super()._all()]
+
+
+def test_shared_prefix_prefill_equals_whole_prompt_prefills(models, tmp_path):
+    """Copying the task's shared prefix rows and prefilling only the rest gives every arm what prefilling each
+    prompt whole gives (target, source, handoffs through rank and source attention, the gate's ladder)."""
+    import json
+
+    from rarecache.eval.run import SharedPrefix
+
+    source, target, mapper = models
+    task = ToyFewShot()
+    shared = SharedPrefix.of_task(task, source.encode)
+    ids = source.encode(task.items()[0].prompt)
+    assert len(shared.tokens) > 40 and ids[: len(shared.tokens)] == shared.tokens  # the exemplars and more
+    arms = parse_arms(["target", "source", "0:rank", "0.3:rank", "0.3:attn-source", "0.3:suffix+attn",
+                       "ladder:attn-source"], ("",))
+    runs = {on: load_results(run_task(task, task.items()[:3], source, target, mapper, arms, tmp_path / f"{on}.jsonl",
+                                      progress=False, share_prefix=on)) for on in (True, False)}
+    assert len(runs[True]) == len(runs[False]) == 3 * len(arms)
+    for a, b in zip(runs[True], runs[False]):
+        assert (a["item"], a["arm"]) == (b["item"], b["arm"])
+        if "ladder" in a:
+            for ra, rb in zip(a["ladder"], b["ladder"]):
+                assert ra["recomputed"] == rb["recomputed"]
+                assert ra["logprobs"] == pytest.approx(rb["logprobs"], abs=1e-5)
+                assert ra["js"] == pytest.approx(rb["js"], abs=1e-6)
+            continue
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+        assert a.get("recomputed") == b.get("recomputed")
+    from rarecache.transfer.selectors import ATTN_QUERIES
+
+    timings = [json.loads(line) for line in (tmp_path / "True.timings.jsonl").read_text().splitlines()]
+    want = [min(len(shared.tokens), len(source.encode(i.prompt)) - ATTN_QUERIES) for i in task.items()[:3]]
+    assert [t["phases"]["shared_prefix"] for t in timings if t["arm"] == "target"] == want
+    assert [t["phases"]["target_shared_prefix"] for t in timings if t["arm"].startswith("ladder")] == want
+    assert min(want) > 40
+
+
+def test_shared_prefix_leaves_the_captured_queries_to_the_item(models):
+    """A prompt that is all shared prefix still prefills its last ATTN_QUERIES positions itself, so the
+    attention it captures for attn-source comes from its own pass."""
+    from rarecache.eval.run import SharedPrefix
+    from rarecache.transfer.selectors import ATTN_QUERIES
+
+    source, target, _ = models
+    tokens = source.encode(ToyFewShot().items()[0].prompt)
+    shared = SharedPrefix(tokens)
+    cache = target.runner.new_cache(1, len(tokens))
+    q, seconds = shared.fill("target", target.runner, tokens, cache)
+    assert q == len(tokens) - ATTN_QUERIES and seconds > 0
+    assert cache.filled[0, :q].all() and not cache.filled[0, q:].any()
+    assert SharedPrefix(tokens[:5]).fill("target", target.runner, [9, 9, *tokens], cache) == (0, 0.0)
+
+
 def test_gsm8k_bpb_by_hand():
     import math
 

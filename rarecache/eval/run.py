@@ -9,6 +9,9 @@ batched pass over copies of that cache (`scoring.py`).
 Arms of one item share work: one source prefill (its cache feeds every handoff,
 its captured attention the attn-source selector) and one target prefill (the
 target arm, and the oracles' reference), whatever the number of maps and arms.
+Items share work too: the prefix every prompt of a task starts with (instruction,
+few-shot exemplars) is prefilled once per model and copied into each item's cache
+(`SharedPrefix`), so an item prefills only its own text.
 
 A killed run continues where it stopped and ends with the same results file as an
 uninterrupted one (timings, which differ between runs, go to a separate file).
@@ -35,29 +38,72 @@ from ..errors import RarecacheError
 from ..transfer.gate import RUNGS, GatePolicy, gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
-from ..transfer.selectors import attention_capture, received
+from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
 from .arms import Arm
 from .results import check_meta, read_done
-from .scoring import continuation_logprobs, template_mask
+from .scoring import common_prefix, continuation_logprobs, template_mask
 from .tasks.base import Item, Task
 
 
 # -- shared work of one item -----------------------------------------------------------------
+
+class SharedPrefix:
+    """The tokens a task's prompts start with (instruction, exemplars, chat template), prefilled once
+    per model.
+
+    Why: by causality the rows of a prompt's first p positions depend on its first p tokens alone, so
+    an item that starts with them copies those rows and prefills only the rest. The cache is the same
+    up to float rounding (tested against full prefills), and on a few-shot task the prefix is most of
+    the prompt (HellaSwag: ~390 of ~440 tokens). The tokens are what two of the task's calibration
+    prompts share, never read from evaluated items, so every run, resumed or not, copies the same rows.
+    """
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+        self._rows: dict[str, tuple[KVCache, float]] = {}  # kind -> (rows, seconds their prefill took)
+
+    @classmethod
+    def of_task(cls, task: Task, encode) -> SharedPrefix:
+        pool = task.calibration_items()
+        if len(pool) < 2:
+            return cls([])
+        a, b = encode(pool[0].prompt), encode(pool[1].prompt)
+        return cls(a[: common_prefix(a, b)])
+
+    def fill(self, kind: str, runner: Runner, ids: list[int], cache: KVCache) -> tuple[int, float]:
+        """Copy the first rows `ids` shares with the prefix into `cache` (batch one), leaving the
+        captured queries (the last ATTN_QUERIES) to the item's own pass. Returns how many rows, and the
+        seconds prefilling them took (pro rata of the prefix's one prefill)."""
+        q = min(common_prefix(ids, self.tokens), len(ids) - ATTN_QUERIES)
+        if q <= 0:
+            return 0, 0.0
+        if kind not in self._rows:
+            t = time.perf_counter()
+            rows = runner.new_cache(1, len(self.tokens))
+            runner.forward(torch.tensor([self.tokens], device=runner.device), torch.arange(len(self.tokens))[None],
+                           rows, logits_at=None)
+            self._rows[kind] = (rows, time.perf_counter() - t)
+        rows, seconds = self._rows[kind]
+        cache.copy_prefix(rows, q)
+        return q, seconds * q / len(self.tokens)
+
 
 @dataclass
 class _Prefill:
     cache: KVCache  # batch one, the prompt's rows
     logits: torch.Tensor  # (V,) at the last prompt position
     attn: torch.Tensor  # (1, n) attention received by each position (last queries, last layers)
-    seconds: float  # what the prefill cost
+    seconds: float  # what a prefill of the whole prompt costs (a shared prefix's part pro rata)
+    shared: int = 0  # rows copied from the task's shared prefix
 
 
 class _ItemState:
     """Work shared by the arms of one item: each model's own prefill, done at most once."""
 
-    def __init__(self, ids: list[int], reference: list[int]):
+    def __init__(self, ids: list[int], reference: list[int], shared: SharedPrefix | None = None):
         self.ids = ids
         self.template = template_mask(ids, reference)
+        self.shared = shared
         self._prefills: dict[str, _Prefill] = {}
 
     def prefill(self, kind: str, runner: Runner) -> tuple[_Prefill, float]:
@@ -67,11 +113,14 @@ class _ItemState:
         t = time.perf_counter()
         n = len(self.ids)
         cache = runner.new_cache(1, n)
-        ends = torch.tensor([n], device=runner.device)
-        out = runner.forward(torch.tensor([self.ids], device=runner.device), torch.arange(n)[None], cache,
+        q, shared_s = self.shared.fill(kind, runner, self.ids, cache) if self.shared else (0, 0.0)
+        own = time.perf_counter()
+        ends = torch.tensor([n - q], device=runner.device)
+        out = runner.forward(torch.tensor([self.ids[q:]], device=runner.device), torch.arange(q, n)[None], cache,
                              capture=attention_capture(runner, ends))
-        self._prefills[kind] = _Prefill(cache, out.logits[0], received(out.attn, n), time.perf_counter() - t)
-        return self._prefills[kind], time.perf_counter() - t
+        done = time.perf_counter()
+        self._prefills[kind] = _Prefill(cache, out.logits[0], received(out.attn, n), done - own + shared_s, q)
+        return self._prefills[kind], done - t
 
 
 def _contexts(arms: list[Arm], st: _ItemState, source: LLM, target: LLM, maps: dict[str, Mapper]
@@ -89,7 +138,7 @@ def _contexts(arms: list[Arm], st: _ItemState, source: LLM, target: LLM, maps: d
         if arm.kind != "handoff":
             pre, spent = st.prefill(arm.kind, answering.runner)
             cache.row(k).copy_prefix(pre.cache, n)
-            logits[k], phases[k] = pre.logits, {"prefill": spent}
+            logits[k], phases[k] = pre.logits, {"prefill": spent, "shared_prefix": pre.shared}
     if handoffs:
         variants = [(arms[k].map, arms[k].config) for k in handoffs]
         src, spent = st.prefill("source", source.runner)
@@ -122,12 +171,13 @@ def _by_model(arms: list[Arm], source: LLM, target: LLM) -> list[tuple[LLM, list
 
 
 def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, target: LLM, maps: dict[str, Mapper],
-                    sampling: SamplingConfig, reference: list[int]) -> list[tuple[dict, dict]]:
+                    sampling: SamplingConfig, reference: list[int], shared: SharedPrefix | None
+                    ) -> list[tuple[dict, dict]]:
     """Every (item, arm) of a chunk: each item's contexts into rows of a batch cache per answering
     model, then one batched decode per model (decoding is bound by reading the weights, so a
     batch costs about what one sequence does)."""
     items = list({item.id: item for item, _ in chunk}.values())
-    states = {item.id: _ItemState(source.encode(item.prompt), reference) for item in items}
+    states = {item.id: _ItemState(source.encode(item.prompt), reference, shared) for item in items}
     arms_of = {item.id: [a for i, a in chunk if i.id == item.id] for item in items}
     results: dict[tuple[str, str], tuple[dict, dict]] = {}
     for llm in (target, source):
@@ -207,7 +257,7 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings
     phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
-              "target_prefill": tgt.seconds}
+              "target_prefill": tgt.seconds, "target_shared_prefix": tgt.shared}
     return record, {"item": item.id, "arm": arm.name, "phases": phases, "batch_continuations_s": score_s,
                     "batch": len(RUNGS)}
 
@@ -215,14 +265,15 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
 @torch.inference_mode()
 def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapper | dict[str, Mapper],
              arms: list[Arm], out: Path, sampling: SamplingConfig = SamplingConfig(max_new_tokens=256),
-             progress: bool = True, batch: int = 8, meta: dict | None = None) -> Path:
+             progress: bool = True, batch: int = 8, meta: dict | None = None, share_prefix: bool = True) -> Path:
     """Evaluate every (item, arm) not yet in `out`, appending one JSON line each.
 
     `maps` is one map, or maps by label (arms name the label they go through).
     Generation tasks run `batch` items at a time (all their arms decode together), likelihood
     tasks one item at a time (all its arms score together); the lines of a chunk are written
     together, in item then arm order, so a resumed run ends with the same file as an
-    uninterrupted one.
+    uninterrupted one. `share_prefix=False` prefills every prompt whole (the reference `SharedPrefix`
+    is tested against).
     """
     maps = maps if isinstance(maps, dict) else {"": maps}
     for arm in arms:
@@ -239,6 +290,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
     sampling = target.with_eos(sampling)
     pool = task.calibration_items()  # another prompt of the task: what every prompt shares
     reference = source.encode(pool[0].prompt) if pool else []
+    shared = SharedPrefix.of_task(task, source.encode) if share_prefix else None
     jobs = [(i, a) for i in items for a in arms if (i.id, a.name) not in done]
     bar = tqdm(total=len(items) * len(arms), initial=len(items) * len(arms) - len(jobs), unit="answer",
                desc=task.name, disable=not progress, dynamic_ncols=True, file=sys.stderr)
@@ -256,7 +308,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
             for item, arm in jobs:  # fixed chunks of the item list, whatever is already done
                 chunks.setdefault(order[item.id] // batch, []).append((item, arm))
             for key in sorted(chunks):
-                write(_generate_chunk(task, chunks[key], source, target, maps, sampling, reference))
+                write(_generate_chunk(task, chunks[key], source, target, maps, sampling, reference, shared))
         else:
             todo: dict[str, list[Arm]] = {}
             for item, arm in jobs:
@@ -264,7 +316,7 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
             for item in items:
                 if item.id not in todo:
                     continue
-                st = _ItemState(source.encode(item.prompt), reference)
+                st = _ItemState(source.encode(item.prompt), reference, shared)
                 conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
                 write(_likelihood_item(task, item, todo[item.id], st, conts, source, target, maps))
     bar.close()

@@ -56,13 +56,19 @@ def continuation_logprobs(runner: Runner, cache: KVCache, first: torch.Tensor, s
     return out
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share."""
+    p = 0
+    while p < min(len(a), len(b)) and a[p] == b[p]:
+        p += 1
+    return p
+
+
 def template_mask(ids: list[int], reference: list[int]) -> list[bool]:
     """Positions in the text every prompt of the task shares (instruction, exemplars, chat template):
     the common prefix and common suffix with another item's prompt."""
     n, m = len(ids), len(reference)
-    p = 0
-    while p < min(n, m) and ids[p] == reference[p]:
-        p += 1
+    p = common_prefix(ids, reference)
     s = 0
     while s < min(n, m) - p and ids[n - 1 - s] == reference[m - 1 - s]:
         s += 1
