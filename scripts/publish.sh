@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Copy an evaluation run into docs/artifacts: its complete items only (a run still going may have a
-# partly written last item), gzipped, with its .meta.json, the full report, the compact table and
-# the plots. Reports are made from a copy at the same relative path, so their headers name
-# runs/eval/NAME.jsonl. results.sh seeds a later run from what this commits.
+# Copy an evaluation run into docs/artifacts: every complete record (a run still going may be writing its
+# last line; an item it is in the middle of counts in the arms it has), gzipped, with its timings and its
+# .meta.json, the full report, the compact table and the plots. Reports are made from a copy at the same
+# relative path, so their headers name runs/eval/NAME.jsonl. results.sh and general.sh seed a later run from what this commits (lib.sh).
 #   bash scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl
 set -euo pipefail
 cd "$(dirname "$0")/.."
 src=$1; name=$(basename "${src%.jsonl}"); art=$PWD/docs/artifacts
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/runs/eval"
-python - "$src" "$tmp/runs/eval/$name.jsonl" <<'PY'
-import json, sys
-from collections import Counter
-lines = [l for l in open(sys.argv[1]) if l.strip()]
-items = Counter(json.loads(l)["item"] for l in lines)
-arms = max(items.values())
-keep = [l for l in lines if items[json.loads(l)["item"]] == arms]
-open(sys.argv[2], "w").writelines(keep)
-print(f"{len(keep) // arms} complete items of {arms} arms ({len(items)} started)", file=sys.stderr)
+python - "${src%.jsonl}" "$tmp/runs/eval/$name" <<'PY'
+import json, os, sys
+src, dst = sys.argv[1], sys.argv[2]
+for part in (".jsonl", ".timings.jsonl"):
+    if not os.path.isfile(src + part):
+        continue
+    keep = []
+    for line in open(src + part):
+        try:  # a line the running evaluation is still writing is left out; it resumes from the rest
+            json.loads(line)
+        except ValueError:
+            continue
+        keep.append(line if line.endswith("\n") else line + "\n")
+    open(dst + part, "w").writelines(keep)
+    print(f"{os.path.basename(dst)}{part}: {len(keep)} records", file=sys.stderr)
 PY
 cp "${src%.jsonl}.meta.json" "$tmp/runs/eval/$name.meta.json"
 gzip -n -c "$tmp/runs/eval/$name.jsonl" > "$art/$name.jsonl.gz"
+[ ! -f "$tmp/runs/eval/$name.timings.jsonl" ] || gzip -n -c "$tmp/runs/eval/$name.timings.jsonl" > "$art/$name.timings.jsonl.gz"
 cp "$tmp/runs/eval/$name.meta.json" "$art/$name.meta.json"
 (cd "$tmp" && rarecache eval report "runs/eval/$name.jsonl" --plots "$art" > "$art/$name.report.md" \
     && rarecache eval report "runs/eval/$name.jsonl" --compact > "$art/$name.compact.md")

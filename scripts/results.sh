@@ -17,29 +17,7 @@ cal() {  # source target "data option" out [tokens] [heldout tokens] [extra opti
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" $3 --tokens "${5:-32768}" \
       --heldout-tokens "${6:-4096}" ${7:-} --out "$4"
 }
-seed() {  # results file: copy back the committed partial run if its maps are the ones here
-  local out=$1 name; name=$(basename "${1%.jsonl}")
-  [ -f "$out" ] || [ ! -f "docs/artifacts/$name.jsonl.gz" ] || python - "$out" "$name" <<'PY'
-import gzip, hashlib, json, shutil, sys
-out, name = sys.argv[1], sys.argv[2]
-meta = json.load(open(f"docs/artifacts/{name}.meta.json"))
-for label, m in meta["maps"].items():
-    path = out.rsplit("/eval/", 1)[0] + "/maps/" + m["file"].rsplit("/", 1)[1]
-    try:
-        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    except FileNotFoundError:
-        digest = None
-    if digest != m["sha256"]:
-        print(f"seed {name}: map {label} ({path}) differs from the committed run's; starting afresh")
-        sys.exit(0)
-with gzip.open(f"docs/artifacts/{name}.jsonl.gz", "rb") as f, open(out, "wb") as g:
-    shutil.copyfileobj(f, g)
-meta["maps"] = {k: {**m, "file": out.rsplit("/eval/", 1)[0] + "/maps/" + m["file"].rsplit("/", 1)[1]}
-                for k, m in meta["maps"].items()}
-json.dump(meta, open(out[: -len(".jsonl")] + ".meta.json", "w"), indent=1)
-print(f"seed {name}: continuing the committed run")
-PY
-}
+. scripts/lib.sh  # seed
 GRID=(--rhos 0 0.2 0.3 0.5 --selectors random attn-source attn-target l2-oracle layer-prefix --dtype bfloat16)
 ev() {  # source target task items out maps...
   local s=$1 t=$2 task=$3 n=$4 out=$5; shift 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -496,3 +497,21 @@ def test_generation_run_with_stop_tokens_resumes(tmp_path):
     assert check_meta(out, meta)["sampling"]["stop_token_ids"] == [5, 7]
     with pytest.raises(RarecacheError, match="sampling"):
         check_meta(out, {**meta, "sampling": dataclasses.asdict(SamplingConfig(stop_token_ids=(5,)))})
+
+
+def test_resuming_keeps_the_record_of_a_replaced_map(tmp_path):
+    """A run moved onto a recalibrated map (scripts/rebase_map.py) keeps that on record when it resumes,
+    and every machine it ran on is listed; a map with another sha256 is still refused."""
+    from rarecache.eval.results import check_meta
+
+    meta = {"task": "mmlu", "source": {"name": "s"}, "target": {"name": "t"},
+            "maps": {"general": {"file": "m", "sha256": "b" * 64}}, "dtype": "float32", "seed": 0,
+            "sampling": None, "versions": {"cpu": "AVX2"}}
+    out = tmp_path / "run.jsonl"
+    replaced = [{"label": "general", "old": {"file": "m", "sha256": "a" * 64}, "new_sha256": "b" * 64}]
+    out.with_suffix(".meta.json").write_text(json.dumps({**meta, "maps_replaced": replaced}))
+    again = check_meta(out, {**meta, "versions": {"cpu": "AVX512"}})
+    assert again["maps_replaced"] == replaced and again["versions_seen"] == [{"cpu": "AVX2"}, {"cpu": "AVX512"}]
+    assert json.loads(out.with_suffix(".meta.json").read_text())["maps_replaced"] == replaced
+    with pytest.raises(RarecacheError, match="map general"):
+        check_meta(out, {**meta, "maps": {"general": {"file": "m", "sha256": "a" * 64}}})

@@ -64,7 +64,8 @@ def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype:
             "dtype": dtype, "seed": SEED,
             "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None,
             "versions": {"rarecache": version("rarecache"), "torch": torch.__version__,
-                         "python": platform.python_version()}}
+                         "python": platform.python_version(),
+                         "cpu": torch.backends.cpu.get_cpu_capability()}}  # float rounding depends on it
 
 
 def check_meta(out: Path, meta: dict) -> dict:
@@ -94,6 +95,8 @@ def check_meta(out: Path, meta: dict) -> dict:
         seen = [*old.get("versions_seen", []), old.get("versions"), meta["versions"]]
         meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
                 "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]]}
+        if "maps_replaced" in old:  # a map recalibrated on another CPU (scripts/rebase_map.py): kept on record
+            meta["maps_replaced"] = old["maps_replaced"]
     out.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1) + "\n")
     return meta
