@@ -4,8 +4,8 @@
 # resumes from its results file. Run it in the background and rerun it after an interruption:
 #   nohup bash scripts/frozen.sh scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
 # Maps, states and results go to $RUNS (default ~/.cache/rarecache/runs): outside the work tree, so a fresh
-# checkout on the same machine continues them. On a fresh machine an evaluation continues from its partial run
-# committed to docs/artifacts (scripts/publish.sh; seed in lib.sh) once the recalibrated map's sha256 matches.
+# checkout on the same machine continues them. On a fresh machine the general map is the committed one and an
+# evaluation continues from its partial run committed to docs/artifacts (scripts/publish.sh; lib.sh).
 # frozen.sh runs it from a copy of HEAD, so editing the work tree (this file included) cannot change what a
 # running queue does.
 # Each task runs to 100 items first, then all tasks continue to 300 (the same files: --limit grows), so an
@@ -33,7 +33,7 @@ PASS_A=(target source 0:rank 0.2:rank 0.2:attn-source 0.2:suffix 0.3:suffix 0.2:
 PASS_B=(0.1:rank 0.3:rank 0.1:attn-source 0.3:attn-source 0.1:suffix 0.1:suffix+attn 0.3:suffix+attn)
 . scripts/lib.sh  # seed, shipped
 ev() {  # source target task items out map start arms...
-  seed "$5" "$(basename "${5%.jsonl}")-100"  # a committed partial run (publish.sh), else the 100-item snapshot
+  seed "$5"
   rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${@:8}" \
       --start "$7" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }

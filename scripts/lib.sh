@@ -1,39 +1,42 @@
 # Shared by the long queues (results.sh, general.sh): source it, do not run it.
-# seed OUT [NAME ...]: before a run writes OUT, copy back the partial run committed to docs/artifacts under
-# OUT's own name or, failing that, the first NAME that exists: its results (NAME.jsonl.gz), its timings
-# (NAME.timings.jsonl.gz) when committed, and its meta, when the maps its meta records are byte-identical to
-# the ones next to OUT (calibration is deterministic). A fresh machine then continues a run instead of
-# starting it again. An OUT that exists is left alone.
+# seed OUT: before a run writes OUT (RUNS/eval/NAME.jsonl), copy back the partial run committed to docs/artifacts
+# as NAME or NAME-<n items> (scripts/publish.sh; the one with the most records): its results, its timings when
+# committed, and its meta, when the maps its meta records are byte-identical to the ones in RUNS/maps (a
+# calibration is deterministic on one machine; `shipped` puts the committed maps there). A fresh machine then
+# continues a run instead of starting it again. An OUT that exists is left alone.
 seed() {
-  local out=$1 name; shift
-  [ -f "$out" ] && return 0
-  for name in "$(basename "${out%.jsonl}")" "$@"; do
-    [ -f "docs/artifacts/$name.jsonl.gz" ] && break
-  done
-  [ -f "docs/artifacts/$name.jsonl.gz" ] || return 0
-  python - "$out" "$name" <<'PY'
-import gzip, hashlib, json, os, shutil, sys
-out, name = sys.argv[1], sys.argv[2]
-art = f"docs/artifacts/{name}"
-meta = json.load(open(f"{art}.meta.json"))
+  [ -f "$1" ] || python - "$1" <<'PY'
+import gzip, hashlib, json, os, re, shutil, sys
+out = sys.argv[1]
+name, stem = os.path.basename(out)[: -len(".jsonl")], out[: -len(".jsonl")]
 maps = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(out))), "maps")
-for label, m in meta["maps"].items():
-    path = os.path.join(maps, os.path.basename(m["file"]))
-    try:
-        digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    except FileNotFoundError:
-        digest = None
-    if digest != m["sha256"]:
-        print(f"seed {name}: map {label} ({path}) differs from the committed run's; starting afresh")
-        sys.exit(0)
-    m["file"] = path
-stem = out[: -len(".jsonl")]
-for part, dest in ((".jsonl.gz", out), (".timings.jsonl.gz", stem + ".timings.jsonl")):
-    if os.path.isfile(art + part):
-        with gzip.open(art + part, "rb") as f, open(dest, "wb") as g:
-            shutil.copyfileobj(f, g)
-json.dump(meta, open(stem + ".meta.json", "w"), indent=1)
-print(f"seed {name}: continuing the committed run ({sum(1 for _ in open(out))} records)")
+digests = {}
+def ok(art):  # the committed run's maps are the ones here
+    meta = json.load(open(f"docs/artifacts/{art}.meta.json"))
+    for label, m in meta["maps"].items():
+        path = os.path.join(maps, os.path.basename(m["file"]))
+        if path not in digests:
+            digests[path] = hashlib.sha256(open(path, "rb").read()).hexdigest() if os.path.isfile(path) else None
+        if digests[path] != m["sha256"]:
+            print(f"seed {name}: map {label} ({path}) differs from {art}'s; not continuing it")
+            return None
+        m["file"] = path
+    return meta
+arts = [f[: -len(".jsonl.gz")] for f in sorted(os.listdir("docs/artifacts"))
+        if re.fullmatch(re.escape(name) + r"(-\d+)?\.jsonl\.gz", f)]
+arts.sort(key=lambda a: -sum(1 for _ in gzip.open(f"docs/artifacts/{a}.jsonl.gz")))
+for art in arts:
+    meta = ok(art)
+    if meta is None:
+        continue
+    base = f"docs/artifacts/{art}"
+    for part, dest in ((".jsonl.gz", out), (".timings.jsonl.gz", stem + ".timings.jsonl")):
+        if os.path.isfile(base + part):
+            with gzip.open(base + part, "rb") as f, open(dest, "wb") as g:
+                shutil.copyfileobj(f, g)
+    json.dump(meta, open(stem + ".meta.json", "w"), indent=1)
+    print(f"seed {name}: continuing the committed run {art} ({sum(1 for _ in open(out))} records)")
+    break
 PY
 }
 # shipped MAP: a map committed to docs/artifacts/maps is copied to MAP when MAP is missing, so a fresh machine

@@ -2,11 +2,12 @@
 # Copy an evaluation run into docs/artifacts: every complete record (a run still going may be writing its
 # last line; an item it is in the middle of counts in the arms it has), gzipped, with its timings and its
 # .meta.json, the full report, the compact table and the plots. Reports are made from a copy at the same
-# relative path, so their headers name runs/eval/NAME.jsonl. results.sh and general.sh seed a later run from what this commits (lib.sh).
-#   bash scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl
+# relative path, so their headers name runs/eval/NAME.jsonl. results.sh and general.sh seed a later run from
+# what this commits (lib.sh).
+#   bash scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl [NAME]   (NAME: the artifacts' name, e.g. general-mmlu-100)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-src=$1; name=$(basename "${src%.jsonl}"); art=$PWD/docs/artifacts
+src=$1; name=${2:-$(basename "${src%.jsonl}")}; art=$PWD/docs/artifacts
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/runs/eval"
 python - "${src%.jsonl}" "$tmp/runs/eval/$name" <<'PY'
