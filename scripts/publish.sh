@@ -28,7 +28,8 @@ for part in (".jsonl", ".timings.jsonl"):
 PY
 cp "${src%.jsonl}.meta.json" "$tmp/runs/eval/$name.meta.json"
 gzip -n -c "$tmp/runs/eval/$name.jsonl" > "$art/$name.jsonl.gz"
-[ ! -f "$tmp/runs/eval/$name.timings.jsonl" ] || gzip -n -c "$tmp/runs/eval/$name.timings.jsonl" > "$art/$name.timings.jsonl.gz"
+t=$tmp/runs/eval/$name.timings.jsonl
+[ ! -f "$t" ] || gzip -n -c "$t" > "$art/$name.timings.jsonl.gz"
 cp "$tmp/runs/eval/$name.meta.json" "$art/$name.meta.json"
 (cd "$tmp" && rarecache eval report "runs/eval/$name.jsonl" --plots "$art" > "$art/$name.report.md" \
     && rarecache eval report "runs/eval/$name.jsonl" --compact > "$art/$name.compact.md")

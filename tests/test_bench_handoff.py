@@ -59,6 +59,30 @@ def test_fused_map_in_bfloat16_equals_reference(fitted):
     torch.testing.assert_close(fast.k, slow.k, atol=2e-2 * float(slow.k.abs().max()), rtol=0)
 
 
+def test_map_computing_in_bfloat16_next_to_float32_models(fitted):
+    """`computing_in(bf16)`: a float32 handoff maps in bf16 (the bf16 reference's rows, not float32's), the
+    recomputed rows stay the target's own (ρ = 1 is its prefill), and the original map is untouched."""
+    source, target, mapper, prompts = fitted
+    fast = mapper.computing_in(torch.bfloat16)
+    assert fast.dtype_for(target) == torch.bfloat16 and mapper.dtype_for(target) == torch.float32
+    src_cache, _ = source.prefill(prompts[:1])
+    n = len(prompts[0])
+    pos = torch.arange(n)[None]
+    ref, full = _caches(target, n, 2)
+    fast.apply_reference(source, src_cache, target, ref, pos)  # in bf16: the map's default dtype now
+    mapper.apply_reference(source, src_cache, target, full, pos)
+    plain, _, _ = handoff(source, target, fast, prompts[:1], HandoffConfig(rho=0.0))
+    mapped = slice(0, n - 1)  # the last position is always recomputed
+    got, want, f32 = (c.k[:, :, :, mapped] for c in (plain, ref, full))
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got, want, atol=2e-2 * scale, rtol=0)
+    assert (got - f32).abs().max() > 1e-4 * scale  # it did not map in float32
+    own, _ = target.prefill(prompts[:1])
+    exact, _, _ = handoff(source, target, fast, prompts[:1], HandoffConfig(rho=1.0))
+    torch.testing.assert_close(exact.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(exact.v[:, :, :, :n], own.v[:, :, :, :n], atol=1e-5, rtol=1e-5)
+
+
 def test_fused_map_scattered_and_batched_positions(fitted):
     """Positions that are not one run (a batch with padding, a later span, scattered) take the gather
     path and still equal the reference."""
@@ -178,7 +202,7 @@ def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
     out = tmp_path / "artifacts" / "summary.json"
     assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
                  str(tmp_path / "m.safetensors"), "--lengths", "32", "--rhos", "0.1", "0.3", "--batches", "1",
-                 "--repeats", "1", "--dtype", "float32", "--summary", str(out)]) == 0
+                 "--repeats", "1", "--dtype", "float32", "--map-dtype", "bfloat16", "--summary", str(out)]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     got = json.loads(out.read_text())
     assert [(r["T"], r["rho"]) for r in got["rows"]] == [(32, 0.1), (32, 0.3)]
@@ -187,7 +211,7 @@ def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
         assert row["of_sparse_ceiling"] > 0 and 0 < row["map_score_share_of_prefill"]
         if row["peak_mem_handoff_mib"] is not None:  # it holds the source cache and the map besides its own peak
             assert row["peak_mem_handoff_mib"] >= full["source_cache_mib"] + full["map_mib"]
-    assert got["dtype"] == "float32" and got["memory"] == printed["memory"]
+    assert got["dtype"] == "float32" and got["map_dtype"] == "bfloat16" and got["memory"] == printed["memory"]
 
 
 def test_summary_keeps_earlier_cells_of_the_same_setup():

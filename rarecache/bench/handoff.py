@@ -91,7 +91,7 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []}, {})
     cfg = HandoffConfig(rho=rho, selector="rank")
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
-        mapper.tensors(side, target.dtype, target.device)
+        mapper.tensors(side, mapper.dtype_for(target), target.device)
     target.forward(tokens[:, :1], pos[:, :1], target.new_cache(batch, 1))  # every weight paged in before measuring
     for i in range(repeats + 1):  # the first round warms up and measures memory (timed rounds do not)
         with (nullcontext(Peak()) if i else measure(target.device)) as pre_mem:

@@ -92,7 +92,7 @@ def footprint(source, target, mapper, T: int, batch: int) -> dict[str, float]:
     cs, ct = source.config, target.config
     size = torch.empty((), dtype=target.dtype).element_size()
     src_size = torch.empty((), dtype=source.dtype).element_size()
-    maps = [t for side in ("k", "v") for n, t in mapper.tensors(side, target.dtype, target.device).items()
+    maps = [t for side in ("k", "v") for n, t in mapper.tensors(side, mapper.dtype_for(target), target.device).items()
             if isinstance(t, torch.Tensor) and n != "sources"]
     return {"source_cache_mib": 2 * cs.num_layers * batch * cs.kv_dim * (T + 1) * src_size / MIB,
             "target_cache_mib": 2 * ct.num_layers * batch * ct.kv_dim * (T + 1) * size / MIB,

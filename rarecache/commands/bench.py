@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from .common import add_model_options, add_pair_options, load_pair, print_json, write_out
+from .common import add_model_options, add_pair_options, load_pair, print_json, with_map_dtype, write_out
 
 SUMMARY = Path("docs/artifacts/bench-handoff-summary.json")
 
@@ -97,7 +97,7 @@ def cmd_bench_handoff(args) -> int:
         if len(names) != 2:
             raise RarecacheError("--shapes takes SOURCE:TARGET, e.g. qwen3-0.6b:qwen3-14b")
         source, target = (random_runner(n, DTYPES[args.dtype], args.device, args.max_layers) for n in names)
-        mapper = random_mapper(source, target, rank=args.rank)
+        mapper = with_map_dtype(random_mapper(source, target, rank=args.rank), args)
         pair = f"{args.shapes} (random weights{f', {args.max_layers} layers' if args.max_layers else ''})"
     else:
         if not (args.source and args.target and args.map):
@@ -108,9 +108,11 @@ def cmd_bench_handoff(args) -> int:
         _pack(target)
     torch.manual_seed(0)
     threads = torch.get_num_threads()
-    print(f"handoff vs target prefill: {pair}, {args.dtype}{', packed' if target.packed else ''}, {args.device}, "
-          f"threads {threads}, median of {args.repeats} after a warm-up; source prefill not counted; the rank "
-          f"score runs inside the map phase")
+    map_dtype = str(mapper.dtype_for(target)).removeprefix("torch.")
+    cpu = torch.backends.cpu.get_cpu_capability() if args.device == "cpu" else None  # which kernels ran
+    print(f"handoff vs target prefill: {pair}, {args.dtype}{', packed' if target.packed else ''}, map in {map_dtype}, "
+          f"{args.device}{f' ({cpu})' if cpu else ''}, threads {threads}, median of {args.repeats} after a warm-up; "
+          f"source prefill not counted; the rank score runs inside the map phase")
     print(f"memory ({memory_kind(args.device)}, MiB above the weights): {formula(source, target, mapper)}")
     head = (f"{'T':>5} {'rho':>4} {'B':>3} {'prefill ms':>10} {'map':>7} {'score':>6} {'recomp':>8} "
             f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9} "
@@ -128,8 +130,8 @@ def cmd_bench_handoff(args) -> int:
                       f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
                       f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
                       f"{r['map_mib']:>5.0f}", flush=True)
-    header = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "packed": target.packed, "device": args.device,
-              "threads": threads, "memory": memory_kind(args.device)}
+    header = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "map_dtype": map_dtype, "packed": target.packed,
+              "device": args.device, "cpu": cpu, "threads": threads, "memory": memory_kind(args.device)}
     if not args.no_summary:
         written = summary(rows, read_summary(args.summary), **header)
         write_out(args.summary, json.dumps(written, indent=1) + "\n")

@@ -23,6 +23,9 @@ def add_pair_options(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--source", required=required, help="model whose cache is mapped (name, HF dir or .gguf)")
     p.add_argument("--target", required=required, help="model that receives the mapped cache")
     p.add_argument("--map", type=Path, required=required, help="map file fitted for source -> target")
+    p.add_argument("--map-dtype", choices=["bfloat16", "float32"], default=None,
+                   help="dtype of the map's products (default: --dtype). bfloat16 with --dtype float32 makes the "
+                        "map ~4x cheaper on AVX-512 BF16 CPUs; mapped rows round to bf16, recomputed rows stay exact")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -51,7 +54,15 @@ def load_pair(args):
     mapper = Mapper.load(args.map)  # a bad file fails before the models, which take much longer to load
     source, target, tokenizer = load_models(args)
     mapper.check_pair(source, target)
-    return source, target, mapper, tokenizer
+    return source, target, with_map_dtype(mapper, args), tokenizer
+
+
+def with_map_dtype(mapper, args):
+    """The mapper computing in --map-dtype (unset: the target's dtype)."""
+    from ..engine.llm import DTYPES
+
+    name = getattr(args, "map_dtype", None)
+    return mapper.computing_in(DTYPES[name]) if name else mapper
 
 
 def write_out(path: Path, text: str) -> None:

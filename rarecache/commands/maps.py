@@ -381,7 +381,8 @@ def cmd_ppl(args) -> int:
     if args.out:
         write_out(args.out, json.dumps({"map": str(args.map), "corpus": corpus.describe(), "first_document": first,
                                         "prefix": res.prefix, "continuation": res.continuation,
-                                        "dtype": args.dtype, "ppl": {a: res.ppl(a) for a in ARMS},
+                                        "dtype": args.dtype, "map_dtype": args.map_dtype or args.dtype,
+                                        "ppl": {a: res.ppl(a) for a in ARMS},
                                         "nll_per_passage": res.nll}, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
