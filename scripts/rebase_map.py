@@ -9,13 +9,14 @@ two maps' records on re-evaluated items), so the change is visible in every repo
   python scripts/rebase_map.py LABEL NEW_MAP EVIDENCE NAME.meta.json...
 """
 
-import hashlib
 import json
 import sys
 from pathlib import Path
 
+from rarecache.packages import sha256_file
+
 label, new_map, evidence, metas = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
-new_sha = hashlib.sha256(new_map.read_bytes()).hexdigest()
+new_sha = sha256_file(new_map)
 for path in map(Path, metas):
     meta = json.loads(path.read_text())
     old = meta["maps"][label]
