@@ -17,7 +17,7 @@ S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
 DT=(--dtype float32)
-gen() {  # source target tokens out
+gen() {  # source target tokens out (the preset's sequence length and sharpening: eval/mix.py)
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general --tokens "$3" \
       --heldout-tokens 8192 "${DT[@]}" --out "$4"
 }
@@ -37,7 +37,7 @@ ev() {  # source target task items out map start arms...
   rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${@:8}" \
       --start "$7" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }
-TASKS=(mmlu hellaswag arc_challenge gsm8k_bpb)  # shortest prompts first
+TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)  # GSM8K first: where plain transfer lost to the source (RESULTS 8)
 shipped $GENERAL
 gen $S $T 65536 $GENERAL
 for pass in A B; do

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rarecache.cli import main
+from rarecache.transfer.mapper import Mapper
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +53,11 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     assert "head-matched ridge, k=2" in capsys.readouterr().out
     assert main(["inspect", str(tmp_path / "h.safetensors")]) == 0
     assert "head-matched ridge" in capsys.readouterr().out
+    assert main(["refit", "--map", str(out), "--sharpen", "1", "0.5", "--out", str(tmp_path / "s.safetensors")]) == 0
+    assert "ridge, sharpened k:R2^-1 v:R2^-0.5, k=2" in capsys.readouterr().out
+    assert Mapper.load(tmp_path / "s.safetensors").info.sharpen == {"k": 1.0, "v": 0.5}
+    assert main(["refit", "--map", str(out), "--sharpen", "3", "0", "--out", str(tmp_path / "b.safetensors")]) == 2
+    assert "two powers (keys, values) in [0, 2]" in capsys.readouterr().err
     assert main(["refit", "--map", str(mapped / "m.safetensors"), "--out", str(tmp_path / "x")]) == 2
     assert "calibrate with --keep-state" in capsys.readouterr().err
 

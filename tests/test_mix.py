@@ -73,3 +73,37 @@ def test_the_general_map_has_a_default_place_and_other_maps_need_out(tmp_path, p
     src, tgt = str(pair_dir / "src"), str(pair_dir / "tgt")
     assert main(["calibrate", "--source", src, "--target", tgt, "--corpus", str(pair_dir / "corpus.txt")]) == 2
     assert "give --out FILE" in capsys.readouterr().err
+
+
+def _rows(n):
+    return [(f"prealgebra:{i}", {"problem": f"Tom has ${i}$ apples and buys $3$ more. How many apples does he have now?",
+                                  "solution": f"He has ${i} + 3 = \\boxed{{{i + 3}}}$ apples.", "answer": str(i + 3)})
+            for i in range(n)] + [("geometry:0", {"problem": "[asy] draw((0,0)--(1,1)); [/asy] Find the angle.",
+                                                  "solution": "It is $\\boxed{45^\\circ}$.", "answer": "45^\\circ"})]
+
+
+def test_plain_math_reduces_simple_latex_and_refuses_the_rest():
+    assert mix.plain_math({"problem": "What is $\\frac{1}{2} \\cdot 6$?", "answer": "3",
+                           "solution": "We get $\\frac{1}{2} \\cdot 6 = \\boxed{3}$, costing \\$3."}) == (
+        "What is 1/2 * 6?", "We get 1/2 * 6 = 3, costing $3.", "3")
+    assert mix.plain_math({"problem": "Find $x$.", "solution": "$\\sqrt{2}$", "answer": "\\sqrt{2}"}) is None
+    assert mix.plain_math(_rows(1)[-1][1]) is None  # a figure
+
+
+def test_math_chains_are_worked_examples_then_a_problem_answered_by_its_own_solution(monkeypatch):
+    monkeypatch.setattr(mix, "_math_rows", lambda cache_dir: _rows(40))
+    chains = mix._math_chains(None)
+    assert len(chains) == 40 and len({i for i, _ in chains}) == 40  # every plain problem ends at most one chain
+    for key, (user, reply) in chains:
+        n = int(key.rsplit(":", 1)[1])
+        assert user["role"] == "user" and reply["role"] == "assistant"
+        assert reply["content"].startswith(f"He has {n} + 3 = {n + 3} apples.") and reply["content"].endswith(f"{n + 3}.")
+        blocks = user["content"].split("\n\n")
+        assert blocks[0] in mix.CHAIN_ASKS and 4 <= len(blocks) - 2 <= 8
+        question, answer_tag = blocks[-1].rsplit("\n", 1)
+        assert question.endswith(f"Tom has {n} apples and buys 3 more. How many apples does he have now?")
+        assert answer_tag in [a.strip() for _, a, _ in mix.CHAIN_FORMATS] and f"has {n} apples" not in "".join(blocks[1:-1])
+        assert all(str(int(b.split(" has ")[1].split()[0]) + 3) + "." in b for b in blocks[1:-1])  # closed by answers
+    assert mix._math_chains(None) == chains  # deterministic
+    # the math component keeps only what no chain can use
+    assert [i for i, _ in mix._math(None)] == ["math:geometry:0"]

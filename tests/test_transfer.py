@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig
 from rarecache.transfer.corpus import load_corpus
 from rarecache.transfer.fit import (Layout, fit_side, fit_side_heads, from_head_blocks, head_blocks, head_rows,
-                                   head_stats, heldout_r2, heldout_r2_heads)
+                                   head_stats, heldout_r2, heldout_r2_heads, sharpen)
 from rarecache.transfer.mapper import Mapper
 from rarecache.transfer.stats import RegressionStats
 
@@ -65,6 +67,31 @@ def test_ridge_recovers_planted_map_and_top_k_finds_its_layers():
     cov = torch.cov(pred.T, correction=0)
     top = torch.linalg.eigh(cov).eigenvectors[:, -3:]
     torch.testing.assert_close((basis @ basis.T), top @ top.T, atol=1e-6, rtol=0)
+
+
+def test_sharpening_at_half_power_gives_the_predictions_the_targets_variance():
+    """Least squares shrinks: Var(ŷ) = R²·Var(y) per layer in-sample. Scaling the centred prediction by R^-1/2
+    restores the target's variance, keeps the mean, and equals ȳ + s(ŷ − ȳ) computed directly."""
+    src, tgt = Layout(5, 6), Layout(3, 4)
+    x, y, _, _ = planted(n=5000, src=src, tgt=tgt, k=2, noise=3.0)
+    stats = RegressionStats(x.shape[1], y.shape[1])
+    stats.update(x, y)
+    fit = fit_side(stats, src, tgt, k=2, lam=1e-9, rank=2)
+    assert (fit.r2 < 0.9).all() and (fit.r2 > 0.1).all()  # noisy enough to shrink
+    sharp = sharpen(fit, 0.5)
+    assert sharpen(fit, 0) is fit and torch.equal(sharp.r2, fit.r2) and torch.equal(sharp.basis, fit.basis)
+    for l in range(tgt.layers):
+        xs, yl = x[:, src.index(fit.sources[l].tolist())], y[:, tgt.block(l)]
+        plain, sharp_pred = xs @ fit.weight[l] + fit.bias[l], xs @ sharp.weight[l] + sharp.bias[l]
+        var = lambda a: ((a - a.mean(0)) ** 2).sum()  # noqa: E731
+        torch.testing.assert_close(var(plain), fit.r2[l] * var(yl), rtol=1e-6, atol=0)
+        torch.testing.assert_close(var(sharp_pred), var(yl), rtol=1e-6, atol=0)
+        torch.testing.assert_close(sharp_pred.mean(0), yl.mean(0), rtol=0, atol=1e-8)
+        s = fit.r2[l] ** -0.5
+        torch.testing.assert_close(sharp_pred, fit.mean[l] + s * (plain - fit.mean[l]), rtol=0, atol=1e-9)
+        torch.testing.assert_close(sharp.eigenvalues[l], fit.eigenvalues[l] * s ** 2, rtol=1e-12, atol=0)
+    # it costs squared error: held-out (here in-sample) R² of the sharpened map is below the ridge's
+    assert (heldout_r2(sharp, stats, src, tgt) < fit.r2).all()
 
 
 def test_heldout_r2_equals_direct_computation():
@@ -319,6 +346,20 @@ def test_refit_from_the_kept_state(pair, tmp_path):
                                    torch.tensor(direct.info.r2_heldout[side]), atol=1e-8, rtol=0)
     one = refit(dense, state, k=1, rank=2)
     assert one.info.k == 1 and one.sides["k"].weight.shape[1] == source.config.kv_dim
+    # sharpening from the state equals a sharpened calibration, is recorded, kept by a refit, and undone by 0 0
+    sharp = refit(dense, state, powers=(1.0, 0.5))
+    direct = Calibration(source, target, tok, corpus, replace(CFG, sharpen=(1.0, 0.5)), tmp_path / "s.map"
+                         ).run(progress=False)
+    assert sharp.info.sharpen == direct.info.sharpen == {"k": 1.0, "v": 0.5} and "sharpened k:R2^-1 v:R2^-0.5" in (
+        sharp.summary())
+    for side in ("k", "v"):
+        torch.testing.assert_close(sharp.sides[side].weight, direct.sides[side].weight, atol=1e-10, rtol=1e-10)
+        assert sum(sharp.info.r2_heldout[side]) < sum(dense.info.r2_heldout[side])  # of the map as served
+    assert refit(sharp, state).info.sharpen == sharp.info.sharpen
+    back = refit(sharp, state, powers=(0.0, 0.0))
+    assert back.info == dense.info and torch.equal(back.sides["v"].bias, dense.sides["v"].bias)
+    with pytest.raises(RarecacheError, match=r"two powers \(keys, values\) in \[0, 2\]"):
+        refit(dense, state, powers=(3.0, 0.0))
     with pytest.raises(RarecacheError, match="head-matched statistics: it refits head-matched maps only"):
         refit(direct, tmp_path / "h.map.state")
     other = Calibration(source, target, tok, corpus, CalibrationConfig(tokens=300, heldout_tokens=0, seq_len=48,

