@@ -44,7 +44,34 @@ def test_general_summary_picks_the_selector_that_closes_most_of_the_gap(tmp_path
     assert g["gap_closed_default_rho0.2"] == pytest.approx(0.9) and g["unit"] == "bpb"
     assert g["plain_minus_source"] == pytest.approx(-0.1)
     assert s["selector_mean_gap_closed"]["rank"] == pytest.approx((0.2 + 0.25) / 2)
+    # the rule: share of the source-to-target gap kept, (arm - source) / (target - source), over tasks and rhos
+    # rank: hellaswag (0.6 - 0.6) / (1 - 0.6) = 0; gsm8k (0.65 - 0.6) / (0.5 - 0.6) = -0.5
+    assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx((0.0 - 0.5) / 2)
+    # attn-source: hellaswag (0.9 - 0.6) / 0.4 = 0.75; gsm8k (0.52 - 0.6) / -0.1 = 0.8
+    assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.75 + 0.8) / 2)
     assert "default selector through map general: attn-source" in capsys.readouterr().out
+
+
+def test_a_near_zero_plain_gap_does_not_pick_the_default(tmp_path):
+    """Where plain transfer is already near the target, gap closed divides noise by a near-zero gap:
+    one item decides between 0% and 100% there, and that task alone would pick the default. The
+    rule weighs each task by its source-to-target gap instead."""
+    # big gaps: target 0.5, source 0.6, plain 0.7 bpb; attn-source 0.51 (near the target), rank 0.68 (near plain)
+    big = _write(tmp_path / "g.jsonl", "gsm8k_bpb", "bpb",
+                 _arms([0.5] * 10, [0.6] * 10, [0.7] * 10, [0.51] * 10, [0.68] * 10))
+    # plain transfer one item below the target: attn-source at plain (0% closed), rank at the target (100%)
+    tiny = _write(tmp_path / "a.jsonl", "arc_challenge", "correct_norm",
+                  _arms([1] * 6 + [0] * 4, [1] * 3 + [0] * 7, [1] * 5 + [0] * 5, [1] * 5 + [0] * 5, [1] * 6 + [0] * 4))
+    out = tmp_path / "s.json"
+    assert main(["eval", "report", str(big), str(tiny), "--general-summary", str(out)]) == 0
+    s = json.loads(out.read_text())
+    # gap closed would pick rank: (0.1 + 1) / 2 against attn-source's (0.95 + 0) / 2
+    assert s["selector_mean_gap_closed"]["rank"] == pytest.approx((0.1 + 1.0) / 2)
+    assert s["selector_mean_gap_closed"]["attn-source"] == pytest.approx((0.95 + 0.0) / 2)
+    # kept: attn-source (0.9 + 2/3) / 2; rank (-0.8 + 1) / 2, 0.08 bpb from the target on the big task
+    assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.9 + 2 / 3) / 2)
+    assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx((-0.8 + 1.0) / 2)
+    assert s["default_selector"] == "attn-source"
 
 
 def test_general_summary_refuses_mixed_maps_and_missing_budgets(tmp_path):

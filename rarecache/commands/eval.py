@@ -162,8 +162,9 @@ def _add_report(ev) -> None:
     e = ev.add_parser("report", help="summarise results JSONL files (and write the general map's summary)")
     e.add_argument("results", type=Path, nargs="+", help="results JSONL file(s); each gets its own report")
     e.add_argument("--general-summary", type=Path, default=None, metavar="JSON",
-                   help="also pick the default selector across the files (highest mean gap closed at rho 0.1, "
-                        "0.2, 0.3) and write the summary there (e.g. docs/artifacts/general-map-summary.json)")
+                   help="also pick the default selector across the files (highest mean share of the source-to-"
+                        "target gap kept at rho 0.1, 0.2, 0.3; eval/summary.py says why not gap closed) and "
+                        "write the summary there (e.g. docs/artifacts/general-map-summary.json)")
     e.add_argument("--map-label", default=None,
                    help="--general-summary: the map label the arms go through, if the files have several")
     e.add_argument("--compact", action="store_true",

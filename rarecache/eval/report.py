@@ -78,6 +78,11 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)
                 # None: no gap to close; + 0.0 turns -0.0 into 0.0
                 row["gap_closed"] = (a2 - p0) / (t2 - p0) + 0.0 if t2 != p0 else None
+            source = by_arm.get("source", {})
+            both = [i for i in items if i in target and i in source]
+            if both:  # the share of the source-to-target gap this handoff keeps (1.0 = the target's figure)
+                t2, s0, a2 = _mean_over(target, both), _mean_over(source, both), _mean_over(vals, both)
+                row["model_gap_kept"] = (a2 - s0) / (t2 - s0) + 0.0 if t2 != s0 else None
             rank = by_arm.get(arm_name(rho, "rank", label), {})
             common = [i for i in items if i in rank]
             if selector != "rank" and common:  # this selector against rank disagreement at the same budget
