@@ -129,11 +129,11 @@ def test_drift_through_the_server_equals_the_conversation_path(chat, tmp_path):
     local = tmp_path / "local.jsonl"
     run_drift(convs, source, target, maps, ["alone", "0.2:rank", "gate"], never, local, progress=False)
     served = tmp_path / "served.jsonl"
-    run_drift_server(convs[:1], _server(chat), ["alone", "0.2:rank"], served, progress=False)
+    server = _server(chat, gate=never)  # one server, every arm: each request names its arm's budget
+    run_drift_server(convs[:1], server, ["alone", "0.2:rank"], served, progress=False)
     first = served.read_text()
-    run_drift_server(convs, _server(chat), ["alone", "0.2:rank"], served, progress=False)
+    run_drift_server(convs, server, ["alone", "0.2:rank", "gate"], served, progress=False)
     assert served.read_text().startswith(first)  # resumed: the first story is not redone
-    run_drift_server(convs, _server(chat, gate=never), ["gate"], served, progress=False)  # another server's arm
     want, got = _rows(local), _rows(served)
     assert set(got) == set(want) and len(got) == 2 * (2 + 2) * len(TURNS)
     for key, w in want.items():
@@ -151,20 +151,23 @@ def test_drift_through_the_server_equals_the_conversation_path(chat, tmp_path):
 
 
 def test_drift_through_the_server_refuses_what_it_would_not_measure(chat, tmp_path):
-    """An arm the server does not serve, a server without the map, a results file of the other path:
-    refused before a row is written."""
+    """A gate arm on a server without a gate policy, a server that does not hand off with the budget a
+    request names, a server without the map, a results file of the other path: refused before a row is
+    written."""
     from rarecache.errors import RarecacheError
     from rarecache.eval.drift import DriftServer, run_drift_server
 
     source, target, maps = _pair(chat)
     out = tmp_path / "x.jsonl"
-    with pytest.raises(RarecacheError, match="--rho 0.3 --selector rank"):
-        run_drift_server([("s", TURNS)], _server(chat), ["0.3:rank"], out, progress=False)
-    with pytest.raises(RarecacheError, match="not through the gate"):
+    with pytest.raises(RarecacheError, match="needs a server started with --rho auto"):
         run_drift_server([("s", TURNS)], _server(chat), ["gate"], out, progress=False)
-    with pytest.raises(RarecacheError, match="--rho 0.2 --selector rank"):
-        run_drift_server([("s", TURNS)], _server(chat, gate=GatePolicy("rank", (0.1, 0.3), -1.0)), ["0.2:rank"], out,
-                         progress=False)
+    deaf = _server(chat)  # a server that ignores the request's budget (an older one): its handoffs are caught
+    score = deaf.score
+    deaf.score = lambda who, messages, answer, salt, budget=None: score(who, messages, answer, salt)
+    with pytest.raises(RarecacheError, match=r"not at rho 0.3 \(rank\) as asked"):
+        run_drift_server([("s", TURNS)], deaf, ["0.3:rank"], out, progress=False)
+    with pytest.raises(RarecacheError, match="not through the gate it was asked for"):
+        run_drift_server([("s", TURNS)], deaf, ["gate"], out, progress=False)
     assert not out.exists() or out.read_text() == ""
     run_drift_server([("s", TURNS)], _server(chat, reverse=False), ["0.2:rank"], out, progress=False)  # one way
     rows = [json.loads(x) for x in out.read_text().splitlines()]

@@ -277,6 +277,39 @@ def test_the_response_says_what_the_gate_decided(chat):
             assert info["recomputed_tokens"] == budget(0.2, info["handed_off_tokens"])
 
 
+def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
+    """On a server started with --rho auto, a request's own ρ replaces the gate for that request (no
+    gate record, the ρ it named); "auto" keeps the gate, whose selector a request cannot change."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    client = TestClient(create_app(ChatService(models, maps, ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3),
+                                                                                           NEVER)))))
+
+    def switched(salt, **extra):
+        messages = [{"role": "user", "content": "the quick brown fox"}]
+        first = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 4,
+                                                          "cache_salt": salt})
+        messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "jumps over the lazy dog"}]
+        return client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 4,
+                                                         "cache_salt": salt, **extra})
+
+    fixed = switched("a", rarecache={"rho": 0.2, "selector": "suffix"}).json()["rarecache"]
+    assert "gate" not in fixed and (fixed["rho"], fixed["selector"]) == (0.2, "suffix")
+    assert fixed["recomputed_tokens"] == budget(0.2, fixed["handed_off_tokens"])
+    gated = switched("b", rarecache={"rho": "auto"}).json()["rarecache"]
+    assert gated["gate"]["decision"] == "fallback" and (gated["rho"], gated["selector"]) == (1.0, "rank")
+    for options, why in (({"rho": "auto", "selector": "suffix"}, "the gate policy's selector"),
+                         ({"selector": "suffix"}, "must name its rho too")):
+        r = switched("c", rarecache=options)
+        assert r.status_code == 400 and why in r.json()["error"]["message"]
+
+
 def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, fitted, tmp_path, monkeypatch, capsys):
     pytest.importorskip("fastapi")
     import uvicorn

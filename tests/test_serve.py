@@ -829,3 +829,70 @@ def test_poisson_bench_on_our_own_server(chat, tmp_path):
             arms.answer("large", ids, sampling, salt=salt, rho=0.5)
     finally:
         svc.close()
+
+
+def _switched_score(svc: ChatService, salt: str, **budget):
+    """The small model answers a turn, then the large one scores a given answer to the next: its
+    prompt is handed off (with the request's own budget, if given); the reply."""
+    first = [{"role": "user", "content": TURNS[0]}]
+    reply = svc.complete("small", first, SAMPLING, salt=salt)
+    messages = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": TURNS[1]},
+                        {"role": "assistant", "content": "a given answer to score"}]
+    prompt = svc.prepare_continued("large", messages, None, salt=salt)
+    return svc.continue_final("large", prompt, None, salt=salt, **budget)
+
+
+def test_a_request_names_its_own_budget(chat):
+    """A request's own ρ and selector replace the server's for that request only: its scores equal a
+    server started with that budget, bit for bit, and differ from the server's own budget; ρ = 1 is
+    the model's own prefill; the reply says which budget the handoff had."""
+    from rarecache.transfer.handoff import budget
+
+    models, maps = chat
+    svc = service(chat, rho=0.3)  # the server's budget: 0.3, rank
+    default = _switched_score(svc, "a")
+    own = _switched_score(svc, "b", rho=0.5, selector="suffix")
+    after = _switched_score(svc, "c")  # the next request without one: the server's again
+    started = _switched_score(ChatService(models, maps, ServiceConfig(HandoffConfig(0.5, "suffix"))), "b")
+    assert (default.rho, default.selector, after.rho, after.selector) == (0.3, "rank", 0.3, "rank")
+    assert (own.rho, own.selector) == (0.5, "suffix") and own.handed_off_from == "small"
+    assert own.recomputed == budget(0.5, own.handed_off) and default.recomputed == budget(0.3, default.handed_off)
+    assert own.prompt_logprobs == started.prompt_logprobs and own.recomputed == started.recomputed
+    assert own.prompt_logprobs != default.prompt_logprobs and after.prompt_logprobs == default.prompt_logprobs
+    exact = _switched_score(svc, "d", rho=1)
+    alone = _switched_score(service(chat, rho=1.0), "d")
+    assert exact.rho == 1.0 and exact.recomputed == exact.handed_off
+    assert exact.prompt_logprobs == alone.prompt_logprobs
+
+
+def test_the_budget_in_a_request_is_checked_and_reported(chat):
+    """Over HTTP: the `rarecache` object's budget is used and reported; every mistake in it is a 400
+    before any work is queued."""
+    models, _ = chat
+    svc = service(chat, rho=0.3)
+    client = TestClient(create_app(svc))
+    messages = [{"role": "user", "content": TURNS[0]}]
+    messages += [{"role": "assistant", "content": ask(client, "small", messages)["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": TURNS[1]}]
+    body = ask(client, "large", messages, rarecache={"rho": 1, "selector": "random"})
+    info = body["rarecache"]
+    assert info["handed_off_from"] == "small" and (info["rho"], info["selector"]) == (1.0, "random")
+    assert info["recomputed_tokens"] == info["handed_off_tokens"] > 0
+    assert body["choices"][0]["message"]["content"] == models["large"].generate(
+        [messages], SamplingConfig(max_new_tokens=5))[0].text  # rho 1: the model's own answer
+
+    def err(options):
+        r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 5,
+                                                      "rarecache": options})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["message"]
+
+    held = svc.held_bytes()
+    assert "rho must be a number in [0, 1]" in err({"rho": 1.5})
+    assert "rho must be a number in [0, 1]" in err({"rho": -0.1})
+    assert "needs a server started with --rho auto" in err({"rho": "auto"})
+    for wrong in ({"rho": "0.2"}, {"rho": True}, {"rho": None, "budget": 1}, {"selector": 3}, "rank", [0.2]):
+        assert err(wrong)
+    assert "oracle" in err({"selector": "attn-target"})
+    assert "must be one of" in err({"selector": "nope"})
+    assert svc.held_bytes() == held  # nothing was queued

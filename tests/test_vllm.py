@@ -895,11 +895,10 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
 @needs_vllm
 @pytest.mark.vllm
 def test_serve_reports_the_budget_streams_and_stops(vpair, served):
-    """ρ = 0.5: the object gives the positions recomputed by the budget rule; a streamed answer is
+    """ρ = 0.5, the request's own budget (the server's is 1): the object gives the positions recomputed
+    by the budget rule; a streamed answer is
     the whole one, and an answer a stop string cuts short (vLLM returns nothing for an aborted
     request) still says it was handed off."""
-    from dataclasses import replace
-
     from rarecache.models.tokenizer import Tokenizer
     from rarecache.transfer.handoff import budget
 
@@ -910,12 +909,7 @@ def test_serve_reports_the_budget_streams_and_stops(vpair, served):
     text1, _ = _chat(client, "src", msgs, "C")
     msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "again"}]
     P = len(tok.encode_chat(msgs))
-    saved = served.cfg
-    served.cfg = replace(saved, rho=0.5)
-    try:
-        text, body = _chat(client, "tgt", msgs, "C")
-    finally:
-        served.cfg = saved
+    text, body = _chat(client, "tgt", msgs, "C", rarecache={"rho": 0.5})
     info = body["rarecache"]
     n = info["handed_off_tokens"]
     assert info["handed_off_from"] == "src" and (info["rho"], info["selector"]) == (0.5, "rank")
@@ -949,6 +943,9 @@ def test_serve_refuses_bad_requests_cleanly(served):
         ({**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4"),
         ({**ok, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "nothing to answer"),
         ({**ok, "temperature": "0"}, 400, "temperature"),
+        ({**ok, "rarecache": {"rho": "auto"}}, 400, "our own engine only"),
+        ({**ok, "rarecache": {"selector": "attn-source"}}, 400, "needs the source's attention"),
+        ({**ok, "rarecache": {"rho": 2}}, 400, r"rho must be a number in \[0, 1\]"),
     ]:
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == status and re.search(match, r.json()["error"]["message"]), (body, r.text)

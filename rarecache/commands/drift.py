@@ -33,8 +33,8 @@ def register(ev) -> None:
     r.add_argument("--server", default=None, metavar="URL",
                    help="send the turns to this chat server (rarecache serve, e.g. http://127.0.0.1:8000) instead: "
                         "each turn's gold answer is scored there (continue_final_message, prompt_logprobs) and the "
-                        "server hands off between its models; a switching arm must be the budget it serves "
-                        "(--rho RHO --selector SELECTOR, or --rho auto for gate). Rows say \"via\": \"server\"")
+                        "server hands off between its models, each request with its arm's budget (the gate arm needs "
+                        "a server started with --rho auto). Rows say \"via\": \"server\"")
     r.add_argument("--api-key", default=None,
                    help="with --server: sent as Authorization: Bearer KEY (default: $RARECACHE_API_KEY, else none)")
     add_model_options(r)
@@ -80,7 +80,7 @@ def _run_on_server(args) -> int:
     given = [flag for flag, value in (("--map", args.map), ("--reverse-map", args.reverse_map),
                                       ("--gate-policy", args.gate_policy)) if value is not None]
     if given:
-        raise RarecacheError(f"{', '.join(given)}: with --server the server's maps and budget are used "
+        raise RarecacheError(f"{', '.join(given)}: with --server the server's maps and gate policy are used "
                              "(give them to rarecache serve)")
     if not args.server.startswith(("http://", "https://")):
         raise RarecacheError(f"--server takes an http:// or https:// URL, got {args.server!r}")

@@ -18,10 +18,11 @@ message to score (vLLM's `continue_final_message` with `prompt_logprobs: 0`, `ma
 serve/app.py), its `model` field alternating between the served source and target as above,
 and the bpb comes from the returned logprobs of the answer's tokens. The server keeps the
 scored rows and hands off between its models itself, so this measures the server's path; each
-conversation has a `cache_salt` of its own, so arms and stories never share rows. The server
-hands off with the budget it was started with: a switching arm must name it (`RHO:SELECTOR` as
-`--rho RHO --selector SELECTOR`, `gate` as `--rho auto`), and every turn is checked to have been
-handed off (or not) exactly as `Conversation` would. Its rows say `"via": "server"`; a results
+conversation has a `cache_salt` of its own, so arms and stories never share rows. Each request
+names its arm's budget in the body's `rarecache` object (`RHO:SELECTOR` as `{"rho": RHO,
+"selector": SELECTOR}`, `gate` as `{"rho": "auto"}`, which needs a server started with `--rho
+auto`), so one server runs every arm, and every turn is checked to have been handed off (or not)
+exactly as `Conversation` would, with that budget. Its rows say `"via": "server"`; a results
 file holds rows of one path only.
 """
 
@@ -200,12 +201,14 @@ class DriftServer:
                           if a != b and self.names[a] in served[self.names[b]]}
         return self._maps
 
-    def score(self, who: str, messages: list[dict[str, str]], answer: str, salt: str) -> dict:
-        """The response to scoring `answer` as the final assistant message after `messages`, with `who`'s model."""
+    def score(self, who: str, messages: list[dict[str, str]], answer: str, salt: str,
+              budget: dict | None = None) -> dict:
+        """The response to scoring `answer` as the final assistant message after `messages`, with `who`'s
+        model (and the handoff budget `budget`, the request's `rarecache` object, if given)."""
         return self._call("POST", "/v1/chat/completions", {
             "model": self.names[who], "messages": [*messages, {"role": "assistant", "content": answer}],
             "continue_final_message": True, "add_generation_prompt": False, "prompt_logprobs": 0, "max_tokens": 0,
-            "cache_salt": salt})
+            "cache_salt": salt, **({"rarecache": budget} if budget else {})})
 
 
 class _Served:
@@ -216,13 +219,16 @@ class _Served:
     def __init__(self, server: DriftServer, arm: str, cfg: HandoffConfig | None):
         self.server, self.arm, self.cfg = server, arm, cfg
         self.salt = f"rarecache-drift-{uuid.uuid4().hex}"
+        # the request's own budget: the arm's (alone hands nothing off)
+        self.budget = (None if arm == "alone" else {"rho": "auto"} if cfg is None
+                       else {"rho": cfg.rho, "selector": cfg.name})
         self.messages: list[dict[str, str]] = []
         self.last: str | None = None
 
     def score(self, user: str, answer: str, who: str) -> dict:
         messages = [*self.messages, {"role": "user", "content": user}]
         t0 = time.perf_counter()
-        body = self.server.score(who, messages, answer, self.salt)
+        body = self.server.score(who, messages, answer, self.salt, self.budget)
         wall = time.perf_counter() - t0
         info = body.get("rarecache") or {}
         n = info.get("final_message_tokens")
@@ -255,19 +261,19 @@ class _Served:
         if source is None or self.cfg is None and info.get("gate") is not None:
             return
         if self.cfg is None:
-            raise RarecacheError(f"{self.arm}: the server hands off at a fixed rho {info.get('rho')} "
-                                 f"({info.get('selector')}), not through the gate: serve it with --rho auto "
-                                 "--gate-policy FILE")
+            raise RarecacheError(f"{self.arm}: the server handed off at a fixed rho {info.get('rho')} "
+                                 f"({info.get('selector')}), not through the gate it was asked for (a server that "
+                                 "ignores the request's rarecache object?)")
         if info.get("gate") is not None or info.get("rho") != self.cfg.rho or info.get("selector") != self.cfg.name:
             how = ("through the gate" if info.get("gate") is not None
                    else f"at rho {info.get('rho')} ({info.get('selector')})")
-            raise RarecacheError(f"{self.arm}: the server hands off {how}: serve this arm with --rho {self.cfg.rho:g} "
-                                 f"--selector {self.cfg.name}")
+            raise RarecacheError(f"{self.arm}: the server handed off {how}, not at rho {self.cfg.rho:g} "
+                                 f"({self.cfg.name}) as asked (a server that ignores the request's rarecache object?)")
 
 
 def run_drift_server(convs, server: DriftServer, arms: list[str], out: Path, progress: bool = True) -> Path:
     """`run_drift` through a chat server: the same stories, turns and arms, each turn a request
-    (module docstring). The switching arms' budget is the server's, checked at every handoff."""
+    (module docstring). Each request names its arm's budget, checked at every handoff."""
     parsed = [parse_arm(a) for a in arms]
     if any(name != "alone" for name, _ in parsed) and ("source", "target") not in server.maps():
         raise RarecacheError(f"the server has no map from {server.names['source']} to {server.names['target']}: "

@@ -8,6 +8,13 @@ what each phase cost. A streamed answer (server-sent events) carries it in its l
 chunk. Anything the service does not do (n > 1, tools, penalties, logprobs,
 top_logprobs) is refused with a 400 rather than silently ignored.
 
+A request may carry its own handoff budget in a `rarecache` object, used if its prompt is handed
+off: `{"rho": 0.2}` (a share in [0, 1]; 1 is the model's own prefill, 0 plain transfer),
+`{"rho": "auto"}` (the quality gate, on a server started with `--rho auto`), and/or
+`{"selector": "suffix"}` (any deployable selector; the vLLM engine runs its own). Left out, the
+server's `--rho` / `--selector` apply. The response's `rarecache.rho` and `selector` say what a
+handoff used.
+
 Scoring a given answer takes vLLM's extensions: `continue_final_message: true` (the last
 message is the assistant's and is continued: no generation prompt is added after it;
 `add_generation_prompt`, if sent, must then be false) with `prompt_logprobs: 0` (the
@@ -55,7 +62,7 @@ import threading
 import time
 import uuid
 from functools import partial
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -96,6 +103,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class HandoffOptions(BaseModel):
+    """The request's `rarecache` object: its own handoff budget instead of the server's."""
+
+    model_config = ConfigDict(**STRICT, extra="forbid")
+    rho: float | Literal["auto"] | None = None  # a share in [0, 1] (checked by the service), or the gate
+    selector: str | None = Field(None, max_length=64)
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(**STRICT, extra="allow")  # unsupported OpenAI fields are named in the error
     model: str = Field(max_length=256)
@@ -114,6 +129,7 @@ class ChatRequest(BaseModel):
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None  # vLLM's default, true, unless continue_final_message
     prompt_logprobs: int | None = None
+    rarecache: HandoffOptions | None = None  # this request's handoff budget (module docstring)
 
     def answer_tokens(self, default: int) -> int:
         for n in (self.max_completion_tokens, self.max_tokens):
@@ -236,13 +252,11 @@ def _usage(reply: Reply) -> dict:
 def _info(service: ChatService, reply: Reply) -> dict:
     if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
         return service.describe(reply)
-    handed = reply.handed_off_from is not None
     gate = reply.gate
     info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
             "handed_off_from": reply.handed_off_from,
             "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-            "rho": (gate["rho"] if gate else service.cfg.handoff.rho) if handed else None,
-            "selector": (service.cfg.gate.selector if gate else service.cfg.handoff.name) if handed else None,
+            "rho": reply.rho, "selector": reply.selector,
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
@@ -368,6 +382,9 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         if req.continue_final_message and not callable(getattr(service, "continue_final", None)):
             return _error(400, "not supported by this server's engine: continue_final_message")
         try:
+            opts = req.rarecache or HandoffOptions()
+            budget = {"rho": opts.rho, "selector": opts.selector}
+            service.check_budget(**budget)
             new = req.answer_tokens(default_max_tokens)
             sampling = None if new == 0 else SamplingConfig(max_new_tokens=new, temperature=req.temperature,
                                                             top_p=req.top_p, seed=req.seed)
@@ -375,10 +392,10 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             if req.continue_final_message:  # tokenised, checked; the final message read after the rest
                 prompt = service.prepare_continued(req.model, messages, sampling, req.stops(), req.cache_salt)
                 call = partial(service.continue_final, req.model, prompt, sampling, req.stops(), salt=req.cache_salt,
-                               logprobs=req.prompt_logprobs is not None)
+                               logprobs=req.prompt_logprobs is not None, **budget)
             else:
                 ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
-                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt)
+                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt, **budget)
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:

@@ -68,6 +68,50 @@ class ServiceConfig:
             raise ValueError("max_batch and max_new_tokens must be >= 1 and cache_bytes > 0")
 
 
+@dataclass(frozen=True)
+class Budget:
+    """How one request's prompt is handed off, if it is: a fixed budget, or the quality gate's policy."""
+
+    handoff: HandoffConfig
+    gate: GatePolicy | None = None
+
+    @property
+    def selector(self) -> str:
+        return self.gate.selector if self.gate is not None else self.handoff.name
+
+
+def request_budget(cfg: ServiceConfig, rho: float | str | None = None, selector: str | None = None) -> Budget:
+    """A request's own budget (the `rarecache` object of its body) against the server's: `rho` a share
+    in [0, 1] or "auto" (the server's gate policy), `selector` a deployable selector; either left out
+    takes the server's. Every mistake is a RarecacheError, raised before the request is queued."""
+    from ..transfer.selectors import SELECTORS
+
+    server = Budget(cfg.handoff, cfg.gate)
+    if selector is not None:
+        sel = SELECTORS.get(selector) if isinstance(selector, str) else None
+        if sel is None or sel.oracle:
+            deployable = ", ".join(n for n, x in SELECTORS.items() if not x.oracle)
+            raise RarecacheError(f"rarecache.selector must be one of {deployable}, got {selector!r}"
+                                 + (" (an oracle: it reads the target's own prefill)" if sel is not None else ""))
+    if rho is None and selector is None:
+        return server
+    if rho == "auto":
+        if cfg.gate is None:
+            raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
+        if selector is not None and selector != cfg.gate.selector:
+            raise RarecacheError(f"rarecache.rho auto hands off with the gate policy's selector "
+                                 f"({cfg.gate.selector}); leave selector out")
+        return server
+    if rho is None:
+        if cfg.gate is not None:
+            raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a "
+                                 "selector must name its rho too")
+        rho = cfg.handoff.rho
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1:
+        raise RarecacheError(f"rarecache.rho must be a number in [0, 1] or \"auto\", got {rho!r}")
+    return Budget(HandoffConfig(float(rho), selector or server.selector))
+
+
 class ModelNotFound(RarecacheError):
     pass
 
@@ -85,6 +129,8 @@ class Reply:
     handed_off: int | None  # positions that came from the map (the recomputed ones included)
     seconds: dict[str, float] = field(default_factory=dict)
     gate: dict | None = None  # the quality gate's decision and why (GateResult.record), if it ran
+    rho: float | None = None  # the budget a handoff had: ρ (the gate's rung, 1.0 on a fallback) and selector
+    selector: str | None = None
     reused_approximate: int = 0  # of the reused positions, those holding mapped rows from an earlier handoff
     continued: int = 0  # continue_final: tokens of the final assistant message, the last of `prompt_tokens`
     # continue_final with logprobs: per token of that message, (token, logprob, rank in the vocabulary, its text)
@@ -112,6 +158,7 @@ class _Job:
     salt: str | None = None  # entries are shared only within one salt
     continued: list[int] | None = None  # continue_final: the final assistant message's tokens, read after `ids`
     logprobs: bool = False  # continue_final: score them
+    budget: "Budget | None" = None  # this request's own handoff budget (None: the server's)
     submitted: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     reply: "Reply | None" = None
@@ -187,25 +234,33 @@ class ChatService:
         self.models[model].check_fits(len(ids), sampling.max_new_tokens, model)
         return ids
 
+    def check_budget(self, rho: float | str | None = None, selector: str | None = None) -> Budget:
+        """A request's own handoff budget, checked (`request_budget`); None, None: the server's."""
+        return request_budget(self.cfg, rho, selector)
+
     def complete(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig,
                  stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
-                 cancelled: Callable[[], bool] | None = None, salt: str | None = None) -> Reply:
+                 cancelled: Callable[[], bool] | None = None, salt: str | None = None, *,
+                 rho: float | str | None = None, selector: str | None = None) -> Reply:
         """Answer the conversation `messages` with `model` (greedy unless sampling says otherwise).
 
         `stop`: strings that end the answer (left out of it). `on_text(piece)` is called with each
         new piece of the answer as it is decoded (streaming): never half a character, never the
         start of what may become a stop string. `cancelled()` returning True ends decoding early
         (a client that went away), which frees the service for the next request. `salt`: the
-        answer reuses (and leaves) cached rows only among requests with the same salt.
+        answer reuses (and leaves) cached rows only among requests with the same salt. `rho`,
+        `selector`: this request's handoff budget instead of the server's (`request_budget`).
         """
         return self.answer(model, self.prepare(model, messages, sampling, stop, salt), sampling, stop, on_text,
-                           cancelled, salt)
+                           cancelled, salt, rho=rho, selector=selector)
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None,
-               cancelled: Callable[[], bool] | None = None, salt: str | None = None) -> Reply:
+               cancelled: Callable[[], bool] | None = None, salt: str | None = None, *,
+               rho: float | str | None = None, selector: str | None = None) -> Reply:
         """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait."""
-        return self._submit(_Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt))
+        return self._submit(_Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt,
+                                 budget=self.check_budget(rho, selector)))
 
     def prepare_continued(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig | None,
                           stop: tuple[str, ...] = (), salt: str | None = None) -> Continued:
@@ -227,14 +282,16 @@ class ChatService:
     def continue_final(self, model: str, prompt: Continued, sampling: SamplingConfig | None,
                        stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
                        cancelled: Callable[[], bool] | None = None, salt: str | None = None,
-                       logprobs: bool = True) -> Reply:
+                       logprobs: bool = True, *, rho: float | str | None = None,
+                       selector: str | None = None) -> Reply:
         """Give `model` the rows of `prompt.ids` as `answer` does (kept, prefilled or handed off), then
         let it read the final message's tokens itself: with `logprobs`, the reply's `prompt_logprobs`
         scores each of them; their rows stay held for the next turn as `Conversation.score` leaves
         them (all but the last token's, when no answer is asked). With `sampling`, the answer then
-        continues the message (`text`, `tokens` are the continuation only)."""
+        continues the message (`text`, `tokens` are the continuation only). `rho`, `selector`: as `complete`."""
         return self._submit(_Job(model, prompt.ids, sampling, tuple(stop), on_text, cancelled, salt,
-                                 continued=list(prompt.tokens), logprobs=logprobs))
+                                 continued=list(prompt.tokens), logprobs=logprobs,
+                                 budget=self.check_budget(rho, selector)))
 
     def _submit(self, job: _Job) -> Reply:
         """Queue a job and wait for its reply."""
@@ -341,8 +398,9 @@ class ChatService:
             now = time.monotonic()
             for e in job.held.values():
                 e.used = now
-            job.started = prefill_or_handoff(self.models, self.maps, self.cfg.handoff, self._room(job), model, ids,
-                                             {k: e.held for k, e in job.held.items()}, job.source, self.cfg.gate)
+            budget = job.budget or Budget(self.cfg.handoff, self.cfg.gate)
+            job.started = prefill_or_handoff(self.models, self.maps, budget.handoff, self._room(job), model, ids,
+                                             {k: e.held for k, e in job.held.items()}, job.source, budget.gate)
         except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
             self._fail(job, e)
             return
@@ -455,13 +513,16 @@ class ChatService:
         job.reply = self._reply(job, text, row.tokens, reason)
         job.done.set()
 
-    @staticmethod
-    def _reply(job: _Job, text: str, tokens: list[int], reason: str) -> Reply:
-        result = job.started.handoff
+    def _reply(self, job: _Job, text: str, tokens: list[int], reason: str) -> Reply:
+        result, gated = job.started.handoff, job.started.gate
+        budget = job.budget or Budget(self.cfg.handoff, self.cfg.gate)
+        handed = job.source is not None
         return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
                      None if result is None else len(result.positions[0]),
                      None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
-                     dict(job.seconds), None if job.started.gate is None else job.started.gate.record(),
+                     dict(job.seconds), None if gated is None else gated.record(),
+                     (gated.rho if gated is not None else budget.handoff.rho) if handed else None,
+                     budget.selector if handed else None,
                      job.started.reused_approximate, 0 if job.continued is None else len(job.continued),
                      job.scored)
 

@@ -87,8 +87,6 @@ class VllmServeConfig:
 @dataclass
 class VllmReply(Reply):
     prefilled: int | None = None  # prompt positions vLLM computed itself
-    rho: float | None = None
-    selector: str | None = None
     note: str | None = None  # why a handoff the service asked for did not happen, or is unverified
 
 
@@ -198,17 +196,27 @@ class VllmChatService:
                                  "(vLLM's max_model_len)")
         return ids
 
-    def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None) -> str | None:
+    def check_budget(self, rho: float | str | None = None, selector: str | None = None) -> tuple[float, str]:
+        """A request's own (rho, selector) instead of the service's, checked: the engine's selectors, no gate."""
+        if rho == "auto":
+            raise RarecacheError("rarecache.rho auto (the quality gate) runs in our own engine only, not --engine vllm")
+        if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1):
+            raise RarecacheError(f"rho must be a number in [0, 1], not {rho!r}")
+        return (self.cfg.rho if rho is None else float(rho),
+                self.cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
+
+    def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
+                 selector: str | None = None) -> str | None:
         """The peer to hand `ids` off from: one whose rows cover more whole blocks than `model`'s own."""
         bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
-        rho = self.cfg.rho if rho is None else rho
+        rho, selector = self.check_budget(rho, selector)
         self._settle(scope)
         own = self.store.lookup(self.models[model].identity, scope, ids)
         best, most = None, min(own.length if own else 0, P - 1) // bs * bs
         for (a, b) in self.maps:
             if b == model:
                 hit = self.store.lookup(self.models[a].identity, scope, ids)
-                n = claim(P, hit.length, bs, rho, self.cfg.selector)[0] if hit else 0
+                n = claim(P, hit.length, bs, rho, selector)[0] if hit else 0
                 if n > most:
                     best, most = a, n
         return best
@@ -234,29 +242,28 @@ class VllmChatService:
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-               salt: str | None = None, *, reread: bool = False, rho: float | None = None) -> VllmReply:
+               salt: str | None = None, *, reread: bool = False, rho: float | None = None,
+               selector: str | None = None) -> VllmReply:
         """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
         model's vLLM engine prefill it (reusing its own cached blocks), and say which it was.
 
-        `rho`: this request's ρ instead of the service's. `reread`: vLLM reads the whole prompt
+        `rho`, `selector`: this request's budget instead of the service's. `reread`: vLLM reads the whole prompt
         itself: no handoff, a salt of its own (its prefix cache holds nothing of the prompt) and
         nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         arrived = time.perf_counter()  # first_token counts the routing below too
-        if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1):
-            raise RarecacheError(f"rho must be a number in [0, 1], not {rho!r}")
-        rho = self.cfg.rho if rho is None else rho
+        rho, selector = self.check_budget(rho, selector)
         m = self.models[model]
-        peer = None if reread else self.peer_for(model, ids, salt, rho)
+        peer = None if reread else self.peer_for(model, ids, salt, rho, selector)
         record = uuid.uuid4().hex
         if reread:
             vsalt, rc = f"r:{uuid.uuid4().hex}", {"handoff": False, "capture": False}
         elif peer is None:  # the tenant's salt: vLLM's prefix cache shares this model's rows within it
             vsalt, rc = (None if salt is None else f"t:{salt}"), {"handoff": False}
         else:  # a salt of its own: nothing else can reach its (approximate) blocks
-            vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": rho, "selector": self.cfg.selector}
+            vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": rho, "selector": selector}
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,
