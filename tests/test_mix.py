@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from rarecache.errors import RarecacheError
@@ -73,6 +75,24 @@ def test_the_general_map_has_a_default_place_and_other_maps_need_out(tmp_path, p
     src, tgt = str(pair_dir / "src"), str(pair_dir / "tgt")
     assert main(["calibrate", "--source", src, "--target", tgt, "--corpus", str(pair_dir / "corpus.txt")]) == 2
     assert "give --out FILE" in capsys.readouterr().err
+
+
+def test_serve_finds_the_general_map_made_else_the_one_a_checkout_ships(tmp_path, monkeypatch):
+    from rarecache.eval.mix import SHIPPED_GENERAL, find_general_map, general_map_path
+    from rarecache.packages import sha256_file
+
+    src, tgt, rel, sha = SHIPPED_GENERAL
+    shipped = Path(__file__).resolve().parents[1] / rel
+    assert shipped.is_file() and sha256_file(shipped) == sha  # the committed map is the recorded one
+    assert find_general_map(src, tgt, tmp_path) == shipped  # nothing made: the checkout's
+    assert find_general_map(src, "other-model", tmp_path) is None  # another pair: none
+    monkeypatch.setattr(mix, "SHIPPED_GENERAL", (src, tgt, rel, "0" * 64))
+    assert find_general_map(src, tgt, tmp_path) is None  # a file that is not the recorded map: not used
+    monkeypatch.undo()
+    made = general_map_path(src, tgt, tmp_path)
+    made.parent.mkdir(parents=True)
+    made.write_bytes(b"made here")
+    assert find_general_map(src, tgt, tmp_path) == made  # what calibrate made comes first
 
 
 def _rows(n):

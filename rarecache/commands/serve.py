@@ -116,16 +116,16 @@ def cmd_serve(args) -> int:
         raise RarecacheError("give --map: without it only the bundled pair is served (with its general map, "
                              "else the demo's chat map)")
     if args.map is None:
-        from ..eval.mix import general_map_path
+        from ..eval.mix import find_general_map, general_map_path
 
-        general = general_map_path(SOURCE, TARGET, args.cache_dir)
-        if general.is_file():
+        general = find_general_map(SOURCE, TARGET, args.cache_dir)
+        if general is not None:
             args.map = general
             print(f"using the general map {general}", file=sys.stderr)
         else:
-            print(f"no general map at {general} (make it with `rarecache calibrate --preset general --source "
-                  f"{SOURCE} --target {TARGET}`, about 40 minutes on 2 cores); serving through the demo's quick map",
-                  file=sys.stderr)
+            print(f"no general map at {general_map_path(SOURCE, TARGET, args.cache_dir)} (make it with `rarecache "
+                  f"calibrate --preset general --source {SOURCE} --target {TARGET}`, about 40 minutes on 2 cores, or "
+                  "serve from a checkout, which ships one); serving through the demo's quick map", file=sys.stderr)
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
     names = model_id(args.source), model_id(args.target)

@@ -56,6 +56,29 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
     return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
 
 
+# The bundled pair's general map as committed to a checkout (docs/RESULTS.md 8.1): source, target, its
+# path in the checkout, its sha256 (the map the published results went through)
+SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
+                   "docs/artifacts/maps/general-64k-0.5b-to-1.5b.safetensors",
+                   "8d253429427f36966fd36e2c086628e52218eb63c4db6c12e37e5e364bbf704d")
+
+
+def find_general_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:
+    """A pair's general map, for `serve`: the one `calibrate --preset general` made (`general_map_path`),
+    else, for the bundled pair run from a checkout, the committed one if its sha256 is the recorded
+    one; else None."""
+    from ..packages import sha256_file
+
+    made = general_map_path(source, target, cache_dir)
+    if made.is_file():
+        return made
+    src, tgt, rel, sha = SHIPPED_GENERAL
+    shipped = Path(__file__).resolve().parents[2] / rel
+    if (source, target) == (src, tgt) and shipped.is_file() and sha256_file(shipped) == sha:
+        return shipped
+    return None
+
+
 def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
