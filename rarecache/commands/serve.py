@@ -45,8 +45,8 @@ def register(sub) -> None:
                    help="model that receives it (default: the bundled qwen2.5-coder-1.5b-instruct)")
     p.add_argument("--map", type=Path, default=None,
                    help="map fitted source -> target (default for the bundled pair: its general map, from "
-                        "`rarecache calibrate --preset general --source S --target T`, if it has been made; "
-                        "else the demo's quick map, fitted on chat-formatted prompts on first use)")
+                        "`rarecache calibrate --preset general --source S --target T`, if it has been made, or the one "
+                        "a checkout ships; else the demo's quick map, fitted on chat-formatted prompts on first use)")
     p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
     p.add_argument("--rho", default="0.3",
                    help="share of handed-off positions recomputed (default: 0.3), or auto: the quality gate "
