@@ -94,3 +94,19 @@ def test_every_task_reads_its_real_data_with_a_disjoint_calibration_pool(name, o
         assert min(i.extra["first_document"] for i in items) >= len(corpus.documents) // 2
     else:
         assert set(corpus.ids).isdisjoint(ids)
+
+
+def test_the_conversion_reproduces_the_model_the_shipped_map_was_fitted_on(ours):
+    """The bundled 0.5B as this environment converts it is the model the committed general map (and
+    every published run through it) was fitted on: same config and weight fingerprints. A dependency
+    that changed the GGUF conversion (transformers, gguf) would make the shipped map refuse this pair."""
+    from pathlib import Path
+
+    from rarecache.eval.mix import SHIPPED_GENERAL
+    from rarecache.transfer.mapper import Mapper, identity
+
+    src, _, rel, _ = SHIPPED_GENERAL
+    assert src == NAME
+    recorded = Mapper.load(Path(__file__).resolve().parents[1] / rel).info.source
+    got = identity(ours.runner)
+    assert (got["config"], got["weights"]) == (recorded["config"], recorded["weights"])
