@@ -90,7 +90,7 @@ def test_drift_arms_and_missing_policy_are_refused(chat, tmp_path):
 # -- the same run through the HTTP server (rarecache serve's scoring extensions)
 
 
-def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True):
+def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True, request_budget=True):
     """A DriftServer over the app on the tiny pair (FastAPI's TestClient as its transport)."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
@@ -101,7 +101,7 @@ def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True):
 
     models, maps = chat
     maps = maps if reverse else {("small", "large"): maps[("small", "large")]}
-    app = create_app(ChatService(models, maps, ServiceConfig(cfg, gate=gate)))
+    app = create_app(ChatService(models, maps, ServiceConfig(cfg, gate=gate, request_budget=request_budget)))
     return DriftServer("http://testserver", "small", "large", client=TestClient(app))
 
 
@@ -166,10 +166,14 @@ def test_drift_through_the_server_refuses_what_it_would_not_measure(chat, tmp_pa
     deaf.score = lambda who, messages, answer, salt, budget=None: score(who, messages, answer, salt)
     with pytest.raises(RarecacheError, match=r"not at rho 0.3 \(rank\) as asked"):
         run_drift_server([("s", TURNS)], deaf, ["0.3:rank"], out, progress=False)
-    with pytest.raises(RarecacheError, match="not through the gate it was asked for"):
-        run_drift_server([("s", TURNS)], deaf, ["gate"], out, progress=False)
+    with pytest.raises(RarecacheError, match="l2-oracle is an oracle"):
+        run_drift_server([("s", TURNS)], _server(chat), ["0.2:l2-oracle"], out, progress=False)
+    closed = _server(chat, request_budget=False)  # hands off at its own 0.2 / rank only
+    with pytest.raises(RarecacheError, match="takes no request's budget"):
+        run_drift_server([("s", TURNS)], closed, ["alone", "0.3:rank"], out, progress=False)
     assert not out.exists() or out.read_text() == ""
-    run_drift_server([("s", TURNS)], _server(chat, reverse=False), ["0.2:rank"], out, progress=False)  # one way
+    run_drift_server([("s", TURNS)], _server(chat, reverse=False, request_budget=False), ["0.2:rank"], out,
+                     progress=False)  # one way; the server's own budget is fine on a closed server
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert [("handed_off" in r) for r in rows] == [False, True, False, True]  # the source re-reads what it missed
     no_map = _server(chat)

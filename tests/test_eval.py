@@ -107,7 +107,7 @@ def test_arm_parsing():
     for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
                                        "attn-rank, attn\\+rank, suffix\\+attn, attn-target, l2-oracle, layer-prefix$"),
                          ("x:rank", r"^bad arm 'x:rank': use target, source, RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\) or ladder:SELECTOR\[@MAP\]$"),
-                         ("2:rank", r"^rho must be in \[0, 1\], got 2.0$"),
+                         ("2:rank", r"^rho must be a number in \[0, 1\], got 2.0$"),
                          ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):
         with pytest.raises(RarecacheError, match=message):
             Arm.parse(bad, ("task",))

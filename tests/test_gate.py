@@ -304,6 +304,8 @@ def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
     assert fixed["recomputed_tokens"] == budget(0.2, fixed["handed_off_tokens"])
     gated = switched("b", rarecache={"rho": "auto"}).json()["rarecache"]
     assert gated["gate"]["decision"] == "fallback" and (gated["rho"], gated["selector"]) == (1.0, "rank")
+    after = switched("d").json()["rarecache"]  # after a request with its own budget, the server's again
+    assert after["gate"]["decision"] == "fallback" and after["rho"] == 1.0
     for options, why in (({"rho": "auto", "selector": "suffix"}, "the gate policy's selector"),
                          ({"selector": "suffix"}, "must name its rho too")):
         r = switched("c", rarecache=options)

@@ -129,7 +129,7 @@ def test_bad_settings_are_clear_errors():
     with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
                                              r"attn-rank, attn\+rank, suffix\+attn, attn-target, l2-oracle, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
-    with pytest.raises(RarecacheError, match=r"^rho must be in \[0, 1\], got 1.5$"):
+    with pytest.raises(RarecacheError, match=r"^rho must be a number in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")
 
 

@@ -825,8 +825,10 @@ def test_poisson_bench_on_our_own_server(chat, tmp_path):
         assert alone.prefilled == len(ids) and alone.handed_off_from is None
         assert handed.handed_off_from == "small" and handed.note is None and handed.tokens == alone.tokens
         assert handed.seconds["first_token"] > 0
-        with pytest.raises(RarecacheError, match="serves one budget"):
-            arms.answer("large", ids, sampling, salt=salt, rho=0.5)
+        from rarecache.transfer.handoff import budget
+
+        half = arms.answer("large", ids, sampling, salt=salt, rho=0.5)  # the request's own budget, as in vLLM
+        assert half.handed_off_from == "small" and half.rho == 0.5 and half.recomputed == budget(0.5, half.handed_off)
     finally:
         svc.close()
 
@@ -860,9 +862,11 @@ def test_a_request_names_its_own_budget(chat):
     assert own.prompt_logprobs == started.prompt_logprobs and own.recomputed == started.recomputed
     assert own.prompt_logprobs != default.prompt_logprobs and after.prompt_logprobs == default.prompt_logprobs
     exact = _switched_score(svc, "d", rho=1)
-    alone = _switched_score(service(chat, rho=1.0), "d")
-    assert exact.rho == 1.0 and exact.recomputed == exact.handed_off
-    assert exact.prompt_logprobs == alone.prompt_logprobs
+    alone = _switched_score(ChatService(models, {}), "d")  # no map: the large model reads it all itself
+    assert exact.rho == 1.0 and exact.recomputed == exact.handed_off and alone.handed_off_from is None
+    assert [t for t, *_ in exact.prompt_logprobs] == [t for t, *_ in alone.prompt_logprobs]
+    assert [lp for _, lp, *_ in exact.prompt_logprobs] == pytest.approx([lp for _, lp, *_ in alone.prompt_logprobs],
+                                                                         abs=1e-5)
 
 
 def test_the_budget_in_a_request_is_checked_and_reported(chat):
@@ -894,5 +898,53 @@ def test_the_budget_in_a_request_is_checked_and_reported(chat):
     for wrong in ({"rho": "0.2"}, {"rho": True}, {"rho": None, "budget": 1}, {"selector": 3}, "rank", [0.2]):
         assert err(wrong)
     assert "oracle" in err({"selector": "attn-target"})
-    assert "must be one of" in err({"selector": "nope"})
+    assert "unknown selector 'nope'" in err({"selector": "nope"})
     assert svc.held_bytes() == held  # nothing was queued
+
+
+def test_an_operator_can_refuse_a_requests_budget(chat):
+    """--no-request-budget: a request may name only the server's own budget; oracles are refused as
+    a server's budget too (they read the target's own prefill)."""
+    from rarecache.serve.service import request_budget
+
+    models, maps = chat
+    closed = ServiceConfig(HandoffConfig(0.3, "suffix", seed=7), request_budget=False)
+    assert request_budget(closed, 0.3, "suffix") == closed.budget == request_budget(closed)
+    assert request_budget(closed, 0.3) == closed.budget  # the server's selector and seed are kept
+    for rho, selector in ((0.5, None), (0.3, "rank"), (None, "rank")):
+        with pytest.raises(RarecacheError, match="its own budget only"):
+            request_budget(closed, rho, selector)
+    opened = replace(closed, request_budget=True)
+    assert request_budget(opened, 0.5).handoff == HandoffConfig(0.5, "suffix", seed=7)
+    layer = ServiceConfig(HandoffConfig.named(0.3, "layer-prefix"))  # a schedule, kept by a rho alone
+    assert request_budget(layer, 0.5).handoff == HandoffConfig.named(0.5, "layer-prefix")
+    with pytest.raises(RarecacheError, match="oracle"):
+        ServiceConfig(HandoffConfig(0.3, "l2-oracle"))
+    client = TestClient(create_app(ChatService(models, maps, closed)))
+    r = client.post("/v1/chat/completions", json={"model": "large", "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 2, "rarecache": {"rho": 1}})
+    assert r.status_code == 400 and "its own budget only" in r.json()["error"]["message"]
+    assert ask(client, "large", [{"role": "user", "content": "hi"}], rarecache={"rho": 0.3})  # its own: fine
+
+
+@pytest.mark.parametrize("selector", ["attn-source", "suffix+attn"])
+def test_a_cascade_re_asking_the_same_turn_hands_off_with_the_sources_attention(chat, selector):
+    """The small model answered; the same turn goes to the large one (a cascade escalating). The small
+    model holds the whole prompt, so it prefills nothing, yet a selector reading its attention needs
+    its last query: it computes its last position again (the same row). ρ = 1 is the large model's
+    own answer, ρ = 0.3 recomputes the budget, and the small model keeps its rows."""
+    from rarecache.transfer.handoff import budget
+
+    models, maps = chat
+    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, selector)))
+    first = [{"role": "user", "content": TURNS[0]}]
+    for salt, rho in (("a", 1.0), ("b", 0.3)):
+        small = svc.complete("small", first, SAMPLING, salt=salt)
+        large = svc.complete("large", first, SAMPLING, salt=salt, rho=rho)
+        assert large.handed_off_from == "small" and large.selector == selector
+        assert large.recomputed == budget(rho, large.handed_off) and large.handed_off == large.prompt_tokens
+        if rho == 1.0:
+            assert large.tokens == fresh_answer(models["large"], first)
+        again = svc.complete("small", first, SAMPLING, salt=salt)
+        assert again.tokens == small.tokens and again.reused == again.prompt_tokens - 1
+    assert_rows_held(svc)

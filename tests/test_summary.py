@@ -74,9 +74,20 @@ def test_a_near_zero_plain_gap_does_not_pick_the_default(tmp_path):
     assert s["default_selector"] == "attn-source"
 
 
-def test_general_summary_refuses_mixed_maps_and_missing_budgets(tmp_path):
-    a = _write(tmp_path / "a.jsonl", "hellaswag", "correct_norm", _arms(*[[1] * 10] * 5), sha="one")
-    b = _write(tmp_path / "b.jsonl", "arc_challenge", "correct_norm", _arms(*[[1] * 10] * 5), sha="two")
-    assert main(["eval", "report", str(a), str(b), "--general-summary", str(tmp_path / "s.json")]) == 2
-    c = _write(tmp_path / "c.jsonl", "mmlu", "correct", {"target": [1] * 10, "rho=0.2/rank@general": [1] * 10})
-    assert main(["eval", "report", str(c), "--general-summary", str(tmp_path / "s.json")]) == 2
+def test_general_summary_refuses_mixed_maps_missing_budgets_and_no_gap(tmp_path, capsys):
+    vals = _arms([1] * 10, [0] * 10, [0] * 5 + [1] * 5, [1] * 10, [0] * 10)
+    a = _write(tmp_path / "a.jsonl", "hellaswag", "correct_norm", vals, sha="one")
+    b = _write(tmp_path / "b.jsonl", "arc_challenge", "correct_norm", vals, sha="two")
+    out = str(tmp_path / "s.json")
+    assert main(["eval", "report", str(a), str(b), "--general-summary", out]) == 2
+    assert "is not the same file in every results file" in capsys.readouterr().err
+    c = _write(tmp_path / "c.jsonl", "mmlu", "correct", {"target": [1] * 10, "source": [0] * 10,
+                                                          "rho=0.2/rank@general": [1] * 10})
+    assert main(["eval", "report", str(c), "--general-summary", out]) == 2
+    assert "no deployable selector was run at rho 0.1, 0.2, 0.3" in capsys.readouterr().err
+    d = _write(tmp_path / "d.jsonl", "mmlu", "correct", _arms([0] * 10, [0] * 10, [0] * 10, [1] * 10, [0] * 10))
+    assert main(["eval", "report", str(d), "--general-summary", out]) == 2
+    assert "mmlu: the target (0) is not better than the source (0)" in capsys.readouterr().err
+    e = _write(tmp_path / "e.jsonl", "mmlu", "correct", {k: v for k, v in vals.items() if k != "source"})
+    assert main(["eval", "report", str(e), "--general-summary", out]) == 2
+    assert "mmlu: no source arm" in capsys.readouterr().err

@@ -914,8 +914,8 @@ def test_serve_reports_the_budget_streams_and_stops(vpair, served):
     n = info["handed_off_tokens"]
     assert info["handed_off_from"] == "src" and (info["rho"], info["selector"]) == (0.5, "rank")
     assert info["recomputed_tokens"] == budget(0.5, P) - (P - n) and info["prefilled_tokens"] == P - n
-    full, body = _chat(client, "tgt", msgs, "C")  # ρ = 1 again: handed off again (tgt filed nothing of C)
-    assert body["rarecache"]["handed_off_from"] == "src" and len(full) >= 4
+    full, body = _chat(client, "tgt", msgs, "C")  # the server's ρ = 1: handed off again (tgt filed nothing of C)
+    assert body["rarecache"]["handed_off_from"] == "src" and body["rarecache"]["rho"] == 1.0 and len(full) >= 4
     r = client.post("/v1/chat/completions", json={"model": "tgt", "messages": msgs, "max_tokens": NEW,
                                                    "cache_salt": "C", "stream": True})
     chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]

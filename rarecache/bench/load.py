@@ -30,6 +30,7 @@ from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..serve.service import ChatService, Reply, ServiceConfig
+from ..transfer.handoff import check_rho
 from .serve import QUESTIONS, SwitchBenchConfig, ask_target, passages, switched_conversations
 
 
@@ -142,8 +143,7 @@ class PoissonConfig:
             raise RarecacheError(f"--loads takes distinct offered loads in (0, 4], not {list(self.loads)}")
         if self.requests < 2 or not 0 <= self.discard < self.requests:
             raise RarecacheError("need --requests >= 2 and 0 <= --discard < --requests")
-        if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not 0 <= self.rho <= 1:
-            raise RarecacheError(f"--rho must be a number in [0, 1], not {self.rho!r}")
+        check_rho(self.rho, "--rho")
         if self.saturation_batches < 1 or self.answer_tokens < 1 or self.max_new_tokens < 1:
             raise RarecacheError("need --saturation-batches, --answer-tokens and --max-new-tokens >= 1")
 
@@ -228,12 +228,9 @@ class ServiceArms:
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop=(), salt=None, *,
                reread: bool = False, rho: float | None = None) -> Reply:
-        if rho is not None and rho != self.svc.cfg.handoff.rho:
-            raise RarecacheError(f"this service hands off at rho {self.svc.cfg.handoff.rho:g}, not {rho:g} (our "
-                                 "server serves one budget)")
         if reread:
             salt = f"reread-{uuid.uuid4().hex}"
-        reply = self.svc.answer(model, ids, sampling, stop, salt=salt)
+        reply = self.svc.answer(model, ids, sampling, stop, salt=salt, rho=rho)
         if reread or rho is not None:  # the target's turn: read anew next time
             self.svc.forget(model, salt)
         reply.prefilled = len(ids) - reply.reused - (reply.handed_off or 0) + (reply.recomputed or 0)

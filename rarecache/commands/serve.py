@@ -55,6 +55,10 @@ def register(sub) -> None:
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
                         "served here; its selector replaces --selector")
     p.add_argument("--selector", default="rank", help="position selector (default: rank)")
+    p.add_argument("--no-request-budget", dest="request_budget", action="store_false",
+                   help="refuse a request naming a budget other than the server's (its body's rarecache.rho and "
+                        "selector); by default a request may name its own, e.g. {\"rho\": 1} for the model's own "
+                        "rows (README: threat model)")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
     p.add_argument("--api-key", default=None,
                    help="clients must send Authorization: Bearer KEY (every route but /health; default: "
@@ -112,20 +116,23 @@ def cmd_serve(args) -> int:
     if api_key is None and not _loopback(args.host):
         print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
               "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
+    shipped = False  # serving the general map committed to this checkout
     if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
         raise RarecacheError("give --map: without it only the bundled pair is served (with its general map, "
                              "else the demo's chat map)")
     if args.map is None:
         from ..eval.mix import find_general_map, general_map_path
 
+        made = general_map_path(SOURCE, TARGET, args.cache_dir)
         general = find_general_map(SOURCE, TARGET, args.cache_dir)
         if general is not None:
-            args.map = general
+            args.map, shipped = general, general != made
             print(f"using the general map {general}", file=sys.stderr)
         else:
-            print(f"no general map at {general_map_path(SOURCE, TARGET, args.cache_dir)} (make it with `rarecache "
-                  f"calibrate --preset general --source {SOURCE} --target {TARGET}`, about 40 minutes on 2 cores, or "
-                  "serve from a checkout, which ships one); serving through the demo's quick map", file=sys.stderr)
+            print(f"no general map at {made} (make it with `rarecache calibrate --preset general --source {SOURCE} "
+                  f"--target {TARGET}`, about 40 minutes on 2 cores; an editable install of a checkout serves the "
+                  "committed one when its sha256 is the recorded one); serving through the demo's quick map",
+                  file=sys.stderr)
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
     names = model_id(args.source), model_id(args.target)
@@ -145,7 +152,7 @@ def cmd_serve(args) -> int:
         raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
     cfg = ServiceConfig(HandoffConfig.named(rho if gate is None else 0.3, args.selector),
                         cache_bytes=int(args.cache_gib * (1 << 30)), max_new_tokens=args.max_tokens_limit,
-                        max_batch=args.max_batch, gate=gate)
+                        max_batch=args.max_batch, gate=gate, request_budget=args.request_budget)
     maps = {}  # map files load (and fail) before the models, which take much longer
     if args.map is not None:
         maps[(names[0], names[1])] = Mapper.load(args.map)
@@ -153,6 +160,14 @@ def cmd_serve(args) -> int:
         maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
     models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
               names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    if shipped:  # the committed map is for the pair as the recorded environment converted it
+        try:
+            maps[(names[0], names[1])].check_pair(models[names[0]].runner, models[names[1]].runner)
+        except RarecacheError as e:
+            print(f"the committed general map does not fit the models as converted here ({e}); serving through the "
+                  "demo's quick map", file=sys.stderr)
+            del maps[(names[0], names[1])]
+            args.map = None
     if args.map is None:  # the bundled pair: the demo's map, fitted on chat-formatted prompts (cached after first use)
         maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
                                               *models.values())

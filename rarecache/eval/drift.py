@@ -201,6 +201,10 @@ class DriftServer:
                           if a != b and self.names[a] in served[self.names[b]]}
         return self._maps
 
+    def budget(self) -> dict:
+        """The server's own handoff budget (GET /health's `handoff`; empty from a server that shows none)."""
+        return self._call("GET", "/health").get("handoff") or {}
+
     def score(self, who: str, messages: list[dict[str, str]], answer: str, salt: str,
               budget: dict | None = None) -> dict:
         """The response to scoring `answer` as the final assistant message after `messages`, with `who`'s
@@ -278,6 +282,16 @@ def run_drift_server(convs, server: DriftServer, arms: list[str], out: Path, pro
     if any(name != "alone" for name, _ in parsed) and ("source", "target") not in server.maps():
         raise RarecacheError(f"the server has no map from {server.names['source']} to {server.names['target']}: "
                              "a switching arm has nothing to hand off")
+    own = server.budget()
+    for name, cfg in parsed:  # what the server would refuse, before any row is written
+        if cfg is not None and cfg.scorer is not None and cfg.scorer.oracle:
+            raise RarecacheError(f"{name}: {cfg.name} is an oracle; a server does not hand off with it")
+        if name == "switch/gate" and not own.get("gate"):
+            raise RarecacheError("the gate arm needs a server started with --rho auto --gate-policy FILE")
+        if name not in ("alone", "switch/gate") and not own.get("request_budget", True) and (
+                own.get("gate") or (own.get("rho"), own.get("selector")) != (cfg.rho, cfg.name)):
+            raise RarecacheError(f"{name}: the server takes no request's budget (--no-request-budget) and hands "
+                                 f"off with its own ({'the gate' if own.get('gate') else own.get('rho')})")
     return _run(convs, parsed, out, progress, "server", lambda arm, cfg: _Served(server, arm, cfg),
                 lambda who: _Served(server, "alone", None))
 

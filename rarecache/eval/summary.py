@@ -7,9 +7,11 @@ source-to-target gap kept, (arm − source) / (target − source), over tasks an
 mean share of the plain-transfer gap closed (the issue's headline figure, also recorded): where
 plain transfer is already near the target (ARC-Challenge: 2 pp at n = 100) that share divides
 noise by a near-zero gap, reaches ±150%, and one task's noise would pick the default. The
-source-to-target gap is wider on every task (v1: 6-20 pp, 0.09 bpb) and the same for every selector, so each task
-weighs the same in every candidate's mean, and within a task the ranking is the arms' own.
-The summary file records both means per candidate, so the choice can be checked.
+source-to-target gap is wider (v1 at n = 100: 6-20 pp, 0.09 bpb) and the same for every selector, so
+each task weighs the same in every candidate's mean, and within a task the ranking is the arms'
+own. It is still a ratio of noisy means: at ARC-C's 6 pp (p = 0.26 at n = 100) one item moves a
+selector's share there by 17%, against 50% for gap closed. A task whose target does not beat its
+source is refused. The summary file records both means per candidate, so the choice can be checked.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ def general_summary(paths: list[Path], label: str | None = None) -> dict:
                                  "name one with --map-label")
         label = labels.pop()
     selectors = {split_arm(a)[1] for _, _, _, arms, _ in tasks for a in arms if split_arm(a) is not None}
+    for _, name, metric, arms, _ in tasks:  # the rule's denominator: the target must beat the source
+        t, src = arms.get("target"), arms.get("source")
+        if t is None or src is None:
+            raise RarecacheError(f"{name}: no {'target' if t is None else 'source'} arm: the share of the "
+                                 "source-to-target gap a selector keeps needs both")
+        if (t["mean"] >= src["mean"]) if metric == "bpb" else (t["mean"] <= src["mean"]):
+            raise RarecacheError(f"{name}: the target ({t['mean']:.4g}) is not better than the source "
+                                 f"({src['mean']:.4g}): there is no gap for a selector to keep")
     means, closed = {}, {}
     for sel in sorted(s for s in selectors if not is_oracle(s) and s != "layer-prefix"):
         cells = [arms.get(arm_name(r, sel, label), {}) for _, _, _, arms, _ in tasks for r in RHOS]
@@ -58,7 +68,7 @@ def general_summary(paths: list[Path], label: str | None = None) -> dict:
             closed[sel] = sum(gaps) / len(gaps) if all(g is not None for g in gaps) else None
     if not means:
         raise RarecacheError(f"no deployable selector was run at rho {', '.join(map(str, RHOS))} on every task "
-                             f"(with its target and source arms) through map {label!r}")
+                             f"through map {label!r}")
     default = max(means, key=means.get)
     shas = {map_sha256(p, label) for p in paths}
     if len(shas) > 1:

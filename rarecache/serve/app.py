@@ -9,11 +9,12 @@ chunk. Anything the service does not do (n > 1, tools, penalties, logprobs,
 top_logprobs) is refused with a 400 rather than silently ignored.
 
 A request may carry its own handoff budget in a `rarecache` object, used if its prompt is handed
-off: `{"rho": 0.2}` (a share in [0, 1]; 1 is the model's own prefill, 0 plain transfer),
-`{"rho": "auto"}` (the quality gate, on a server started with `--rho auto`), and/or
-`{"selector": "suffix"}` (any deployable selector; the vLLM engine runs its own). Left out, the
-server's `--rho` / `--selector` apply. The response's `rarecache.rho` and `selector` say what a
-handoff used.
+off: `{"rho": 0.2}` (a share in [0, 1]; 1 recomputes every handed-off position, 0 is plain
+transfer), `{"rho": "auto"}` (the quality gate, on a server started with `--rho auto`), and
+`"selector"` (any selector but the oracles; the vLLM engine runs its own). A ρ alone keeps the
+server's selector (the gate policy's on a gated server); a selector alone keeps the server's ρ
+(a gated server needs a ρ with it). `rarecache serve --no-request-budget` refuses any budget but
+the server's own. The response's `rarecache.rho` and `selector` say what a handoff used.
 
 Scoring a given answer takes vLLM's extensions: `continue_final_message: true` (the last
 message is the assistant's and is continued: no generation prompt is added after it;
@@ -265,6 +266,16 @@ def _info(service: ChatService, reply: Reply) -> dict:
     return info
 
 
+def _budget_info(service) -> dict:
+    """The server's own handoff budget, as /health shows it (a client checks what it can ask for)."""
+    cfg = service.cfg
+    if hasattr(cfg, "budget"):  # ChatService
+        b = cfg.budget
+        return {"rho": None if b.gate else b.handoff.rho, "selector": b.selector, "gate": b.gate is not None,
+                "request_budget": cfg.request_budget}
+    return {"rho": cfg.rho, "selector": cfg.selector, "gate": False, "request_budget": cfg.request_budget}
+
+
 def _prompt_logprobs(reply: Reply) -> list[dict | None]:
     """vLLM's `prompt_logprobs` (prompt_logprobs 0): per prompt token, null, or for the final message's
     tokens {token id: {logprob, rank, decoded_token}}."""
@@ -360,7 +371,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         running, waiting = service.load
         return {"status": "ok", "models": list(service.models), "requests_in_flight": in_flight[0],
                 "answers_running": running, "requests_waiting": waiting, "max_batch": service.cfg.max_batch,
-                "held_cache_bytes": service.held_bytes()}
+                "held_cache_bytes": service.held_bytes(), "handoff": _budget_info(service)}
 
     @app.get("/v1/models")
     def models():
@@ -384,7 +395,6 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         try:
             opts = req.rarecache or HandoffOptions()
             budget = {"rho": opts.rho, "selector": opts.selector}
-            service.check_budget(**budget)
             new = req.answer_tokens(default_max_tokens)
             sampling = None if new == 0 else SamplingConfig(max_new_tokens=new, temperature=req.temperature,
                                                             top_p=req.top_p, seed=req.seed)
@@ -396,6 +406,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             else:
                 ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
                 call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt, **budget)
+            service.check_budget(**budget)  # (answer checks it again; a stream must fail here, before it starts)
         except ModelNotFound as e:
             return _error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:

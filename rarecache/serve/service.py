@@ -34,7 +34,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Literal, get_args
 
 import torch
@@ -44,14 +44,33 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..transfer.conversation import Started, check_maps, prefill_or_handoff
 from ..transfer.gate import GatePolicy
-from ..transfer.handoff import HandoffConfig
+from ..transfer.handoff import HandoffConfig, check_rho
 from ..transfer.mapper import Mapper
+from ..transfer.selectors import SELECTORS
 from .store import Entry, PrefixStore
 
 Role = Literal["system", "user", "assistant"]  # what a message's role may be (the HTTP front's schema too)
 ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
 MAX_SALT = 1024  # characters of a cache salt
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How one request's prompt is handed off, if it is: a fixed budget, or the quality gate's policy."""
+
+    handoff: HandoffConfig
+    gate: GatePolicy | None = None
+
+    def __post_init__(self):
+        for sel in (self.handoff.scorer, None if self.gate is None else SELECTORS[self.gate.selector]):
+            if sel is not None and sel.oracle:
+                raise RarecacheError(f"selector {sel.name} is an oracle (it reads the target's own prefill): "
+                                     "for evaluation, not for serving")
+
+    @property
+    def selector(self) -> str:
+        return self.gate.selector if self.gate is not None else self.handoff.name
 
 
 @dataclass(frozen=True)
@@ -62,39 +81,30 @@ class ServiceConfig:
     max_new_tokens: int = 1024  # the most one request may ask for
     max_prompt_chars: int = 200_000  # checked before tokenising
     max_batch: int = 8  # answers decoded together; past it, requests wait for a place
+    request_budget: bool = True  # a request may name its own budget (False: only the server's own)
 
     def __post_init__(self):
         if self.max_batch < 1 or self.cache_bytes <= 0 or self.max_new_tokens < 1:
             raise ValueError("max_batch and max_new_tokens must be >= 1 and cache_bytes > 0")
-
-
-@dataclass(frozen=True)
-class Budget:
-    """How one request's prompt is handed off, if it is: a fixed budget, or the quality gate's policy."""
-
-    handoff: HandoffConfig
-    gate: GatePolicy | None = None
+        self.budget  # noqa: B018 - refuses an oracle selector
 
     @property
-    def selector(self) -> str:
-        return self.gate.selector if self.gate is not None else self.handoff.name
+    def budget(self) -> Budget:
+        """The server's own budget: what a request that names none is handed off with."""
+        return Budget(self.handoff, self.gate)
 
 
 def request_budget(cfg: ServiceConfig, rho: float | str | None = None, selector: str | None = None) -> Budget:
     """A request's own budget (the `rarecache` object of its body) against the server's: `rho` a share
-    in [0, 1] or "auto" (the server's gate policy), `selector` a deployable selector; either left out
-    takes the server's. Every mistake is a RarecacheError, raised before the request is queued."""
-    from ..transfer.selectors import SELECTORS
-
-    server = Budget(cfg.handoff, cfg.gate)
-    if selector is not None:
-        sel = SELECTORS.get(selector) if isinstance(selector, str) else None
-        if sel is None or sel.oracle:
-            deployable = ", ".join(n for n, x in SELECTORS.items() if not x.oracle)
-            raise RarecacheError(f"rarecache.selector must be one of {deployable}, got {selector!r}"
-                                 + (" (an oracle: it reads the target's own prefill)" if sel is not None else ""))
+    in [0, 1] or "auto" (the server's gate policy), `selector` one the server may run (no oracle);
+    a `selector` alone keeps the server's ρ (on a gated server it needs a `rho`), a `rho` alone the
+    server's selector (on a gated server the policy's). Every mistake is a RarecacheError, raised
+    before the request is queued."""
+    server = cfg.budget
     if rho is None and selector is None:
         return server
+    if selector is not None and not isinstance(selector, str):
+        raise RarecacheError(f"rarecache.selector must be a selector's name, got {selector!r}")
     if rho == "auto":
         if cfg.gate is None:
             raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
@@ -105,11 +115,19 @@ def request_budget(cfg: ServiceConfig, rho: float | str | None = None, selector:
     if rho is None:
         if cfg.gate is not None:
             raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a "
-                                 "selector must name its rho too")
+                                 "selector must name its rho too (a number, or \"auto\")")
         rho = cfg.handoff.rho
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1:
-        raise RarecacheError(f"rarecache.rho must be a number in [0, 1] or \"auto\", got {rho!r}")
-    return Budget(HandoffConfig(float(rho), selector or server.selector))
+    rho = check_rho(rho, "rarecache.rho")
+    if selector is not None:
+        own = Budget(HandoffConfig.named(rho, selector, cfg.handoff.seed))
+    elif cfg.gate is not None:
+        own = Budget(HandoffConfig.named(rho, cfg.gate.selector, cfg.handoff.seed))
+    else:
+        own = Budget(replace(cfg.handoff, rho=rho))  # the server's selector or schedule, and seed
+    if not cfg.request_budget and own != server:
+        raise RarecacheError("this server hands off with its own budget only (rarecache serve "
+                             "--no-request-budget): leave rarecache.rho and selector out")
+    return own
 
 
 class ModelNotFound(RarecacheError):
@@ -158,7 +176,7 @@ class _Job:
     salt: str | None = None  # entries are shared only within one salt
     continued: list[int] | None = None  # continue_final: the final assistant message's tokens, read after `ids`
     logprobs: bool = False  # continue_final: score them
-    budget: "Budget | None" = None  # this request's own handoff budget (None: the server's)
+    budget: Budget = None  # type: ignore[assignment]  # its handoff budget (request_budget), always given
     submitted: float = field(default_factory=time.perf_counter)
     done: threading.Event = field(default_factory=threading.Event)
     reply: "Reply | None" = None
@@ -398,9 +416,8 @@ class ChatService:
             now = time.monotonic()
             for e in job.held.values():
                 e.used = now
-            budget = job.budget or Budget(self.cfg.handoff, self.cfg.gate)
-            job.started = prefill_or_handoff(self.models, self.maps, budget.handoff, self._room(job), model, ids,
-                                             {k: e.held for k, e in job.held.items()}, job.source, budget.gate)
+            job.started = prefill_or_handoff(self.models, self.maps, job.budget.handoff, self._room(job), model, ids,
+                                             {k: e.held for k, e in job.held.items()}, job.source, job.budget.gate)
         except Exception as e:  # noqa: BLE001  (reported to the request; the worker goes on)
             self._fail(job, e)
             return
@@ -513,10 +530,10 @@ class ChatService:
         job.reply = self._reply(job, text, row.tokens, reason)
         job.done.set()
 
-    def _reply(self, job: _Job, text: str, tokens: list[int], reason: str) -> Reply:
+    @staticmethod
+    def _reply(job: _Job, text: str, tokens: list[int], reason: str) -> Reply:
         result, gated = job.started.handoff, job.started.gate
-        budget = job.budget or Budget(self.cfg.handoff, self.cfg.gate)
-        handed = job.source is not None
+        budget, handed = job.budget, job.source is not None
         return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
                      None if result is None else len(result.positions[0]),
                      None if result is None else result.handed_off[0][1] - result.handed_off[0][0],

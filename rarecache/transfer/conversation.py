@@ -26,6 +26,7 @@ from ..errors import RarecacheError
 from .gate import GatePolicy, GateResult, gated_handoff
 from .handoff import HandoffConfig, HandoffResult, handoff
 from .mapper import Mapper
+from .selectors import SELECTORS
 
 
 @dataclass
@@ -123,7 +124,11 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
     result = gated = None
     if source is not None:
         src = held[source]
-        src_keep = min(common_prefix(src.ids, ids), len(ids))
+        scorer = SELECTORS[gate.selector] if gate is not None else cfg.scorer
+        # a selector reading the source's attention needs at least the last query: a source that holds the
+        # whole prompt (a cascade re-asking the same turn of the other model) computes its last position again
+        reads_attention = scorer is not None and scorer.needs_source_attention
+        src_keep = min(common_prefix(src.ids, ids), len(ids) - reads_attention)
         src.keep(src_keep)
         src_cache = src.reserve(models[source].runner, need)
         src_cache.clear(src_keep)

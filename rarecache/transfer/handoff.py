@@ -39,6 +39,13 @@ LAYER_PREFIX = "layer-prefix"  # the target's first m layers for every position,
 SCHEDULES = (POSITIONS, LAYER_PREFIX)
 
 
+def check_rho(rho, where: str = "rho") -> float:
+    """A share of positions: a number in [0, 1] (not a bool, not NaN), or a clear error naming `where`."""
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1:
+        raise RarecacheError(f"{where} must be a number in [0, 1], got {rho!r}")
+    return float(rho)
+
+
 @dataclass(frozen=True)
 class HandoffConfig:
     rho: float = 0.0  # share of handed-off positions the target recomputes (layer-prefix: its FLOPs)
@@ -47,8 +54,7 @@ class HandoffConfig:
     schedule: str = POSITIONS
 
     def __post_init__(self):
-        if not 0 <= self.rho <= 1:
-            raise RarecacheError(f"rho must be in [0, 1], got {self.rho}")
+        check_rho(self.rho)
         if self.schedule not in SCHEDULES:
             raise RarecacheError(f"unknown schedule {self.schedule!r}; choose from {', '.join(SCHEDULES)}")
         if self.selector not in SELECTORS:

@@ -43,6 +43,7 @@ from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.tokenizer import Tokenizer
 from ...serve.service import Reply, check_request
+from ...transfer.handoff import check_rho
 from ...transfer.mapper import Mapper
 from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, check_selector, claim
@@ -68,10 +69,10 @@ class VllmServeConfig:
     max_model_len: int | None = None
     compile: bool = False  # let vLLM compile (torch.compile / CUDA graphs); eager is the tested path
     tensor_parallel_size: int = 1  # each engine's ranks (the connector writes each rank's KV heads)
+    request_budget: bool = True  # a request may name its own rho and selector (False: only the service's)
 
     def __post_init__(self):
-        if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or not 0 <= self.rho <= 1:
-            raise RarecacheError(f"rho must be a number in [0, 1], not {self.rho!r}")
+        check_rho(self.rho)
         check_selector(self.selector)
         if self.max_batch < 1 or self.max_new_tokens < 1 or self.kv_cache_bytes <= 0:
             raise RarecacheError("max_batch and max_new_tokens must be >= 1 and the KV cache size > 0")
@@ -200,10 +201,12 @@ class VllmChatService:
         """A request's own (rho, selector) instead of the service's, checked: the engine's selectors, no gate."""
         if rho == "auto":
             raise RarecacheError("rarecache.rho auto (the quality gate) runs in our own engine only, not --engine vllm")
-        if rho is not None and (isinstance(rho, bool) or not isinstance(rho, (int, float)) or not 0 <= rho <= 1):
-            raise RarecacheError(f"rho must be a number in [0, 1], not {rho!r}")
-        return (self.cfg.rho if rho is None else float(rho),
-                self.cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
+        own = (self.cfg.rho if rho is None else check_rho(rho, "rarecache.rho"),
+               self.cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
+        if not self.cfg.request_budget and own != (self.cfg.rho, self.cfg.selector):
+            raise RarecacheError("this server hands off with its own budget only (rarecache serve "
+                                 "--no-request-budget): leave rarecache.rho and selector out")
+        return own
 
     def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
                  selector: str | None = None) -> str | None:
