@@ -113,6 +113,9 @@ GOOD = {  # values a client may send, within this server's limits
     "user": TEXT,
     "n": st.just(1),
     "logprobs": st.just(False),
+    "rarecache": st.fixed_dictionaries({}, optional={  # the request's own handoff budget
+        "rho": st.one_of(st.floats(0, 1), st.sampled_from([0, 1])),
+        "selector": st.sampled_from(["rank", "random", "suffix", "attn-source", "suffix+attn", "layer-prefix"])}),
 }
 BAD = {  # values a client should not send
     "max_tokens": st.one_of(st.integers(-2, 2**64), st.sampled_from([True, "2", 2.0, 4]), JSON),
@@ -130,6 +133,13 @@ BAD = {  # values a client should not send
     "logprobs": st.one_of(st.just(True), JSON),
     "frequency_penalty": st.one_of(st.floats(), JSON),
     "unknown_field": JSON,
+    "rarecache": st.one_of(
+        JSON,
+        st.fixed_dictionaries({"rho": st.one_of(st.floats(min_value=1.0000001), st.floats(max_value=-1e-300),
+                                                st.sampled_from(["auto", "0.5", True, float("nan")]))}),
+        st.fixed_dictionaries({"selector": st.one_of(st.sampled_from(["l2-oracle", "attn-target", "nope", ""]),
+                                                     st.integers())}),
+        st.fixed_dictionaries({"budget": JSON})),
     "model": st.one_of(st.sampled_from(["huge", "", "SMALL"]), JSON),
     "messages": st.one_of(st.lists(MESSAGE, max_size=4), JSON),
 }

@@ -96,17 +96,22 @@ def test_every_task_reads_its_real_data_with_a_disjoint_calibration_pool(name, o
         assert set(corpus.ids).isdisjoint(ids)
 
 
-def test_the_conversion_reproduces_the_model_the_shipped_map_was_fitted_on(ours):
-    """The bundled 0.5B as this environment converts it is the model the committed general map (and
+def test_the_conversion_reproduces_the_pair_the_shipped_map_was_fitted_on(ours):
+    """The bundled pair as this environment converts it is the pair the committed general map (and
     every published run through it) was fitted on: same config and weight fingerprints. A dependency
-    that changed the GGUF conversion (transformers, gguf) would make the shipped map refuse this pair."""
+    that changed the GGUF conversion (transformers, gguf) would make the shipped map refuse this pair.
+    Pulls the 1.5B too (as test_real_vllm does)."""
     from pathlib import Path
 
     from rarecache.eval.mix import SHIPPED_GENERAL
-    from rarecache.transfer.mapper import Mapper, identity
+    from rarecache.models.config import ModelConfig
+    from rarecache.models.loader import checkpoint_fingerprint
+    from rarecache.transfer.mapper import Mapper
 
-    src, _, rel, _ = SHIPPED_GENERAL
+    src, tgt, rel, _ = SHIPPED_GENERAL
     assert src == NAME
-    recorded = Mapper.load(Path(__file__).resolve().parents[1] / rel).info.source
-    got = identity(ours.runner)
-    assert (got["config"], got["weights"]) == (recorded["config"], recorded["weights"])
+    info = Mapper.load(Path(__file__).resolve().parents[1] / rel).info
+    for name, recorded in ((src, info.source), (tgt, info.target)):
+        path = pull(name)
+        got = {"config": ModelConfig.from_dir(path).fingerprint(), "weights": checkpoint_fingerprint(path)}
+        assert got == {"config": recorded["config"], "weights": recorded["weights"]}, name
