@@ -1,0 +1,71 @@
+"""How well each feature a ladder records separates a changed answer (the rung's prediction differs
+from the target's), as ROC AUC over (item, rung) pairs with a bootstrap CI over items, plus a
+logistic model of all of them cross-validated over items. Exploration of which signal the gate
+should read (docs/RESULTS.md 9); multiple-choice results files only.
+
+    python scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+
+import numpy as np
+
+from rarecache.eval.gate import auc, auc_ci
+
+FEATURES = ("js", "js_plain", "outside", "entropy", "margin")
+
+
+def ladders(path: str, arm: str | None):
+    rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
+    target = {r["item"]: r["prediction"] for r in rows if r["arm"] == "target"}
+    lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
+            and r["item"] in target]
+    if len({r["arm"] for r in lads}) != 1:
+        sys.exit(f"need exactly one ladder arm with target rows, found {sorted({r['arm'] for r in lads})}")
+    return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
+             [rung["prediction"] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
+
+
+def logistic_cv(per_item, folds: int = 5, lam: float = 1.0, seed: int = 0) -> float:
+    """Out-of-fold scores of a ridge-penalised logistic model (standardised features, log divergences)."""
+    X = np.array([x for xs, _ in per_item for x in xs], dtype=float)
+    y = np.array([c for _, cs in per_item for c in cs], dtype=float)
+    item = np.repeat(np.arange(len(per_item)), [len(cs) for _, cs in per_item])
+    X[:, :2] = np.log(X[:, :2] + 1e-9)
+    X = (X - X.mean(0)) / (X.std(0) + 1e-9)
+    Xb = np.c_[np.ones(len(X)), X]
+    order = np.random.default_rng(seed).permutation(len(per_item))
+    out = np.zeros(len(y))
+    for held in np.array_split(order, folds):
+        test = np.isin(item, held)
+        w = np.zeros(Xb.shape[1])
+        pen = lam * np.eye(len(w))
+        pen[0, 0] = 0.0  # the intercept is not penalised
+        for _ in range(50):  # Newton steps
+            p = 1 / (1 + np.exp(-Xb[~test] @ w))
+            H = Xb[~test].T @ (Xb[~test] * (p * (1 - p))[:, None]) + pen
+            w -= np.linalg.solve(H, Xb[~test].T @ (p - y[~test]) + pen @ w)
+        out[test] = Xb[test] @ w
+    return auc(out.tolist(), y.astype(bool).tolist())
+
+
+def main() -> None:
+    if len(sys.argv) not in (2, 3):
+        sys.exit(__doc__)
+    per_item, arm = ladders(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None)
+    changed = sum(c for _, cs in per_item for c in cs)
+    pairs = sum(len(cs) for _, cs in per_item)
+    print(f"{arm}: {len(per_item)} items, {pairs} (item, rung) pairs, {changed} with a changed answer")
+    for k, name in enumerate(FEATURES):
+        sign = -1 if name == "margin" else 1  # a wide margin means a settled answer
+        a, lo, hi = auc_ci([([sign * x[k] for x in xs], cs) for xs, cs in per_item])
+        print(f"  {'-' if sign < 0 else ' '}{name:9s} AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
+    print(f"  logistic of all, {5}-fold over items: AUC {logistic_cv(per_item):.3f}")
+
+
+if __name__ == "__main__":
+    main()
