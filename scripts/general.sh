@@ -8,8 +8,9 @@
 # evaluation continues from its partial run committed to docs/artifacts (scripts/publish.sh; lib.sh).
 # frozen.sh runs it from a copy of HEAD, so editing the work tree (this file included) cannot change what a
 # running queue does.
-# Each task runs to 100 items first, then all tasks continue to 300 (the same files: --limit grows), so an
-# interrupted queue still has every task at a stated n. float32: on CPUs without AVX-512 BF16 it is the faster
+# Breadth first: every task, the gate's ladders and reports, large -> small and the 16k map's figures at 100
+# items, then all of it continues to 300 (the same files: --limit grows), so an interrupted queue still has
+# every figure at a stated n. float32: on CPUs without AVX-512 BF16 it is the faster
 # dtype (this machine: 4.6x faster than bf16). RUNS=DIR puts maps and results elsewhere.
 set -euxo pipefail
 cd "$(dirname "$0")/.."
@@ -67,19 +68,29 @@ for task in "${TASKS[@]}"; do
   ev $S $T $task 100 $E/held-$task.jsonl $GENERAL 300 target ladder:$SEL
 done
 reports $SEL 50 || echo "REPORTS FAILED at 100 items; the evaluations go on"
+# breadth first: every figure the issues ask for at 100 items before any at 300. Large -> small on the tasks
+# where the 0.5B is above chance; how the fit moves with the number of positions (held-out R2 on the
+# documents after each fit, and each map's prefix perplexity)
+gen $T $S 65536 $REVERSE
+for task in hellaswag arc_challenge; do
+  ev $T $S $task 100 $E/general-$task-reverse.jsonl $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
+done
+ppl() {  # map name (prefix perplexity through it, as maps.sh did for v1's maps)
+  [ -f $A/ppl-$1.json ] || rarecache ppl --source $S --target $T --map $M/$1-0.5b-to-1.5b.safetensors \
+      --passages 12 --prefix 256 --continuation 256 "${DT[@]}" --out $A/ppl-$1.json
+}
+gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
+ppl general-16k; ppl general-64k
 for task in "${TASKS[@]}"; do
   ev $S $T $task 300 $E/general-$task.jsonl $GENERAL 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL
 done
 [ "$(default_selector)" = "$SEL" ] || echo "THE DEFAULT SELECTOR MOVED at 300 items; the ladder is $SEL's"
 reports $SEL 200 || echo "REPORTS FAILED at 300 items"
-# large -> small on the tasks where the 0.5B is above chance
-gen $T $S 65536 $REVERSE
 for task in hellaswag arc_challenge; do
   ev $T $S $task 300 $E/general-$task-reverse.jsonl $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
 done
-# how the fit moves with the number of positions (held-out R2 on the documents after each fit)
-gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
 gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
+ppl general-256k
 for f in $E/general-*.jsonl; do  # (held-*.jsonl are the gate's fit data: `eval gate fit`)
   rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
   rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"
