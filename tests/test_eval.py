@@ -191,9 +191,9 @@ def test_report_per_map_gap_selector_tests_and_template_share():
 
     table = compact(summarise(rows, chance=0.25), "correct").splitlines()
     assert table[0].startswith("| arm | task: correct (95% CI) |") and "| wiki: correct (95% CI) |" in table[0]
-    assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | 100.0% (100.0%–100.0%)")
-    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
-                        "| 33% | 50% | 0.125 (n=4) | — |")
+    assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | — | 100.0% (100.0%–100.0%)")
+    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
+                        "| 33% | 50% | — | 0.125 (n=4) | — |")  # no source arm: no share of its gap kept
 
 
 def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_undefined():
@@ -212,9 +212,10 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
     assert "| < 0.001 (n=2) | -100.0% (p < 0.001, n=2) |" in random_row and "| 0.001" not in random_row
     table = compact(s, "correct").splitlines()
     assert table[0] == ("| arm | map: correct (95% CI) | floor-norm. ret. | gap closed (of target − plain transfer, "
-                        "same map) | p vs target (n) | p vs rank (n) |")
-    assert table[2] == "| target | 100.0% (100.0%–100.0%) | — | — | — | — |"
-    assert table[-1] == "| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | < 0.001 (n=2) | < 0.001 (n=2) |"
+                        "same map) | kept (of target − source) | p vs target (n) | p vs rank (n) |")
+    assert table[2] == "| target | 100.0% (100.0%–100.0%) | — | — | — | — | — |"
+    assert table[-2].startswith("| rho=0.3/rank | 100.0% (100.0%–100.0%) | 100% | 100% | 100% |")
+    assert table[-1] == "| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | 0% | < 0.001 (n=2) | < 0.001 (n=2) |"
     below = [{"item": i, "arm": a, "correct": 0} for i in "xyzw" for a in ("target", "source")]
     below += [{"item": i, "arm": "source", "correct": 1} for i in "v"] + [{"item": "v", "arm": "target", "correct": 0}]
     s = summarise(below, chance=0.25)  # target 0%, source 20%: both below chance
@@ -222,7 +223,7 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
     assert "| source | 20.0% (0.0%–60.0%) | — |" in compact(s, "correct")
     bpb = [{"item": i, "arm": a, "bpb": v} for i in "xy" for a, v in (("target", 1.0), ("rho=0/rank", 2.0))]
     assert compact(summarise(bpb, "bpb", lower_is_better=True), "bpb", percent=False).splitlines()[-1] == (
-        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | < 0.001 (n=2) | — |")
+        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | — | < 0.001 (n=2) | — |")
 
 
 def test_eval_run_threads_flag(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from ..transfer.selectors import SELECTORS
 from .metrics import mean_ci, p_floor, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
+GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
 
 
 def split_arm(arm: str) -> tuple[float, str, str] | None:
@@ -178,8 +179,9 @@ def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
 
 def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
     """One row per arm, one column group per map: the metric with its interval, floor-normalised
-    retention (or, for lower-is-better metrics, the difference to the target), gap closed and the
-    p-values against the target and against rank disagreement at the same budget."""
+    retention (or, for lower-is-better metrics, the difference to the target), gap closed, the share
+    of the source-to-target gap kept and the p-values against the target and against rank
+    disagreement at the same budget."""
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
     labels = sorted({split_arm(r["arm"])[2] for r in summary if split_arm(r["arm"])}) or [""]  # "": no handoff arm
     cells: dict[str, dict[str, dict]] = defaultdict(dict)
@@ -188,16 +190,16 @@ def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
         key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
         cells[key][parts[2] if parts else ""] = r
     second = "floor-norm. ret." if percent else "Δ vs target"
-    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {GAP_CLOSED} | p vs target (n) | p vs rank (n)"
-              for lab in labels)
+    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {GAP_CLOSED} | {GAP_KEPT} | p vs target (n) | "
+              "p vs rank (n)" for lab in labels)
     head = "| arm | " + " | ".join(groups) + " |"
-    lines = [head, "|---" * (1 + 5 * len(labels)) + "|"]
+    lines = [head, "|---" * (1 + 6 * len(labels)) + "|"]
     for key, by_label in cells.items():
         row = [display(key)]
         for lab in labels:
             r = by_label.get(lab) or by_label.get("")
             if r is None:
-                row += ["—"] * 5
+                row += ["—"] * 6
                 continue
             val = f"{f(r['mean'])} ({f(r['lo'])}–{f(r['hi'])})"
             if not percent:
@@ -205,6 +207,7 @@ def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
             else:
                 other = f"{r['floor_retention']:.0%}" if r.get("floor_retention") is not None else "—"
             gap = f"{r['gap_closed']:.0%}" if r.get("gap_closed") is not None else "—"
-            row += [val, other, gap, _p_cell(r), _p_cell(r, "vs_rank_p", "vs_rank_n")]
+            kept = f"{r['model_gap_kept']:.0%}" if r.get("model_gap_kept") is not None else "—"
+            row += [val, other, gap, kept, _p_cell(r), _p_cell(r, "vs_rank_p", "vs_rank_n")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
