@@ -127,3 +127,28 @@ def test_math_chains_are_worked_examples_then_a_problem_answered_by_its_own_solu
     assert mix._math_chains(None) == chains  # deterministic
     # the math component keeps only what no chain can use
     assert [i for i, _ in mix._math(None)] == ["math:geometry:0"]
+
+
+def test_serve_defaults_to_the_selector_the_summary_measured_through_the_same_map(tmp_path):
+    import json
+
+    from rarecache.eval.mix import measured_selector
+    from rarecache.packages import sha256_file
+
+    served, other = tmp_path / "served.safetensors", tmp_path / "other.safetensors"
+    served.write_bytes(b"the map served")
+    other.write_bytes(b"another map")
+    summary = tmp_path / "summary.json"
+
+    def pick(**fields):
+        summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "suffix", **fields}))
+        return measured_selector(served, summary)
+
+    assert pick() == "suffix"
+    assert pick(map=sha256_file(other)) is None  # measured through another map: not this one's default
+    assert pick(default_selector="l2-oracle") is None and pick(default_selector="magic") is None
+    assert pick(default_selector=["rank"]) is None
+    summary.write_text("{not json")
+    assert measured_selector(served, summary) is None
+    assert measured_selector(tmp_path / "missing.safetensors", summary) is None
+    assert measured_selector(served, tmp_path / "no-summary.json") is None

@@ -54,7 +54,10 @@ def register(sub) -> None:
     p.add_argument("--gate-policy", type=Path, default=None,
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
                         "served here; its selector replaces --selector")
-    p.add_argument("--selector", default="rank", help="position selector (default: rank)")
+    p.add_argument("--selector", default=None,
+                   help="position selector (default: the one the committed general summary measured best through "
+                        "the map served, docs/artifacts/general-map-summary.json, if it was measured through it; "
+                        "else rank)")
     p.add_argument("--no-request-budget", dest="request_budget", action="store_false",
                    help="refuse a request naming a budget other than the server's (its body's rarecache.rho and "
                         "selector); by default a request may name its own, e.g. {\"rho\": 1} for the model's own "
@@ -133,6 +136,20 @@ def cmd_serve(args) -> int:
                   f"--target {TARGET}`, about 40 minutes on 2 cores; an editable install of a checkout serves the "
                   "committed one when its sha256 is the recorded one); serving through the demo's quick map",
                   file=sys.stderr)
+    if args.selector is None:  # what the general summary measured best through this map, else rank
+        from ..eval.mix import measured_selector
+
+        pick = measured_selector(args.map) if args.map is not None else None
+        why = "the one the general summary measured best through this map" if pick else (
+            "the paper's rank disagreement (no general summary measured through this map)")
+        if pick is not None and args.engine == "vllm":
+            from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
+
+            if pick not in ENGINE_SELECTORS:
+                pick, why = None, f"the summary's {pick} does not run in the vLLM adapter"
+        args.selector = pick or "rank"
+        if args.rho != "auto":  # (the gate policy names its own)
+            print(f"selector {args.selector}: {why}", file=sys.stderr)
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
     names = model_id(args.source), model_id(args.target)

@@ -79,6 +79,28 @@ def find_general_map(source: str, target: str, cache_dir: Path | None = None) ->
     return None
 
 
+SUMMARY = "docs/artifacts/general-map-summary.json"  # the general summary a checkout commits (eval/summary.py)
+
+
+def measured_selector(map_path: Path, summary: Path | None = None) -> str | None:
+    """The default selector the committed general summary picked, if it was measured through this very
+    map (its sha256); else None. `summary`: the file (default: the checkout's, `SUMMARY`)."""
+    from ..packages import sha256_file
+    from ..transfer.selectors import SELECTORS
+
+    summary = summary or Path(__file__).resolve().parents[2] / SUMMARY
+    if not Path(map_path).is_file():
+        return None
+    try:
+        data = json.loads(summary.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    pick = data.get("default_selector") if isinstance(data, dict) else None
+    if not isinstance(pick, str) or pick not in SELECTORS or SELECTORS[pick].oracle:
+        return None
+    return pick if data.get("map") == sha256_file(map_path) else None
+
+
 def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
