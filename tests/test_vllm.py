@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -536,8 +537,13 @@ def assert_captured(vpair, root, answers) -> None:
     for i, (prompt, out) in enumerate(zip(vpair.prompts, answers)):
         assert out.info["captured"] == len(prompt) + NEW - 1
         seq = prompt + out.tokens[:-1]
-        hit = store.lookup(model_identity(vpair.root / "src"), f"s{i}", seq + [0])
-        assert (hit.length, hit.stored) == (len(seq), len(seq))
+        # the rows are filed an engine step after the answer's last token (the service waits for them,
+        # serving._settle; a raw request does not): on a loaded machine, give the filing time
+        deadline = time.monotonic() + 60
+        while (hit := store.lookup(model_identity(vpair.root / "src"), f"s{i}", seq + [0])) is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hit is not None and (hit.length, hit.stored) == (len(seq), len(seq))
         k, v = store.load(hit, len(seq), vpair.src.config)
         cache = vpair.src.new_cache(1, len(seq))
         logits = vpair.src.forward(*pad_batch([seq]), cache, logits_at="all").logits[0]
