@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rarecache.cli import main
 from rarecache.transfer.mapper import Mapper
@@ -60,6 +61,16 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     assert "two powers (keys, values) in [0, 2]" in capsys.readouterr().err
     assert main(["refit", "--map", str(mapped / "m.safetensors"), "--out", str(tmp_path / "x")]) == 2
     assert "calibrate with --keep-state" in capsys.readouterr().err
+    # --sharpen alone needs no state: the sharpened map, its state gone, back to plain ridge
+    (tmp_path / "s.safetensors.state").unlink(missing_ok=True)
+    assert main(["refit", "--map", str(tmp_path / "s.safetensors"), "--sharpen", "0", "0",
+                 "--out", str(tmp_path / "u.safetensors")]) == 0
+    plain, back = Mapper.load(out), Mapper.load(tmp_path / "u.safetensors")
+    assert back.info.sharpen == {} and back.info.r2_heldout == {}
+    torch.testing.assert_close(back.sides["k"].weight, plain.sides["k"].weight, atol=1e-6, rtol=1e-6)
+    assert main(["refit", "--map", str(tmp_path / "s.safetensors"), "--sharpen", "0", "0", "--k", "1",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "only --sharpen can change without it" in capsys.readouterr().err
 
 
 def test_generate_with_handoff(mapped, capsys):

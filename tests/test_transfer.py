@@ -358,6 +358,18 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     assert refit(sharp, state).info.sharpen == sharp.info.sharpen
     back = refit(sharp, state, powers=(0.0, 0.0))
     assert back.info == dense.info and torch.equal(back.sides["v"].bias, dense.sides["v"].bias)
+    # without the state: the sharpening is undone and redone exactly from the map alone
+    from rarecache.transfer.calibrate import resharpen
+
+    for start, powers, want in ((sharp, (0.0, 0.0), dense), (dense, (1.0, 0.5), sharp), (sharp, (1.0, 0.5), sharp)):
+        again = resharpen(start, powers)
+        assert again.info.sharpen == want.info.sharpen and again.info.r2_heldout == {}  # not measured for it
+        for side in ("k", "v"):
+            for name in ("weight", "bias", "mean", "eigenvalues", "basis", "r2"):
+                torch.testing.assert_close(getattr(again.sides[side], name), getattr(want.sides[side], name),
+                                           atol=1e-9, rtol=1e-9)
+    with pytest.raises(RarecacheError, match="dense linear maps only"):
+        resharpen(heads, (1.0, 0.5))
     with pytest.raises(RarecacheError, match=r"two powers \(keys, values\) in \[0, 2\]"):
         refit(dense, state, powers=(3.0, 0.0))
     with pytest.raises(RarecacheError, match="head-matched statistics: it refits head-matched maps only"):

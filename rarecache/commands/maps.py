@@ -71,7 +71,9 @@ def _add_refit(sub) -> None:
                                      "rank, or head-matched), in seconds",
                        description="Read MAP and MAP.state (written by `calibrate --keep-state`) and fit again "
                                    "with other choices. A dense state also gives the head-matched map of the "
-                                   "same positions. The new map keeps MAP's models, corpus and documents.")
+                                   "same positions. The new map keeps MAP's models, corpus and documents. "
+                                   "--sharpen alone needs no state: a dense map's sharpening is undone and "
+                                   "redone exactly (its recorded held-out R2 is dropped).")
     p.add_argument("--map", type=Path, required=True, help="map whose calibration kept its state (MAP.state)")
     p.add_argument("--state", type=Path, default=None, help="the statistics (default: MAP.state)")
     p.add_argument("--k", type=int, default=None, help="source layers per target layer (default: MAP's)")
@@ -90,15 +92,21 @@ def add_sharpen_option(p, default: str) -> None:
 
 
 def cmd_refit(args) -> int:
-    from ..transfer.calibrate import refit
+    from ..transfer.calibrate import refit, resharpen
     from ..transfer.mapper import Mapper
 
     mapper = Mapper.load(args.map)
     state = args.state or Path(str(args.map) + ".state")
-    if not state.is_file():
-        raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one")
-    new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched,
-                tuple(args.sharpen) if args.sharpen else None)
+    only_sharpen = args.sharpen is not None and (args.k, args.lam, args.rank, args.head_matched) == (
+        None, None, None, False)
+    if not state.is_file() and only_sharpen and args.state is None:  # exact from the map alone (resharpen)
+        new = resharpen(mapper, tuple(args.sharpen))
+    elif not state.is_file():
+        raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one (only "
+                             "--sharpen can change without it)")
+    else:
+        new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched,
+                    tuple(args.sharpen) if args.sharpen else None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     new.save(args.out)
     print(new.summary())

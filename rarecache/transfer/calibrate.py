@@ -34,7 +34,7 @@ from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
 from .features import rows
 from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads,
-                  sharpen)
+                  sharpen, unsharpen)
 from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
@@ -295,6 +295,20 @@ keys' and values'; None keeps the map's). Seconds, not hours."""
     sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank, powers)
     return Mapper(replace(info, k=min(k, src.layers), lam=lam, rank=rank, r2_heldout=r2_held, heads=heads,
                           mlp_hidden=0, sharpen=sharpen_info(powers)), sides)
+
+
+def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:
+    """The map with other sharpening powers, from the map alone (no statistics): sharpening scales each
+    layer's centred prediction by a known factor (fit.sharpen), so it is undone and redone exactly.
+    The recorded held-out R² belonged to the old predictions and is dropped (`calibrate --keep-state`
+    and `refit` give it again). Dense linear maps only."""
+    info = mapper.info
+    if info.heads or info.mlp_hidden:
+        raise RarecacheError("changing the sharpening without the calibration state works on dense linear maps "
+                             "only; refit from the state (calibrate --keep-state)")
+    check_sharpen(powers)
+    sides = {s: sharpen(unsharpen(mapper.sides[s], info.sharpen.get(s, 0.0)), p) for s, p in zip(SIDES, powers)}
+    return Mapper(replace(info, r2_heldout={}, sharpen=sharpen_info(powers)), sides)
 
 
 def matched_heads(source_heads: int, target_heads: int) -> int:

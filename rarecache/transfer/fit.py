@@ -143,6 +143,17 @@ def sharpen(fit: SideFit, power: float) -> SideFit:
                    eigenvalues=fit.eigenvalues * scale[:, None] ** 2)
 
 
+def unsharpen(fit: SideFit, power: float) -> SideFit:
+    """The inverse of `sharpen(fit, power)`: the plain ridge fit back, exactly up to rounding (`r2` and
+    `mean` are the ridge's in both), so a map's sharpening can be changed without its statistics."""
+    if power == 0:
+        return fit
+    scale = fit.r2.clamp(min=R2_FLOOR) ** -power  # (Lt,)
+    return replace(fit, weight=fit.weight / scale[:, None, None],
+                   bias=(fit.bias - (1 - scale[:, None]) * fit.mean) / scale[:, None],
+                   eigenvalues=fit.eigenvalues / scale[:, None] ** 2)
+
+
 # -- head-matched maps -------------------------------------------------------------------------
 
 def head_layouts(src: Layout, tgt: Layout, heads: int) -> tuple[Layout, Layout]:
