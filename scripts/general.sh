@@ -22,58 +22,71 @@ gen() {  # source target tokens out (the preset's sequence length and sharpening
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general --tokens "$3" \
       --heldout-tokens 8192 "${DT[@]}" --out "$4"
 }
-GENERAL=$M/general-64k-0.5b-to-1.5b.safetensors
+# Two fits of the same statistics (RESULTS.md 8.1): the preset's sharpened map (keys R2^-1, values R2^-0.5), which
+# makes plain transfer (rho 0) nearly level with the source, and its plain ridge fit, which serves the handoffs
+# (rho > 0) better. Handoff arms go through the ridge fit (label ridge); plain transfer through both (0:rank@ridge,
+# 0:rank@sharp). The ridge fit is the sharpened map's sharpening undone exactly (refit --sharpen 0 0, no state).
+SHARP=$M/general-64k-0.5b-to-1.5b.safetensors
+RIDGE=$M/general-64k-ridge.safetensors
 REVERSE=$M/general-64k-1.5b-to-0.5b.safetensors
+REVERSE_RIDGE=$M/general-64k-ridge-1.5b-to-0.5b.safetensors
+ridge() { [ -f "$2" ] || rarecache refit --map "$1" --sharpen 0 0 --out "$2"; }  # sharp ridge
 # the issue's arms, in two passes so that every task reaches the acceptance budget (rho 0.2) early: pass A is
 # everything at 0.2 (and the issue's suffix 0.3), pass B the 0.1 / 0.3 arms. suffix+attn is the combined
 # selector (the newest positions and the most attended ones, in turn); attn+rank, the first combined selector,
 # lost to both its parts on MMLU (RESULTS.md 8) and was dropped after MMLU and 12 HellaSwag items for CPU time
 # (every arm costs its continuations: a 441-token HellaSwag item takes ~7 s per arm here). The gate's ladder
 # runs once the default selector is known: the one the general summary picks from passes A and B.
-PASS_A=(target source 0:rank 0.2:rank 0.2:attn-source 0.2:suffix 0.3:suffix 0.2:suffix+attn)
-PASS_B=(0.1:rank 0.3:rank 0.1:attn-source 0.3:attn-source 0.1:suffix 0.1:suffix+attn 0.3:suffix+attn)
+PASS_A=(target source 0:rank@ridge 0:rank@sharp 0.2:rank@ridge 0.2:attn-source@ridge 0.2:suffix@ridge
+        0.3:suffix@ridge 0.2:suffix+attn@ridge)
+PASS_B=(0.1:rank@ridge 0.3:rank@ridge 0.1:attn-source@ridge 0.3:attn-source@ridge 0.1:suffix@ridge
+        0.1:suffix+attn@ridge 0.3:suffix+attn@ridge)
 . scripts/lib.sh  # seed, shipped
-ev() {  # source target task items out map start arms...
+ev() {  # source target task items out ridge-map sharp-map start arms...
   seed "$5"
-  rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${@:8}" \
-      --start "$7" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
+  rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" --arms "${@:9}" \
+      --start "$8" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }
 TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)  # GSM8K first: where plain transfer lost to the source (RESULTS 8)
-shipped $GENERAL
-gen $S $T 65536 $GENERAL
+shipped $SHARP
+gen $S $T 65536 $SHARP
+shipped $RIDGE
+ridge $SHARP $RIDGE
 for pass in A B; do
   [ $pass = A ] && arms=("${PASS_A[@]}") || arms=("${PASS_B[@]}")
   for task in "${TASKS[@]}"; do
-    ev $S $T $task 100 $E/general-$task.jsonl $GENERAL 0 "${arms[@]}"
+    ev $S $T $task 100 $E/ridge-$task.jsonl $RIDGE $SHARP 0 "${arms[@]}"
   done
 done
 A=$R/artifacts; mkdir -p $A
 gen_paths() { local t; for t in "${TASKS[@]}"; do echo "$E/$1-$t.jsonl"; done; }
-default_selector() {  # the general summary's pick over every task's results so far
-  rarecache eval report $(gen_paths general) --general-summary $A/general-map-summary.json > $A/general-report.md
+default_selector() {  # the general summary's pick over every task's results so far (through the ridge fit)
+  rarecache eval report $(gen_paths ridge) --general-summary $A/general-map-summary.json --map-label ridge \
+      > $A/general-report.md
   python -c "import json,sys; print(json.load(open(sys.argv[1]))['default_selector'])" $A/general-map-summary.json
 }
 # what the numbers so far say: the gate's policy fitted on held-apart items (300-399, never evaluated) with the
 # default selector's ladder, its outcome on the evaluated items, CoQA drift through it
 reports() {  # selector stories
-  rarecache eval gate fit $(gen_paths held) --arm "ladder/$1@general" --out $A/gate-policy.json
-  rarecache eval gate report $(gen_paths general) --arm "ladder/$1@general" --policy $A/gate-policy.json \
+  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@ridge" --out $A/gate-policy.json
+  rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@ridge" --policy $A/gate-policy.json \
       --summary $A/gate-summary.json > $A/gate-report.md
-  rarecache eval drift run --source $S --target $T --map $GENERAL --arms alone "0.2:$1" gate \
+  rarecache eval drift run --source $S --target $T --map $RIDGE --arms alone "0.2:$1" gate \
       --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1.jsonl" > $A/drift-report.md
 }
 SEL=$(default_selector)
 for task in "${TASKS[@]}"; do
-  ev $S $T $task 100 $E/general-$task.jsonl $GENERAL 0 ladder:$SEL
-  ev $S $T $task 100 $E/held-$task.jsonl $GENERAL 300 target ladder:$SEL
+  ev $S $T $task 100 $E/ridge-$task.jsonl $RIDGE $SHARP 0 ladder:$SEL@ridge
+  ev $S $T $task 100 $E/ridge-held-$task.jsonl $RIDGE $SHARP 300 target ladder:$SEL@ridge
 done
 reports $SEL 50 || echo "REPORTS FAILED at 100 items; the evaluations go on"
 # breadth first: every figure the issues ask for at 100 items before any at 300. Large -> small on the tasks
 # where the 0.5B is above chance; how the fit moves with the number of positions (held-out R2 on the
-# documents after each fit, and each map's prefix perplexity)
+# documents after each fit, and each map's prefix perplexity: plain transfer, so through the sharpened maps)
 gen $T $S 65536 $REVERSE
+ridge $REVERSE $REVERSE_RIDGE
 for task in hellaswag arc_challenge; do
-  ev $T $S $task 100 $E/general-$task-reverse.jsonl $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
+  ev $T $S $task 100 $E/ridge-$task-reverse.jsonl $REVERSE_RIDGE $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
 done
 ppl() {  # map name (prefix perplexity through it, as maps.sh did for v1's maps)
   [ -f $A/ppl-$1.json ] || rarecache ppl --source $S --target $T --map $M/$1-0.5b-to-1.5b.safetensors \
@@ -82,16 +95,17 @@ ppl() {  # map name (prefix perplexity through it, as maps.sh did for v1's maps)
 gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
 ppl general-16k; ppl general-64k
 for task in "${TASKS[@]}"; do
-  ev $S $T $task 300 $E/general-$task.jsonl $GENERAL 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL
+  ev $S $T $task 300 $E/ridge-$task.jsonl $RIDGE $SHARP 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL@ridge
 done
 [ "$(default_selector)" = "$SEL" ] || echo "THE DEFAULT SELECTOR MOVED at 300 items; the ladder is $SEL's"
 reports $SEL 200 || echo "REPORTS FAILED at 300 items"
 for task in hellaswag arc_challenge; do
-  ev $T $S $task 300 $E/general-$task-reverse.jsonl $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
+  ev $T $S $task 300 $E/ridge-$task-reverse.jsonl $REVERSE_RIDGE $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
 done
 gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
 ppl general-256k
-for f in $E/general-*.jsonl; do  # (held-*.jsonl are the gate's fit data: `eval gate fit`)
+for f in $E/ridge-*.jsonl; do  # (ridge-held-*.jsonl are the gate's fit data: `eval gate fit`)
+  case "$f" in *ridge-held-*) continue;; esac
   rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
   rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"
 done
