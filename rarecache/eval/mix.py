@@ -56,11 +56,12 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
     return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
 
 
-# The bundled pair's general map as committed to a checkout (docs/RESULTS.md 8.1): source, target, its
-# path in the checkout, its sha256 (the map the published results went through)
+# The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.1): source,
+# target, its path in the checkout, its sha256. The ridge fit of the general statistics: serving hands off
+# at rho > 0, where it beats the sharpened fit (which only plain transfer, rho 0, prefers).
 SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
-                   "docs/artifacts/maps/general-64k-0.5b-to-1.5b.safetensors",
-                   "8d253429427f36966fd36e2c086628e52218eb63c4db6c12e37e5e364bbf704d")
+                   "docs/artifacts/maps/general-64k-ridge.safetensors",
+                   "d6f6b960184b224cba83765f62b448935276d30709925fdd43dbb2e976d96783")
 
 
 def find_general_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:
