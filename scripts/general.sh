@@ -22,14 +22,18 @@ gen() {  # source target tokens out (the preset's sequence length and sharpening
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general --tokens "$3" \
       --heldout-tokens 8192 "${DT[@]}" --out "$4"
 }
-# Two fits of the same statistics (RESULTS.md 8.1): the preset's sharpened map (keys R2^-1, values R2^-0.5), which
-# makes plain transfer (rho 0) nearly level with the source, and its plain ridge fit, which serves the handoffs
-# (rho > 0) better. Handoff arms go through the ridge fit (label ridge); plain transfer through both (0:rank@ridge,
-# 0:rank@sharp). The ridge fit is the sharpened map's sharpening undone exactly (refit --sharpen 0 0, no state).
+# Two fits of the same statistics (RESULTS.md 8.1): the sharpened map (keys R2^-1, values R2^-0.5) the preset made
+# when the 64k map was calibrated, which makes plain transfer (rho 0) nearly level with the source, and its plain
+# ridge fit, which serves the handoffs (rho > 0) better. Handoff arms go through the ridge fit (label ridge); plain
+# transfer through both (0:rank@ridge, 0:rank@sharp). The ridge fit is the sharpened map's sharpening undone
+# exactly (refit --sharpen 0 0, no state; byte for byte). The served file (SERVED, committed) is the ridge fit
+# recording plain transfer's sharpening (refit --plain-sharpen): the summary checks it against both. Maps the
+# preset makes now are such files already (ridge + plain_sharpen), so the reverse map is evaluated through
+# itself alone (label general: plain transfer through its plain view, handoffs through its fit).
 SHARP=$M/general-64k-0.5b-to-1.5b.safetensors
 RIDGE=$M/general-64k-ridge.safetensors
+SERVED=$M/general-64k.safetensors
 REVERSE=$M/general-64k-1.5b-to-0.5b.safetensors
-REVERSE_RIDGE=$M/general-64k-ridge-1.5b-to-0.5b.safetensors
 ridge() { [ -f "$2" ] || rarecache refit --map "$1" --sharpen 0 0 --out "$2"; }  # sharp ridge
 # the issue's arms, in two passes so that every task reaches the acceptance budget (rho 0.2) early: pass A is
 # everything at 0.2 (and the issue's suffix 0.3), pass B the 0.1 / 0.3 arms. suffix+attn is the combined
@@ -47,11 +51,21 @@ ev() {  # source target task items out ridge-map sharp-map start arms...
   rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" --arms "${@:9}" \
       --start "$8" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }
+ev_one() {  # source target task items out map start arms... (label general)
+  seed "$5"
+  rarecache eval run --task "$3" --source "$1" --target "$2" --map "general=$6" --arms "${@:8}" \
+      --start "$7" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
+}
+ONE=("${PASS_A[@]/@ridge/@general}" "${PASS_B[@]/@ridge/@general}")
+ONE=("${ONE[@]/0:rank@sharp}")  # (the served file's plain view is the sharpened plain transfer)
+ONE=(${ONE[@]})
 TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)  # GSM8K first: where plain transfer lost to the source (RESULTS 8)
 shipped $SHARP
 gen $S $T 65536 $SHARP
 shipped $RIDGE
 ridge $SHARP $RIDGE
+shipped $SERVED
+[ -f $SERVED ] || rarecache refit --map $RIDGE --plain-sharpen 1 0.5 --out $SERVED
 for pass in A B; do
   [ $pass = A ] && arms=("${PASS_A[@]}") || arms=("${PASS_B[@]}")
   for task in "${TASKS[@]}"; do
@@ -62,7 +76,7 @@ A=$R/artifacts; mkdir -p $A
 gen_paths() { local t; for t in "${TASKS[@]}"; do echo "$E/$1-$t.jsonl"; done; }
 default_selector() {  # the general summary's pick over every task's results so far (through the ridge fit)
   rarecache eval report $(gen_paths ridge) --general-summary $A/general-map-summary.json --map-label ridge \
-      > $A/general-report.md
+      --plain-label sharp --served-map $SERVED > $A/general-report.md
   python -c "import json,sys; print(json.load(open(sys.argv[1]))['default_selector'])" $A/general-map-summary.json
 }
 # what the numbers so far say: the gate's policy fitted on held-apart items (300-399, never evaluated) with the
@@ -71,7 +85,7 @@ reports() {  # selector stories
   rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@ridge" --out $A/gate-policy.json
   rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@ridge" --policy $A/gate-policy.json \
       --summary $A/gate-summary.json > $A/gate-report.md
-  rarecache eval drift run --source $S --target $T --map $RIDGE --arms alone "0.2:$1" gate \
+  rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
       --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1.jsonl" > $A/drift-report.md
 }
 SEL=$(default_selector)
@@ -84,9 +98,8 @@ reports $SEL 50 || echo "REPORTS FAILED at 100 items; the evaluations go on"
 # where the 0.5B is above chance; how the fit moves with the number of positions (held-out R2 on the
 # documents after each fit, and each map's prefix perplexity: plain transfer, so through the sharpened maps)
 gen $T $S 65536 $REVERSE
-ridge $REVERSE $REVERSE_RIDGE
 for task in hellaswag arc_challenge; do
-  ev $T $S $task 100 $E/ridge-$task-reverse.jsonl $REVERSE_RIDGE $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
+  ev_one $T $S $task 100 $E/general-$task-reverse.jsonl $REVERSE 0 "${ONE[@]}"
 done
 ppl() {  # map name (prefix perplexity through it, as maps.sh did for v1's maps)
   [ -f $A/ppl-$1.json ] || rarecache ppl --source $S --target $T --map $M/$1-0.5b-to-1.5b.safetensors \
@@ -100,11 +113,11 @@ done
 [ "$(default_selector)" = "$SEL" ] || echo "THE DEFAULT SELECTOR MOVED at 300 items; the ladder is $SEL's"
 reports $SEL 200 || echo "REPORTS FAILED at 300 items"
 for task in hellaswag arc_challenge; do
-  ev $T $S $task 300 $E/ridge-$task-reverse.jsonl $REVERSE_RIDGE $REVERSE 0 "${PASS_A[@]}" "${PASS_B[@]}"
+  ev_one $T $S $task 300 $E/general-$task-reverse.jsonl $REVERSE 0 "${ONE[@]}"
 done
 gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
 ppl general-256k
-for f in $E/ridge-*.jsonl; do  # (ridge-held-*.jsonl are the gate's fit data: `eval gate fit`)
+for f in $E/ridge-*.jsonl $E/general-*-reverse.jsonl; do  # (ridge-held-*.jsonl: the gate's fit data, `eval gate fit`)
   case "$f" in *ridge-held-*) continue;; esac
   rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
   rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"

@@ -70,7 +70,16 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     torch.testing.assert_close(back.sides["k"].weight, plain.sides["k"].weight, atol=1e-6, rtol=1e-6)
     assert main(["refit", "--map", str(tmp_path / "s.safetensors"), "--sharpen", "0", "0", "--k", "1",
                  "--out", str(tmp_path / "x")]) == 2
-    assert "only --sharpen can change without it" in capsys.readouterr().err
+    assert "only --sharpen and --plain-sharpen can change without it" in capsys.readouterr().err
+    # --plain-sharpen alone: the same tensors, plain transfer's sharpening recorded beside them
+    assert main(["refit", "--map", str(tmp_path / "u.safetensors"), "--plain-sharpen", "1", "0.5",
+                 "--out", str(tmp_path / "p.safetensors")]) == 0
+    assert "ridge; plain transfer (rho 0) k:R2^-1 v:R2^-0.5" in capsys.readouterr().out
+    both = Mapper.load(tmp_path / "p.safetensors")
+    assert both.info.plain_sharpen == {"k": 1.0, "v": 0.5} and both.info.sharpen == {}
+    assert all(torch.equal(both.sides[s].weight, back.sides[s].weight) for s in ("k", "v"))
+    assert main(["refit", "--map", str(tmp_path / "p.safetensors"), "--plain-sharpen", "0", "3",
+                 "--out", str(tmp_path / "x")]) == 2
 
 
 def test_generate_with_handoff(mapped, capsys):

@@ -334,6 +334,7 @@ def test_corrupted_map_files(map_file, fitted, tmp_path_factory, data):
     SEEN[f"maps.accepted.{kind}"] += 1
     mapper.summary()
     handoff(source, target, mapper, [prompts[1]], HandoffConfig(rho=0.3))
+    handoff(source, target, mapper, [prompts[1]], HandoffConfig(rho=0.0))  # through its plain-transfer view
 
 
 # ------------------------------------------------------------------------------------------ model files

@@ -306,3 +306,46 @@ def test_suffix_plus_attention_takes_newest_and_attended_in_turn(fitted):
         assert res.positions[0] == sorted(want[:k])
         assert previous <= set(res.positions[0])
         previous = set(res.positions[0])
+
+
+def test_one_file_maps_plain_transfer_with_its_plain_view_and_handoffs_with_its_fit(fitted, tmp_path):
+    """A map recording plain_sharpen: at rho 0 a handoff (direct, or among variants) is the resharpened
+    map's, at rho > 0 the stored fit's, bit for bit; the file round-trips and the view is made once."""
+    from rarecache.transfer.calibrate import resharpen, with_plain
+    from rarecache.transfer.handoff import handoff_variants
+    from rarecache.transfer.mapper import Mapper
+
+    source, target, mapper, prompts = fitted
+    combined = with_plain(mapper, (1.0, 0.5))
+    combined.save(tmp_path / "c.safetensors")
+    combined = Mapper.load(tmp_path / "c.safetensors")
+    assert combined.info.plain_sharpen == {"k": 1.0, "v": 0.5} and combined.info.sharpen == {}
+    assert "plain transfer (rho 0) k:R2^-1 v:R2^-0.5" in combined.summary()
+    sharp = resharpen(mapper, (1.0, 0.5))
+    view = combined.plain()
+    assert view is combined.plain() and view is combined.at_rho(0) and combined.at_rho(0.2) is combined
+    assert view.info.sharpen == sharp.info.sharpen and view.info.plain_sharpen is None and view.plain() is view
+    for side in SIDES:  # the view is the resharpened fit (made in float64 from the stored float32 tensors)
+        torch.testing.assert_close(view.sides[side].weight, sharp.sides[side].weight.float(), atol=1e-6, rtol=1e-5)
+    bf16 = combined.computing_in(torch.bfloat16)
+    assert bf16.plain().compute_dtype == torch.bfloat16 and bf16.plain() is bf16.plain()
+    ids = prompts[:1]
+    c0, l0, _ = handoff(source, target, combined, ids, HandoffConfig(0.0))
+    s0, ls0, _ = handoff(source, target, sharp, ids, HandoffConfig(0.0))
+    r0, lr0, _ = handoff(source, target, mapper, ids, HandoffConfig(0.0))
+    torch.testing.assert_close(l0, ls0, atol=1e-4, rtol=0)
+    torch.testing.assert_close(c0.k, s0.k, atol=1e-5, rtol=0)
+    assert not torch.allclose(c0.k, r0.k, atol=1e-3)  # the sharpening really changes the rows
+    c3, l3, _ = handoff(source, target, combined, ids, HandoffConfig(0.3))
+    r3, lr3, _ = handoff(source, target, mapper, ids, HandoffConfig(0.3))
+    assert torch.equal(l3, lr3) and torch.equal(c3.k, r3.k)
+    # among variants: each budget through its own fit, the two fits mapped once each
+    n = len(ids[0])
+    src = source.new_cache(1, n)
+    source.forward(torch.tensor(ids), torch.arange(n)[None], src)
+    variants = [("c", HandoffConfig(0.0)), ("c", HandoffConfig(0.3)), ("c", HandoffConfig.named(0.2, "suffix"))]
+    cache, logits, _ = handoff_variants(source, target, {"c": combined}, ids[0], variants, src)
+    for v, (_, cfg) in enumerate(variants):
+        ref_cache, ref_logits, _ = handoff(source, target, combined, ids, cfg)
+        torch.testing.assert_close(logits[v], ref_logits[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(cache.k[:, v, :, :n], ref_cache.k[:, 0, :, :n], atol=1e-5, rtol=0)

@@ -91,3 +91,48 @@ def test_general_summary_refuses_mixed_maps_missing_budgets_and_no_gap(tmp_path,
     e = _write(tmp_path / "e.jsonl", "mmlu", "correct", {k: v for k, v in vals.items() if k != "source"})
     assert main(["eval", "report", str(e), "--general-summary", out]) == 2
     assert "mmlu: no source arm" in capsys.readouterr().err
+
+
+def test_one_served_map_stands_for_a_ridge_fit_and_a_sharpened_plain_transfer(fitted, tmp_path, capsys):
+    """Handoffs measured through the ridge fit (label ridge), plain transfer through its sharpened fit (label
+    sharp): --plain-label reads plain transfer from sharp (gap closed too), and --served-map names the one file
+    serving both only if its fit is ridge's bit for bit and its plain view sharp's; else a clear error."""
+    from rarecache.packages import sha256_file
+    from rarecache.transfer.calibrate import resharpen, with_plain
+
+    _, _, ridge, _ = fitted
+    files = {"ridge": tmp_path / "ridge.safetensors", "sharp": tmp_path / "sharp.safetensors",
+             "served": tmp_path / "served.safetensors"}
+    ridge.save(files["ridge"])
+    resharpen(ridge, (1.0, 0.5)).save(files["sharp"])
+    with_plain(ridge, (1.0, 0.5)).save(files["served"])
+    vals = {"target": [0.5] * 10, "source": [0.6] * 10, "rho=0/rank@ridge": [0.8] * 10,
+            "rho=0/rank@sharp": [0.58] * 10}
+    for rho in (0.1, 0.2, 0.3):
+        vals[f"rho={rho:g}/suffix@ridge"] = [0.52] * 10
+    path = _write(tmp_path / "g.jsonl", "gsm8k_bpb", "bpb", vals)
+    maps = {k: {"file": str(files[k]), "sha256": sha256_file(files[k])} for k in ("ridge", "sharp")}
+    path.with_suffix(".meta.json").write_text(json.dumps({"maps": maps}))
+    out = tmp_path / "s.json"
+    base = ["eval", "report", str(path), "--general-summary", str(out), "--map-label", "ridge"]
+    assert main(base) == 0
+    g = json.loads(out.read_text())["tasks"]["gsm8k_bpb"]
+    assert g["plain_minus_source"] == pytest.approx(-0.2) and g["gap_closed_default_rho0.2"] == pytest.approx(0.28 / 0.3)
+    assert main(base + ["--plain-label", "sharp", "--served-map", str(files["served"])]) == 0
+    s = json.loads(out.read_text())
+    g = s["tasks"]["gsm8k_bpb"]
+    assert g["plain_minus_source"] == pytest.approx(0.02)  # source 0.6 - plain 0.58
+    assert g["gap_closed_default_rho0.2"] == pytest.approx(0.06 / 0.08)  # (0.58 - 0.52) / (0.58 - 0.5)
+    assert s["map"] == sha256_file(files["served"]) == s["served"]["sha256"] and s["plain_map"] == maps["sharp"]["sha256"]
+    assert s["served"]["plain_view_equals"]["max_relative_difference"] < 1e-5
+    assert "served as served.safetensors" in capsys.readouterr().out
+    # the sharpened file as served: not the ridge fit; the ridge file: its plain view is not the sharp one
+    assert main(base + ["--plain-label", "sharp", "--served-map", str(files["sharp"])]) == 2
+    assert "tensors are not map 'ridge''s" in capsys.readouterr().err
+    assert main(base + ["--plain-label", "sharp", "--served-map", str(files["ridge"])]) == 2
+    assert "plain-transfer view is not map 'sharp''s" in capsys.readouterr().err
+    ridge.save(files["sharp"])  # the file the results name changed since: refused
+    assert main(base + ["--plain-label", "sharp", "--served-map", str(files["served"])]) == 2
+    assert "is not the map 'sharp'" in capsys.readouterr().err
+    assert main(["eval", "report", str(path), "--plain-label", "sharp"]) == 2
+    assert "belong to --general-summary" in capsys.readouterr().err

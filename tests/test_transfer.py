@@ -370,6 +370,32 @@ def test_refit_from_the_kept_state(pair, tmp_path):
                                            atol=1e-9, rtol=1e-9)
     with pytest.raises(RarecacheError, match="dense linear maps only"):
         resharpen(heads, (1.0, 0.5))
+    # plain transfer's own sharpening: recorded by a calibration, kept by refits and resharpening, not by a
+    # head-matched refit (which has one fit for every budget); a head-matched calibration refuses it
+    from rarecache.transfer.calibrate import with_plain
+
+    both = Calibration(source, target, tok, corpus, replace(CFG, plain_sharpen=(1.0, 0.5)), tmp_path / "p.map"
+                       ).run(progress=False)
+    assert both.info.plain_sharpen == {"k": 1.0, "v": 0.5} and both.info.sharpen == {}
+    assert all(torch.equal(both.sides[s].weight, dense.sides[s].weight) for s in ("k", "v"))
+    assert refit(both, tmp_path / "p.map.state").info.plain_sharpen == {"k": 1.0, "v": 0.5}
+    assert resharpen(both, (0.5, 0.0)).info.plain_sharpen == {"k": 1.0, "v": 0.5}
+    assert refit(both, tmp_path / "p.map.state", head_matched=True).info.plain_sharpen is None
+    with pytest.raises(RarecacheError, match="no plain_sharpen"):
+        CalibrationConfig(head_matched=True, plain_sharpen=(1.0, 0.5))
+    with pytest.raises(RarecacheError, match="dense linear maps only"):
+        with_plain(heads, (1.0, 0.5))
+    assert with_plain(both, None).info.plain_sharpen is None
+    from rarecache.transfer.mapper import Mapper
+
+    for bad, why in (({"k": 3.0}, "powers in \\[0, 2\\]"), ({"q": 1.0}, "powers in \\[0, 2\\]"),
+                     ([1.0, 0.5], "powers in \\[0, 2\\]")):
+        Mapper(replace(both.info, plain_sharpen=bad), both.sides).save(tmp_path / "bad.safetensors")
+        with pytest.raises(RarecacheError, match="no valid rarecache map metadata.*" + why):
+            Mapper.load(tmp_path / "bad.safetensors")
+    Mapper(replace(heads.info, plain_sharpen={"k": 1.0}), heads.sides).save(tmp_path / "bad.safetensors")
+    with pytest.raises(RarecacheError, match="plain_sharpen needs a dense linear map"):
+        Mapper.load(tmp_path / "bad.safetensors")
     with pytest.raises(RarecacheError, match=r"two powers \(keys, values\) in \[0, 2\]"):
         refit(dense, state, powers=(3.0, 0.0))
     with pytest.raises(RarecacheError, match="head-matched statistics: it refits head-matched maps only"):
@@ -382,3 +408,24 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     (tmp_path / "junk").write_bytes(b"junk")
     with pytest.raises(RarecacheError, match="is not a calibration state"):
         refit(dense, tmp_path / "junk")
+
+
+def test_a_saved_map_is_the_same_bytes_every_time(pair, tmp_path):
+    """safetensors writes metadata from a hash map in a per-process random order; Mapper.save puts it in
+    key order, so saving a map again gives the same file (results name their map by its sha256)."""
+    import hashlib
+
+    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.mapper import Mapper
+
+    source, target, tok, corpus = pair
+    mapper = with_plain(Calibration(source, target, tok, corpus, replace(CFG, heldout_tokens=0), tmp_path / "m"
+                                    ).run(progress=False), (1.0, 0.5))
+    digests = set()
+    for i in range(6):
+        mapper.save(tmp_path / f"{i}.safetensors")
+        digests.add(hashlib.sha256((tmp_path / f"{i}.safetensors").read_bytes()).hexdigest())
+    assert len(digests) == 1
+    raw = (tmp_path / "0.safetensors").read_bytes()
+    assert raw[8:].startswith(b'{"__metadata__":{"rarecache.map":') and b'"rarecache.map.sha256"' in raw[:20000]
+    assert Mapper.load(tmp_path / "0.safetensors").info.plain_sharpen == {"k": 1.0, "v": 0.5}

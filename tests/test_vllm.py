@@ -397,6 +397,19 @@ def test_hand_rows_is_the_transfer(vpair):
     torch.testing.assert_close(full.k, own.k[:, 0, :, :n], atol=1e-5, rtol=0)
     some = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, 20, "rank")
     assert len(some.recomputed) == 20 and some.recomputed == sorted(some.recomputed)
+    # a map recording plain transfer's sharpening: its plain view at rho 0 only (suffix at 0.2 recomputes
+    # nothing here, vLLM does the tail, and maps with the stored fit)
+    from rarecache.transfer.calibrate import with_plain
+
+    combined = with_plain(mapper, (1.0, 0.5))
+    view = tgt.new_cache(1, n)
+    combined.plain().apply(src, sc, tgt, view, torch.arange(n)[None])
+    ns = target_namespace(tgt.config, tgt.dtype)
+    at0 = hand_rows(ns, combined, src.config, k_src, v_src, prompt, 0, "suffix", rho=0.0)
+    torch.testing.assert_close(at0.k, view.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)  # sharpened: larger rows
+    assert not torch.allclose(at0.k, plain.k, atol=1e-3)
+    at2 = hand_rows(ns, combined, src.config, k_src, v_src, prompt, 0, "suffix", rho=0.2)
+    assert torch.equal(at2.k, plain.k) and torch.equal(at2.v, plain.v)
 
 
 def test_only_the_adapter_imports_vllm():

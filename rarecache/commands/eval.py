@@ -167,6 +167,12 @@ def _add_report(ev) -> None:
                         "write the summary there (e.g. docs/artifacts/general-map-summary.json)")
     e.add_argument("--map-label", default=None,
                    help="--general-summary: the map label the arms go through, if the files have several")
+    e.add_argument("--plain-label", default=None,
+                   help="--general-summary: the map label plain transfer (rho 0) is read from (default: "
+                        "--map-label's), when the results measured it through another fit of the same map")
+    e.add_argument("--served-map", type=Path, default=None, metavar="MAP",
+                   help="--general-summary: the one map file that serves both (a map whose plain view is "
+                        "--plain-label's and whose fit is --map-label's, checked in code); the summary names it")
     e.add_argument("--compact", action="store_true",
                    help="one row per arm, one column group per map (metric, floor-normalised retention, gap closed, "
                         "p vs target and vs rank)")
@@ -179,6 +185,8 @@ def _add_report(ev) -> None:
 
 
 def cmd_eval_report(args) -> int:
+    if (args.map_label or args.plain_label or args.served_map) and not args.general_summary:
+        raise RarecacheError("--map-label, --plain-label and --served-map belong to --general-summary")
     for k, path in enumerate(args.results):
         if not path.is_file():
             raise RarecacheError(f"no results file {path}")
@@ -190,7 +198,7 @@ def cmd_eval_report(args) -> int:
 
         from ..eval.summary import general_summary, markdown
 
-        summary = general_summary(args.results, args.map_label)
+        summary = general_summary(args.results, args.map_label, args.plain_label, args.served_map)
         print("\n" + markdown(summary))
         args.general_summary.parent.mkdir(parents=True, exist_ok=True)
         args.general_summary.write_text(json.dumps(summary, indent=1) + "\n")

@@ -53,7 +53,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--head-matched", action="store_true",
                    help="fit each target KV head only from the same head of the source layers (both models need "
                         "the same number of KV heads): 1/H of the statistics memory and of the map file")
-    add_sharpen_option(p, "none; --preset general: keys 1, values 0.5")
+    add_sharpen_option(p, "none", "--sharpen's; --preset general: keys 1, values 0.5 (handoffs: plain ridge)")
     p.add_argument("--out", type=Path, default=None,
                    help="map file to write (.safetensors); with --preset general the default is the general "
                         "map's place, where `rarecache serve` looks for it: "
@@ -72,41 +72,48 @@ def _add_refit(sub) -> None:
                        description="Read MAP and MAP.state (written by `calibrate --keep-state`) and fit again "
                                    "with other choices. A dense state also gives the head-matched map of the "
                                    "same positions. The new map keeps MAP's models, corpus and documents. "
-                                   "--sharpen alone needs no state: a dense map's sharpening is undone and "
-                                   "redone exactly (its recorded held-out R2 is dropped).")
+                                   "--sharpen and --plain-sharpen need no state: a dense map's sharpening is "
+                                   "undone and redone exactly (its recorded held-out R2 is dropped), and "
+                                   "--plain-sharpen alone changes only the file's metadata.")
     p.add_argument("--map", type=Path, required=True, help="map whose calibration kept its state (MAP.state)")
     p.add_argument("--state", type=Path, default=None, help="the statistics (default: MAP.state)")
     p.add_argument("--k", type=int, default=None, help="source layers per target layer (default: MAP's)")
     p.add_argument("--lam", type=float, default=None, help="ridge lambda (default: MAP's)")
     p.add_argument("--rank", type=int, default=None, help="rank-disagreement probe rank (default: MAP's)")
     p.add_argument("--head-matched", action="store_true", help="fit each target KV head from the same source head")
-    add_sharpen_option(p, "MAP's")
+    add_sharpen_option(p, "MAP's", "MAP's")
     p.add_argument("--out", type=Path, required=True, help="map file to write")
     p.set_defaults(func=cmd_refit)
 
 
-def add_sharpen_option(p, default: str) -> None:
+def add_sharpen_option(p, default: str, plain_default: str) -> None:
     p.add_argument("--sharpen", type=float, nargs=2, default=None, metavar=("KEYS", "VALUES"),
                    help="scale each layer's centred keys / values by R2^-P, undoing part of ridge's shrinkage "
                         f"(0 = plain ridge, 0.5 = the target's variance; docs/RESULTS.md 8) (default: {default})")
+    p.add_argument("--plain-sharpen", type=float, nargs=2, default=None, metavar=("KEYS", "VALUES"),
+                   help="the sharpening plain transfer uses (a handoff that recomputes only the last position), "
+                        "recorded in the file and applied to its one set of tensors at rho 0; handoffs that "
+                        f"recompute positions use --sharpen's (docs/RESULTS.md 8.1) (default: {plain_default})")
 
 
 def cmd_refit(args) -> int:
-    from ..transfer.calibrate import refit, resharpen
+    from ..transfer.calibrate import refit, resharpen, with_plain
     from ..transfer.mapper import Mapper
 
     mapper = Mapper.load(args.map)
     state = args.state or Path(str(args.map) + ".state")
-    only_sharpen = args.sharpen is not None and (args.k, args.lam, args.rank, args.head_matched) == (
-        None, None, None, False)
+    only_sharpen = (args.sharpen, args.plain_sharpen) != (None, None) and (
+        args.k, args.lam, args.rank, args.head_matched) == (None, None, None, False)
     if not state.is_file() and only_sharpen and args.state is None:  # exact from the map alone (resharpen)
-        new = resharpen(mapper, tuple(args.sharpen))
+        new = resharpen(mapper, tuple(args.sharpen)) if args.sharpen else mapper
     elif not state.is_file():
         raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one (only "
-                             "--sharpen can change without it)")
+                             "--sharpen and --plain-sharpen can change without it)")
     else:
         new = refit(mapper, state, args.k, args.lam, args.rank, args.head_matched,
                     tuple(args.sharpen) if args.sharpen else None)
+    if args.plain_sharpen:
+        new = with_plain(new, tuple(args.plain_sharpen))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     new.save(args.out)
     print(new.summary())
@@ -167,7 +174,9 @@ def cmd_calibrate(args) -> int:
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank, head_matched=args.head_matched,
-                            sharpen=tuple(args.sharpen or (mix.SHARPEN if general else (0.0, 0.0))))
+                            sharpen=tuple(args.sharpen or (0.0, 0.0)),
+                            plain_sharpen=tuple(args.plain_sharpen) if args.plain_sharpen else (
+                                mix.SHARPEN if general and args.sharpen is None else None))
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)

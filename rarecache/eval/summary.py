@@ -12,6 +12,12 @@ each task weighs the same in every candidate's mean, and within a task the ranki
 own. It is still a ratio of noisy means: at ARC-C's 6 pp (p = 0.26 at n = 100) one item moves a
 selector's share there by 17%, against 50% for gap closed. A task whose target does not beat its
 source is refused. The summary file records both means per candidate, so the choice can be checked.
+
+A map file serves plain transfer through its plain view (`Mapper.plain`) and handoffs through its
+fit. Results may have measured the two through two files (`--plain-label`: the sharpened fit's
+plain transfer, `--map-label`: the ridge fit's handoffs); `--served-map` then names the one file
+that serves both, and the summary stands for it only after checking, in code, that its fit is the
+handoff map's tensors bit for bit and its plain view the plain map's to float32 rounding.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from .results import load_results, map_sha256
 RHOS = (0.1, 0.2, 0.3)
 
 
-def _task_summary(path: Path) -> tuple[str, str, dict[str, dict], int]:
+PLAIN_VIEW_RTOL = 1e-5  # a served map's plain view against the plain-transfer map: float32 rounding apart
+
+
+def _task_summary(path: Path, plain_label: str | None = None) -> tuple[str, str, dict[str, dict], int]:
     from .tasks import TASKS
     from .tasks.custom import headline
 
@@ -34,12 +43,16 @@ def _task_summary(path: Path) -> tuple[str, str, dict[str, dict], int]:
         raise RarecacheError(f"{path} holds no results yet")
     name = rows[0]["task"]
     metric, chance = (TASKS[name].metric, TASKS[name].chance) if name in TASKS else headline(rows)
-    summary = summarise(rows, metric, chance, lower_is_better=metric == "bpb")
+    summary = summarise(rows, metric, chance, lower_is_better=metric == "bpb", plain_label=plain_label)
     return name, metric, {r["arm"]: r for r in summary}, len({r["item"] for r in rows})
 
 
-def general_summary(paths: list[Path], label: str | None = None) -> dict:
-    tasks = [(p, *_task_summary(p)) for p in paths]
+def general_summary(paths: list[Path], label: str | None = None, plain_label: str | None = None,
+                    served: Path | None = None) -> dict:
+    """The summary of `paths` (one results file per task) through map `label` (its handoffs) and
+    `plain_label` (its plain transfer; default: `label`), standing for the map file `served` when given
+    (checked: `check_served`)."""
+    tasks = [(p, *_task_summary(p, plain_label)) for p in paths]
     names = [t[1] for t in tasks]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
@@ -70,14 +83,18 @@ def general_summary(paths: list[Path], label: str | None = None) -> dict:
         raise RarecacheError(f"no deployable selector was run at rho {', '.join(map(str, RHOS))} on every task "
                              f"through map {label!r}")
     default = max(means, key=means.get)
-    shas = {map_sha256(p, label) for p in paths}
-    if len(shas) > 1:
-        raise RarecacheError(f"map {label!r} is not the same file in every results file")
-    out = {"map": shas.pop(), "map_label": label, "default_selector": default,
+    plain_label = plain_label or label
+    sha, plain_sha = _one_sha(paths, label), _one_sha(paths, plain_label)
+    out = {"map": sha, "map_label": label, "default_selector": default,
            "selector_mean_model_gap_kept": means, "selector_mean_gap_closed": closed, "tasks": {}}
+    if plain_label != label:
+        out.update(plain_label=plain_label, plain_map=plain_sha)
+    if served is not None:
+        out["served"] = check_served(served, paths[0], label, plain_label)
+        out["map"] = out["served"]["sha256"]
     for _, name, metric, arms, n in tasks:
         bpb = metric == "bpb"
-        plain, source = arms.get(arm_name(0, "rank", label)), arms.get("source")
+        plain, source = arms.get(arm_name(0, "rank", plain_label)), arms.get("source")
         d = None
         if plain and source:
             d = (source["mean"] - plain["mean"]) if bpb else 100 * (plain["mean"] - source["mean"])
@@ -86,9 +103,65 @@ def general_summary(paths: list[Path], label: str | None = None) -> dict:
     return out
 
 
+def _one_sha(paths: list[Path], label: str) -> str | None:
+    shas = {map_sha256(p, label) for p in paths}
+    if len(shas) > 1:
+        raise RarecacheError(f"map {label!r} is not the same file in every results file")
+    return shas.pop()
+
+
+def _map_of(results: Path, label: str):
+    """The map file labelled `label` in `results`' meta, loaded, after checking it is the recorded file."""
+    import json
+
+    from ..packages import sha256_file
+    from ..transfer.mapper import Mapper
+
+    entry = json.loads(results.with_suffix(".meta.json").read_text()).get("maps", {}).get(label)
+    if not isinstance(entry, dict) or not Path(entry.get("file", "")).is_file():
+        raise RarecacheError(f"--served-map: {results} does not name an existing file for map {label!r} (the "
+                             "check compares the served map with the very files the results went through)")
+    if sha256_file(Path(entry["file"])) != entry.get("sha256"):
+        raise RarecacheError(f"--served-map: {entry['file']} is not the map {label!r} of {results} (sha256 differs)")
+    return Mapper.load(entry["file"]), entry["sha256"]
+
+
+def check_served(served: Path, results: Path, label: str, plain_label: str) -> dict:
+    """What a summary measured through `label` (handoffs) and `plain_label` (plain transfer) holds for the
+    map file `served` when its fit is `label`'s map bit for bit and its plain view is `plain_label`'s
+    plain view to float32 rounding (PLAIN_VIEW_RTOL); else a clear error. Returns the record."""
+    import torch
+
+    from ..packages import sha256_file
+    from ..transfer.mapper import SIDES, Mapper
+
+    mine, (fit, fit_sha), (plain, plain_sha) = Mapper.load(served), _map_of(results, label), _map_of(results,
+                                                                                                      plain_label)
+    names = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
+    if mine.mlp or fit.mlp or not all(torch.equal(getattr(mine.sides[s], n), getattr(fit.sides[s], n))
+                                      for s in SIDES for n in names):
+        raise RarecacheError(f"--served-map: {served}'s tensors are not map {label!r}'s: its handoffs were not "
+                             "measured")
+    worst = 0.0
+    a, b = mine.plain(), plain.plain()
+    for s in SIDES:
+        for n in ("weight", "bias"):
+            x, y = getattr(a.sides[s], n).double(), getattr(b.sides[s], n).double()
+            worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp(min=1e-30)).item())
+    if worst > PLAIN_VIEW_RTOL:
+        raise RarecacheError(f"--served-map: {served}'s plain-transfer view is not map {plain_label!r}'s (largest "
+                             f"difference {worst:.2g} of the largest entry): its plain transfer was not measured")
+    return {"file": served.name, "sha256": sha256_file(served), "fit_equals": {"label": label, "sha256": fit_sha},
+            "plain_view_equals": {"label": plain_label, "sha256": plain_sha, "max_relative_difference": worst}}
+
+
 def markdown(summary: dict) -> str:
     closed = summary["selector_mean_gap_closed"]
-    lines = [f"default selector through map {summary['map_label']}: {summary['default_selector']} "
+    via = summary["map_label"] + (f" (plain transfer through {summary['plain_label']})"
+                                  if summary.get("plain_label") else "")
+    if summary.get("served"):
+        via += f", served as {summary['served']['file']} (sha256 {summary['served']['sha256'][:12]}, checked)"
+    lines = [f"default selector through map {via}: {summary['default_selector']} "
              f"(mean share of the source-to-target gap kept over tasks at rho {', '.join(map(str, RHOS))}; "
              "in brackets the mean share of the plain-transfer gap closed: "
              + ", ".join(f"{k} {v:.1%} [" + ("—" if closed.get(k) is None else f"{closed[k]:.1%}") + "]"

@@ -39,6 +39,9 @@ from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
 
+FIT_ONLY = ("sharpen", "plain_sharpen")  # choices made after the statistics: a state resumes under any of them
+
+
 @dataclass(frozen=True)
 class CalibrationConfig:
     tokens: int = 65536  # sampled positions used for fitting
@@ -52,6 +55,7 @@ class CalibrationConfig:
     checkpoint_every: int = 8  # sequences between state checkpoints
     head_matched: bool = False  # each target KV head from the same head of the source layers (fit.py)
     sharpen: tuple[float, float] = (0.0, 0.0)  # keys', values' power p: centred predictions scaled by R²^-p (fit.py)
+    plain_sharpen: tuple[float, float] | None = None  # the powers plain transfer uses (Mapper.plain); None: sharpen's
 
     def __post_init__(self):
         if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
@@ -59,6 +63,10 @@ class CalibrationConfig:
         if self.lam < 0 or (self.rank is not None and self.rank < 0):
             raise RarecacheError("lambda and rank must be >= 0")
         check_sharpen(self.sharpen)
+        if self.plain_sharpen is not None:
+            check_sharpen(self.plain_sharpen)
+            if self.head_matched:
+                raise RarecacheError("a head-matched map has one sharpening for every budget (no plain_sharpen)")
 
 
 def layouts(source: Runner, target: Runner) -> tuple[Layout, Layout]:
@@ -88,7 +96,8 @@ class Calibration:
         if self.rank > self.tgt.width:
             raise RarecacheError(f"rank {self.rank} exceeds the target row width {self.tgt.width}")
         self.run_id = {"source": identity(source), "target": identity(target), "corpus": corpus.describe(),
-                       "config": asdict(cfg), "dtype": str(source.dtype),
+                       "config": {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY},
+                       "dtype": str(source.dtype),
                        "kv_heads": [source.config.num_kv_heads, target.config.num_kv_heads]}
         # dense statistics (0), or one set per KV head (head-matched)
         self.heads = matched_heads(*self.run_id["kv_heads"]) if cfg.head_matched else 0
@@ -202,7 +211,7 @@ class Calibration:
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
                        lam=cfg.lam, rank=self.rank, tokens=self._counter("fit").n,
                        corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads,
-                       sharpen=sharpen_info(cfg.sharpen))
+                       sharpen=sharpen_info(cfg.sharpen), plain_sharpen=plain_info(cfg.plain_sharpen))
         return Mapper(info, sides)
 
 
@@ -219,6 +228,21 @@ def check_sharpen(powers: tuple[float, float]) -> None:
 def sharpen_info(powers: tuple[float, float]) -> dict[str, float]:
     """What MapInfo.sharpen records: the sides sharpened and their powers (empty: plain ridge)."""
     return {s: float(p) for s, p in zip(SIDES, powers) if p}
+
+
+def plain_info(powers: tuple[float, float] | None) -> dict[str, float] | None:
+    """What MapInfo.plain_sharpen records: both sides' powers at rho 0, zeros included (None: as `sharpen`)."""
+    return None if powers is None else {s: float(p) for s, p in zip(SIDES, powers)}
+
+
+def with_plain(mapper: Mapper, powers: tuple[float, float] | None) -> Mapper:
+    """The same map with plain transfer's sharpening set to `powers` (None: the map's own `sharpen`).
+    Metadata only: the tensors are the map's, the plain view is derived from them (`Mapper.plain`)."""
+    if powers is not None:
+        check_sharpen(powers)
+        if mapper.info.heads or mapper.info.mlp_hidden:
+            raise RarecacheError("a separate plain-transfer sharpening works on dense linear maps only")
+    return Mapper(replace(mapper.info, plain_sharpen=plain_info(powers)), mapper.sides, mapper.mlp)
 
 
 def fit_sides(stats: dict[str, RegressionStats], src: Layout, tgt: Layout, heads: int, k: int, lam: float,
@@ -258,7 +282,8 @@ def refit(mapper: Mapper, state: Path, k: int | None = None, lam: float | None =
     """The map fitted again from the statistics its calibration kept (`calibrate --keep-state`), with other
     fitting choices: k, λ, rank, or head-matched (a dense state holds every head block, `fit.head_stats`,
     so the head-matched map of the very same positions costs no pass over data), or sharpening (`powers`,
-keys' and values'; None keeps the map's). Seconds, not hours."""
+keys' and values'; None keeps the map's). Plain transfer's sharpening (`MapInfo.plain_sharpen`) is kept,
+except by a head-matched refit, which has none. Seconds, not hours."""
     meta, tensors = read_state(state)
     run, info = meta["run"], mapper.info
     if run.get("source") != info.source or run.get("target") != info.target:
@@ -294,7 +319,8 @@ keys' and values'; None keeps the map's). Seconds, not hours."""
     check_sharpen(powers)
     sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank, powers)
     return Mapper(replace(info, k=min(k, src.layers), lam=lam, rank=rank, r2_heldout=r2_held, heads=heads,
-                          mlp_hidden=0, sharpen=sharpen_info(powers)), sides)
+                          mlp_hidden=0, sharpen=sharpen_info(powers),
+                          plain_sharpen=None if heads else info.plain_sharpen), sides)
 
 
 def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:

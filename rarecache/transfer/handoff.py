@@ -151,7 +151,9 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
                   target_kept: list[int] | None = None, source_attn: torch.Tensor | None = None,
                   target_prefill: tuple[KVCache, torch.Tensor] | None = None) -> Mapped:
     """The source prefills what it has not seen, the map fills the target cache, the selector scores
-    the handed-off positions (arguments as `handoff`)."""
+    the handed-off positions (arguments as `handoff`). At rho 0 the map's plain-transfer view maps
+    (`Mapper.at_rho`)."""
+    mapper = mapper.at_rho(cfg.rho)
     B, lengths = len(prompts), [len(p) for p in prompts]
     source_kept = source_kept or [0] * B
     target_kept = target_kept or [0] * B
@@ -275,19 +277,22 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     n = len(ids)
     whole = torch.tensor([ids], device=target.device)  # (1, n)
     positions = torch.arange(n, device=target.device)[None]  # (1, n)
-    mapped: dict[str, tuple[KVCache, dict[str, torch.Tensor], float]] = {}
-    for label in dict.fromkeys(label for label, _ in variants):
+    fits = [(label, mappers[label].at_rho(cfg.rho)) for label, cfg in variants]  # per variant: (label, fit)
+    mapped: dict[int, tuple[KVCache, dict[str, torch.Tensor], float]] = {}  # per fit (id), run once
+    for _, mapper in fits:
+        if id(mapper) in mapped:
+            continue
         t = _now(target)
         cache = target.new_cache(1, n)
-        centred = mappers[label].apply(source, source_cache, target, cache, positions)
-        mapped[label] = (cache, centred, _now(target) - t)
+        centred = mapper.apply(source, source_cache, target, cache, positions)
+        mapped[id(mapper)] = (cache, centred, _now(target) - t)
 
     out = target.new_cache(len(variants), n)
     logits = torch.empty(len(variants), target.config.vocab_size, device=target.device)
     results: list[HandoffResult | None] = [None] * len(variants)
     groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float]]] = {}
     for v, (label, cfg) in enumerate(variants):
-        cache, centred, map_s = mapped[label]
+        cache, centred, map_s = mapped[id(fits[v][1])]
         if cfg.schedule == LAYER_PREFIX:  # not a position set
             row = out.row(v)
             row.copy_prefix(cache, n)
@@ -295,7 +300,7 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
             logits[v], results[v] = lg[0], res
             continue
         t = _now(target)
-        ctx = SelectionContext(source, target, mappers[label], whole, positions, cache, centred, source_attn,
+        ctx = SelectionContext(source, target, fits[v][1], whole, positions, cache, centred, source_attn,
                                cfg.seed, target_prefill)
         scores = cfg.scorer.scores(ctx)[0]  # (n,)
         chosen = select_top(scores, budget(cfg.rho, n))
@@ -305,14 +310,14 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
         t = _now(target)
         batch = target.new_cache(len(group), n)
         for g, (v, _, _, _) in enumerate(group):
-            batch.row(g).copy_prefix(mapped[variants[v][0]][0], n)
+            batch.row(g).copy_prefix(mapped[id(fits[v][1])][0], n)
         pos = torch.stack([c for _, c, _, _ in group])  # (G, k)
         lg = target.forward(whole[0][pos], pos, batch).logits  # (G, V)
         recompute_s = _now(target) - t
         for g, (v, chosen, scores, score_s) in enumerate(group):
             out.row(v).copy_prefix(batch.row(g), n)
             logits[v] = lg[g]
-            timings = {"map": mapped[variants[v][0]][2], "score": score_s, "recompute": recompute_s,
+            timings = {"map": mapped[id(fits[v][1])][2], "score": score_s, "recompute": recompute_s,
                        "recompute_batch": len(group)}
             results[v] = HandoffResult([chosen.tolist()], [scores], [(0, n)], timings=timings)
     return out, logits, results

@@ -12,6 +12,14 @@ the tensor data that `save` records, so a flipped bit is caught; files written
 before the checksum load without it); `check_pair` checks it against the two models
 (identity, then `check_fits`: layer counts, row widths, source-layer indices). Every
 path that runs a map calls `check_pair` first.
+
+One file serves every budget. Plain transfer (nothing recomputed but the last position) and a
+handoff that recomputes part of the prompt want different fits of the same statistics: with every
+key mapped, ridge's shrunken keys give the target flatter attention than its own, and sharpening
+them (fit.py) helps; next to exact recomputed rows the sharpened mapped rows pull attention away
+from them, and plain ridge is better (docs/RESULTS.md 8.1). `MapInfo.plain_sharpen` records the
+sharpening plain transfer applies; `Mapper.plain` is that view, derived exactly from the stored fit
+(sharpening is a known per-layer scale), so the file holds one set of tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
 from .features import rows, write_rows
-from .fit import SideFit, from_head_blocks, head_blocks
+from .fit import SideFit, from_head_blocks, head_blocks, sharpen, unsharpen
 from .fused import map_into
 from .mlp import SideMLP
 
@@ -47,6 +55,24 @@ _MLP = ("w1", "b1", "w2", "b2")
 def partial_path(path: Path) -> Path:
     """Where a file is written before it is renamed into place (and what a killed write leaves)."""
     return path.with_name(path.name + ".partial")
+
+
+def canonical_header(path: Path) -> None:
+    """Rewrite a safetensors file's metadata in key order, in place. safetensors writes it from a hash map
+    whose order changes from one process to the next, so the same map would get another sha256 each time it
+    is saved (and a result file, which names its map by sha256, would no longer match its map). Same bytes
+    otherwise: the reordered header is as long as the old one (padded with spaces, as safetensors pads)."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        head = json.loads(f.read(n))
+        meta = head.pop("__metadata__", None)
+        if not meta:
+            return
+        raw = json.dumps({"__metadata__": dict(sorted(meta.items())), **head}, separators=(",", ":")).encode()
+        if len(raw) > n:  # (not the compact JSON safetensors writes): leave the file as it is
+            return
+        f.seek(8)
+        f.write(raw.ljust(n, b" "))
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -81,6 +107,7 @@ class MapInfo:
     mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/mlp.py)
     heads: int = 0  # > 0: head-matched with this many KV heads (fit.py); the file keeps the weight's head blocks
     sharpen: dict[str, float] = field(default_factory=dict)  # side -> power p: predictions scaled by R²^-p (fit.py)
+    plain_sharpen: dict[str, float] | None = None  # side -> power plain transfer (rho 0) uses; None: `sharpen`
 
     @property
     def direction(self) -> str:
@@ -93,6 +120,7 @@ class Mapper:
         self.sides = sides
         self.mlp = mlp  # residual MLPs per side when info.mlp_hidden > 0
         self._cast: dict[tuple[str, torch.dtype, str], dict[str, Any]] = {}
+        self._views: dict[torch.dtype | None, Mapper] = {}  # the plain-transfer view per compute dtype (`plain`)
         self.compute_dtype: torch.dtype | None = None  # the map's products' dtype; None: the target's
 
     def computing_in(self, dtype: torch.dtype | None) -> "Mapper":
@@ -104,8 +132,27 @@ class Mapper:
         error 0.0405 -> 0.0425: the rows carry a large common part) and nothing measurable to the values'
         (scripts/map_dtype_error.py), so it is opt-in. Recomputed rows stay exact. The cast tensors are shared."""
         m = Mapper(self.info, self.sides, self.mlp)
-        m._cast, m.compute_dtype = self._cast, dtype
+        m._cast, m._views, m.compute_dtype = self._cast, self._views, dtype
         return m
+
+    def plain(self) -> "Mapper":
+        """The map as plain transfer applies it (a handoff that recomputes only the last position): the
+        fit sharpened by `info.plain_sharpen` when the file records it, else this map. Exact from the
+        stored tensors (fit.sharpen / unsharpen in float64), made once."""
+        powers = self.info.plain_sharpen
+        if powers is None or {s: p for s, p in powers.items() if p} == self.info.sharpen:
+            return self
+        if None not in self._views:
+            sides = {s: _resharpened(self.sides[s], self.info.sharpen.get(s, 0.0), powers.get(s, 0.0)) for s in SIDES}
+            self._views[None] = Mapper(replace(self.info, sharpen={s: p for s, p in powers.items() if p},
+                                               plain_sharpen=None, r2_heldout={}), sides)
+        if self.compute_dtype not in self._views:
+            self._views[self.compute_dtype] = self._views[None].computing_in(self.compute_dtype)
+        return self._views[self.compute_dtype]
+
+    def at_rho(self, rho: float) -> "Mapper":
+        """The fit a handoff at budget `rho` maps with: `plain` at rho 0, else this map (the one rule)."""
+        return self.plain() if rho == 0 else self
 
     def dtype_for(self, target: Runner) -> torch.dtype:
         """The dtype this map's products run in next to `target`."""
@@ -126,9 +173,12 @@ class Mapper:
             tensors.update({k: v.contiguous() for s in SIDES for k, v in self.mlp[s].tensors(s).items()})
         tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
         meta = {f.name: getattr(self.info, f.name) for f in fields(MapInfo)}
+        if meta["plain_sharpen"] is None:  # left out: files without it stay byte-identical to earlier ones
+            del meta["plain_sharpen"]
         path = Path(path)
         tmp = partial_path(path)
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta), _SUM_KEY: tensors_sha256(tensors)})
+        canonical_header(tmp)
         tmp.chmod(0o644)  # safetensors writes 0600; a map is meant to be shared
         tmp.replace(path)
 
@@ -270,6 +320,9 @@ class Mapper:
         kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
         if i.sharpen:
             kind += ", sharpened " + " ".join(f"{s}:R2^-{p:g}" for s, p in i.sharpen.items())
+        if i.plain_sharpen is not None and i.plain_sharpen != i.sharpen:
+            kind += "; plain transfer (rho 0) " + (" ".join(f"{s}:R2^-{p:g}" for s, p in i.plain_sharpen.items() if p)
+                                                   or "unsharpened")
         lines = [f"map {i.direction}: {kind}, "
                  f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
                  f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
@@ -343,6 +396,15 @@ class Mapper:
         return {side: z for side, (_, z) in out.items()}
 
 
+def _resharpened(fit: SideFit, stored: float, power: float) -> SideFit:
+    """A side's fit with its sharpening power changed from `stored` to `power` (computed in float64)."""
+    names = [f.name for f in fields(SideFit)]
+    t = {n: getattr(fit, n) for n in names}
+    out = sharpen(unsharpen(SideFit(**{n: v.double() if v.is_floating_point() else v for n, v in t.items()}),
+                            stored), power)
+    return SideFit(**{n: getattr(out, n).to(t[n].dtype) for n in names})
+
+
 def _name(runner: Runner) -> str:
     return runner.path.name if runner.path else "unnamed"
 
@@ -368,6 +430,13 @@ def _check_info(info: MapInfo) -> None:
     if not (isinstance(info.sharpen, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(
             p, bool) and 0 < p <= 2 for side, p in info.sharpen.items())):
         raise TypeError("sharpen maps k and/or v to powers in (0, 2]")
+    plain = info.plain_sharpen
+    if plain is not None:
+        if not (isinstance(plain, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(
+                p, bool) and 0 <= p <= 2 for side, p in plain.items())):
+            raise TypeError("plain_sharpen is null or maps k and/or v to powers in [0, 2]")
+        if info.heads or info.mlp_hidden:
+            raise TypeError("plain_sharpen needs a dense linear map (not head-matched, no MLP)")
     for side, values in info.r2_heldout.items():
         if side not in SIDES or not isinstance(values, list) or not all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):

@@ -232,7 +232,8 @@ class Handed:
 @torch.inference_mode()
 def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfig, k_src: torch.Tensor,
               v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0,
-              heads: HeadRange | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Handed:
+              heads: HeadRange | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              rho: float | None = None) -> Handed:
     """Map the peer's rows k_src, v_src (Ls, Hs, n, Ds) of `tokens` into the target and recompute
     the `recompute` positions the selector scores highest with the target's weights, over the
     mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
@@ -243,11 +244,15 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     `heads` are the KV heads of this rank, whose config `target` has (weights.rank_config); the
     map and the scores run on whole rows, so every rank picks the same positions, and only the
     rank's columns go into its cache. `agree(positions)` returns the positions every rank is to
-    recompute (rank 0's, broadcast), so the ranks' collectives line up whatever their scores."""
+    recompute (rank 0's, broadcast), so the ranks' collectives line up whatever their scores.
+    `rho`, the request's budget: at 0 (plain transfer) the map's plain-transfer view maps
+    (`Mapper.at_rho`); None maps with the map as it is."""
     Ls, Hs, n, Ds = k_src.shape
     if n != len(tokens):
         raise RarecacheError(f"{n} rows for {len(tokens)} tokens")
     device, dtype = target.device, target.dtype
+    if rho is not None:
+        mapper = mapper.at_rho(rho)
     positions = torch.arange(n, device=device)[None]  # (1, n)
     src_cache = KVCache(Ls, 1, Hs, Ds, n, k_src.dtype, device)
     src_cache.k[:, 0, :, :n], src_cache.v[:, 0, :, :n] = k_src.to(device), v_src.to(device)

@@ -133,7 +133,7 @@ class WorkerSide:
         device = self._kv[0].device
         target = self._runner if spec.recompute > 0 else target_namespace(self._local, self._kv[0].dtype, device)
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
-                        spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None)
+                        spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None, rho=spec.rho)
         t2 = time.perf_counter()
         # filed before the rows go in (a failure here fails the load): rows written => a record says so
         self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
