@@ -6,7 +6,8 @@ every selector at ρ = 0.3). The gate spends the budget in rungs (default ρ = 0
 over one ordering of the positions by the selector's scores, so each rung is a superset of the
 one below and recomputes only the positions it adds (plus the last, which yields the logits):
 climbing to ρ costs about what a direct handoff at ρ does. Rung 0 is plain transfer (the last
-position only). After each rung the target's next-token distribution at the last position is
+position only) through the map's stored fit, not its plain-transfer view (`Mapper.plain`): it is
+the reference rung 1 is compared with and the cache the rungs build on, and they recompute. After each rung the target's next-token distribution at the last position is
 compared with the rung below; their Jensen–Shannon divergence (bits) says whether the answer is
 still moving. The policy accepts the first rung whose divergence is at most its threshold;
 above the top rung the target prefills the handed-off span itself (exact: every row is
