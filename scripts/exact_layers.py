@@ -49,7 +49,7 @@ for n_, ids in enumerate(passages):
     for m in MS:
         cache = target.new_cache(1, n)
         p = torch.arange(prefix)[None]
-        mapper.apply(source, src, target, cache, p)
+        mapper.plain().apply(source, src, target, cache, p)  # all rows mapped: plain transfer's view
         exact_layers(cache, tokens[:, :prefix], p, m)
         pos = torch.arange(prefix - 1, n - 1)[None]
         lg = target.forward(tokens[:, prefix - 1:n - 1], pos, cache, logits_at="all").logits[0]

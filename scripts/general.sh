@@ -35,6 +35,14 @@ RIDGE=$M/general-64k-ridge.safetensors
 SERVED=$M/general-64k.safetensors
 REVERSE=$M/general-64k-1.5b-to-0.5b.safetensors
 ridge() { [ -f "$2" ] || rarecache refit --map "$1" --sharpen 0 0 --out "$2"; }  # sharp ridge
+served_form() {  # MAP: a map made by an older preset (sharpened whole) turned into the served form, in place
+  local rc=0
+  python -c "import sys; from rarecache.transfer.mapper import Mapper; sys.exit(0 if Mapper.load(sys.argv[1]).has_plain_view else 3)" \
+      "$1" || rc=$?
+  [ $rc = 3 ] || return $rc  # 0: already served form; else the map does not load
+  rarecache refit --map "$1" --sharpen 0 0 --plain-sharpen 1 0.5 --out "$1.served"
+  mv "$1.served" "$1"
+}
 # the arms, in two passes so that every task reaches the acceptance budget (rho 0.2) early: pass A is
 # everything at 0.2 (and the suffix 0.3), pass B the 0.1 / 0.3 arms. suffix+attn is the combined
 # selector (the newest positions and the most attended ones, in turn); attn+rank, the first combined selector,
@@ -75,8 +83,9 @@ done
 A=$R/artifacts; mkdir -p $A
 gen_paths() { local t; for t in "${TASKS[@]}"; do echo "$E/$1-$t.jsonl"; done; }
 default_selector() {  # the general summary's pick over every task's results so far (through the ridge fit)
+  rm -f $A/general-map-summary.json  # (inside $(...) errexit is off: a failed report must not leave a stale pick)
   rarecache eval report $(gen_paths ridge) --general-summary $A/general-map-summary.json --map-label ridge \
-      --plain-label sharp --served-map $SERVED > $A/general-report.md
+      --plain-label sharp --served-map $SERVED > $A/general-report.md || return 1
   python -c "import json,sys; print(json.load(open(sys.argv[1]))['default_selector'])" $A/general-map-summary.json
 }
 # what the numbers so far say: the gate's policy fitted on held-apart items (300-399, never evaluated) with the
@@ -98,6 +107,7 @@ reports $SEL 50 || echo "REPORTS FAILED at 100 items; the evaluations go on"
 # where the 0.5B is above chance; how the fit moves with the number of positions (held-out R2 on the
 # documents after each fit, and each map's prefix perplexity: plain transfer, so through the sharpened maps)
 gen $T $S 65536 $REVERSE
+served_form $REVERSE
 for task in hellaswag arc_challenge; do
   ev_one $T $S $task 100 $E/general-$task-reverse.jsonl $REVERSE 0 "${ONE[@]}"
 done

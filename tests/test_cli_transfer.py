@@ -80,6 +80,10 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     assert all(torch.equal(both.sides[s].weight, back.sides[s].weight) for s in ("k", "v"))
     assert main(["refit", "--map", str(tmp_path / "p.safetensors"), "--plain-sharpen", "0", "3",
                  "--out", str(tmp_path / "x")]) == 2
+    # with a state beside the map, --plain-sharpen alone still changes only the metadata
+    assert main(["refit", "--map", str(out), "--plain-sharpen", "1", "0.5", "--out", str(tmp_path / "q.safetensors")]) == 0
+    q, d = Mapper.load(tmp_path / "q.safetensors"), Mapper.load(out)
+    assert q.info.r2_heldout == d.info.r2_heldout and all(torch.equal(q.sides[s].bias, d.sides[s].bias) for s in "kv")
 
 
 def test_generate_with_handoff(mapped, capsys):

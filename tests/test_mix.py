@@ -152,3 +152,21 @@ def test_serve_defaults_to_the_selector_the_summary_measured_through_the_same_ma
     assert measured_selector(served, summary) is None
     assert measured_selector(tmp_path / "missing.safetensors", summary) is None
     assert measured_selector(served, tmp_path / "no-summary.json") is None
+
+
+def test_the_general_preset_sharpens_plain_transfer_only_and_a_head_matched_map_whole():
+    """--preset general: a plain ridge fit with plain transfer's sharpening recorded; head-matched maps (one
+    fit for every budget) take the preset's sharpening as their fit's, as before; given powers win."""
+    from types import SimpleNamespace
+
+    from rarecache.commands.maps import _sharpening
+    from rarecache.eval.mix import SHARPEN
+
+    def args(**kw):
+        return SimpleNamespace(**{"sharpen": None, "plain_sharpen": None, "head_matched": False, **kw})
+
+    assert _sharpening(args(), True) == {"sharpen": (0.0, 0.0), "plain_sharpen": SHARPEN}
+    assert _sharpening(args(head_matched=True), True) == {"sharpen": SHARPEN, "plain_sharpen": None}
+    assert _sharpening(args(sharpen=[0.5, 0.5]), True) == {"sharpen": (0.5, 0.5), "plain_sharpen": None}
+    assert _sharpening(args(plain_sharpen=[2.0, 1.0]), True) == {"sharpen": (0.0, 0.0), "plain_sharpen": (2.0, 1.0)}
+    assert _sharpening(args(), False) == {"sharpen": (0.0, 0.0), "plain_sharpen": None}

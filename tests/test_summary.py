@@ -134,5 +134,12 @@ def test_one_served_map_stands_for_a_ridge_fit_and_a_sharpened_plain_transfer(fi
     ridge.save(files["sharp"])  # the file the results name changed since: refused
     assert main(base + ["--plain-label", "sharp", "--served-map", str(files["served"])]) == 2
     assert "is not the map 'sharp'" in capsys.readouterr().err
-    assert main(["eval", "report", str(path), "--plain-label", "sharp"]) == 2
+    # a per-file report reads gap closed against the plain transfer it is told to
+    assert main(["eval", "report", str(path), "--plain-label", "sharp", "--compact"]) == 0
+    table = capsys.readouterr().out
+    assert "gap closed (of target − plain transfer through sharp)" in table and "| 75% |" in table
+    assert main(["eval", "report", str(path), "--served-map", str(files["served"])]) == 2
     assert "belong to --general-summary" in capsys.readouterr().err
+    # a plain label no file has is refused, not read as missing figures
+    assert main(base + ["--plain-label", "shrap"]) == 2
+    assert "no plain-transfer arm rho=0/rank@shrap" in capsys.readouterr().err

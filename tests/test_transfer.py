@@ -227,6 +227,26 @@ def test_resumed_calibration_equals_uninterrupted(pair, tmp_path):
     assert whole.info.r2_heldout == resumed.info.r2_heldout and len(whole.info.r2_heldout["k"]) == 4
 
 
+def test_a_state_resumes_under_other_sharpening_and_from_before_it_was_left_out(pair, tmp_path):
+    """Sharpening is chosen after the statistics: a state resumes under any, including a state written
+    when the run id still recorded `sharpen` (an interrupted calibration keeps its hours)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    source, target, tok, corpus = pair
+    Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False, max_sequences=2)
+    state = tmp_path / "m.state"
+    with safe_open(str(state), framework="pt") as f:
+        meta, tensors = json.loads(f.metadata()["rarecache.calibration"]), {k: f.get_tensor(k) for k in f.keys()}
+    meta["run"]["config"]["sharpen"] = [1.0, 0.5]  # as states written before FIT_ONLY recorded it
+    save_file(tensors, str(state), metadata={"rarecache.calibration": json.dumps(meta)})
+    again = Calibration(source, target, tok, corpus, replace(CFG, plain_sharpen=(1.0, 0.5)), tmp_path / "m")
+    assert again.run(progress=False) is not None and again.sequences_done > 2
+    assert again.fit().info.plain_sharpen == {"k": 1.0, "v": 0.5}
+
+
 def test_state_of_another_run_is_refused(pair, tmp_path):
     source, target, tok, corpus = pair
     Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False, max_sequences=1)
@@ -386,16 +406,28 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     with pytest.raises(RarecacheError, match="dense linear maps only"):
         with_plain(heads, (1.0, 0.5))
     assert with_plain(both, None).info.plain_sharpen is None
-    from rarecache.transfer.mapper import Mapper
-
-    for bad, why in (({"k": 3.0}, "powers in \\[0, 2\\]"), ({"q": 1.0}, "powers in \\[0, 2\\]"),
-                     ([1.0, 0.5], "powers in \\[0, 2\\]")):
-        Mapper(replace(both.info, plain_sharpen=bad), both.sides).save(tmp_path / "bad.safetensors")
+    assert both.with_mlp({}, 4).info.plain_sharpen is None  # an MLP map has one fit for every budget
+    # a file whose r2 and plain sharpening would overflow the view: r2 above 1 is refused on load, and a view
+    # that is not finite is refused when made
+    big = {s: replace(both.sides[s], r2=both.sides[s].r2 * 0 + 1e20) for s in ("k", "v")}
+    Mapper(both.info, big).save(tmp_path / "bad.safetensors")
+    with pytest.raises(RarecacheError, match="r2 holds values above 1"):
+        Mapper.load(tmp_path / "bad.safetensors")
+    huge = {s: replace(both.sides[s], weight=both.sides[s].weight.float() * 0 + 3e37, r2=both.sides[s].r2 * 0)
+            for s in ("k", "v")}
+    with pytest.raises(RarecacheError, match="plain-transfer view .* is not finite"):
+        Mapper(replace(both.info, plain_sharpen={"k": 2.0, "v": 0.0}), huge).plain()
+    both.save(tmp_path / "both.safetensors")
+    heads.save(tmp_path / "heads.safetensors")
+    for base, bad, why in (("both", {"k": 3.0}, "powers in \\[0, 2\\]"), ("both", {"q": 1.0}, "powers in \\[0, 2\\]"),
+                           ("both", [1.0, 0.5], "powers in \\[0, 2\\]"),
+                           ("heads", {"k": 1.0}, "plain_sharpen needs a dense linear map")):
+        _rewrite_meta(tmp_path / f"{base}.safetensors", tmp_path / "bad.safetensors", plain_sharpen=bad)
         with pytest.raises(RarecacheError, match="no valid rarecache map metadata.*" + why):
             Mapper.load(tmp_path / "bad.safetensors")
-    Mapper(replace(heads.info, plain_sharpen={"k": 1.0}), heads.sides).save(tmp_path / "bad.safetensors")
-    with pytest.raises(RarecacheError, match="plain_sharpen needs a dense linear map"):
-        Mapper.load(tmp_path / "bad.safetensors")
+        with pytest.raises(RarecacheError, match="not writing .*invalid"):  # nor does save write one
+            Mapper(replace(both.info, plain_sharpen=bad, heads=heads.info.heads if base == "heads" else 0),
+                   both.sides).save(tmp_path / "never.safetensors")
     with pytest.raises(RarecacheError, match=r"two powers \(keys, values\) in \[0, 2\]"):
         refit(dense, state, powers=(3.0, 0.0))
     with pytest.raises(RarecacheError, match="head-matched statistics: it refits head-matched maps only"):
@@ -408,6 +440,19 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     (tmp_path / "junk").write_bytes(b"junk")
     with pytest.raises(RarecacheError, match="is not a calibration state"):
         refit(dense, tmp_path / "junk")
+
+
+def _rewrite_meta(src, dst, **changes):
+    """A copy of map file `src` with fields of its metadata changed (tensors and their checksum kept)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(src), framework="pt") as f:
+        meta, tensors = dict(f.metadata()), {k: f.get_tensor(k) for k in f.keys()}
+    meta["rarecache.map"] = json.dumps({**json.loads(meta["rarecache.map"]), **changes})
+    save_file(tensors, str(dst), metadata=meta)
 
 
 def test_a_saved_map_is_the_same_bytes_every_time(pair, tmp_path):

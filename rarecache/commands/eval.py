@@ -168,8 +168,9 @@ def _add_report(ev) -> None:
     e.add_argument("--map-label", default=None,
                    help="--general-summary: the map label the arms go through, if the files have several")
     e.add_argument("--plain-label", default=None,
-                   help="--general-summary: the map label plain transfer (rho 0) is read from (default: "
-                        "--map-label's), when the results measured it through another fit of the same map")
+                   help="the map label plain transfer (rho 0) is read from, for gap closed and the summary's "
+                        "plain_minus_source (default: each arm's own map), when the results measured it through "
+                        "another fit of the same map")
     e.add_argument("--served-map", type=Path, default=None, metavar="MAP",
                    help="--general-summary: the one map file that serves both (a map whose plain view is "
                         "--plain-label's and whose fit is --map-label's, checked in code); the summary names it")
@@ -185,8 +186,8 @@ def _add_report(ev) -> None:
 
 
 def cmd_eval_report(args) -> int:
-    if (args.map_label or args.plain_label or args.served_map) and not args.general_summary:
-        raise RarecacheError("--map-label, --plain-label and --served-map belong to --general-summary")
+    if (args.map_label or args.served_map) and not args.general_summary:
+        raise RarecacheError("--map-label and --served-map belong to --general-summary")
     for k, path in enumerate(args.results):
         if not path.is_file():
             raise RarecacheError(f"no results file {path}")
@@ -224,12 +225,12 @@ def _report(args, path: Path) -> None:
         raise RarecacheError(f"{path} has no metric {metric!r}; its numeric fields: {', '.join(fields)}")
     bpb = metric == "bpb"
     items = len({r["item"] for r in rows})
-    summary = summarise(rows, metric, chance, lower_is_better=bpb)
+    summary = summarise(rows, metric, chance, lower_is_better=bpb, plain_label=args.plain_label)
     if args.compact:
-        print(compact(summary, metric, percent=not bpb))
+        print(compact(summary, metric, percent=not bpb, plain_label=args.plain_label))
     else:
         print(markdown(summary, f"{path} ({items} items)", metric=metric, percent=not bpb,
-                       template_share=template_prompt_share(rows)))
+                       template_share=template_prompt_share(rows), plain_label=args.plain_label))
     turns = by_turn(rows, metric, percent=not bpb)
     if turns:
         print(f"\n{turns}")

@@ -104,8 +104,10 @@ def cmd_refit(args) -> int:
     state = args.state or Path(str(args.map) + ".state")
     only_sharpen = (args.sharpen, args.plain_sharpen) != (None, None) and (
         args.k, args.lam, args.rank, args.head_matched) == (None, None, None, False)
-    if not state.is_file() and only_sharpen and args.state is None:  # exact from the map alone (resharpen)
-        new = resharpen(mapper, tuple(args.sharpen)) if args.sharpen else mapper
+    if only_sharpen and args.sharpen is None and args.state is None:  # metadata only
+        new = mapper
+    elif not state.is_file() and only_sharpen and args.state is None:  # exact from the map alone (resharpen)
+        new = resharpen(mapper, tuple(args.sharpen))
     elif not state.is_file():
         raise RarecacheError(f"no calibration state {state}: calibrate with --keep-state to keep one (only "
                              "--sharpen and --plain-sharpen can change without it)")
@@ -164,6 +166,19 @@ def _corpus(args, tokenizer):
     return load_corpus(args.corpus, chat=args.chat, cache_dir=args.cache_dir)
 
 
+def _sharpening(args, general: bool) -> dict:
+    """The fit's and plain transfer's sharpening: as given, else the preset's (a general map: plain ridge, and
+    plain transfer sharpened by mix.SHARPEN; head-matched, which has one fit for every budget: mix.SHARPEN)."""
+    if args.sharpen is not None or not general:
+        return {"sharpen": tuple(args.sharpen or (0.0, 0.0)),
+                "plain_sharpen": tuple(args.plain_sharpen) if args.plain_sharpen else None}
+    from ..eval import mix
+
+    if args.head_matched:
+        return {"sharpen": mix.SHARPEN, "plain_sharpen": tuple(args.plain_sharpen) if args.plain_sharpen else None}
+    return {"sharpen": (0.0, 0.0), "plain_sharpen": tuple(args.plain_sharpen or mix.SHARPEN)}
+
+
 def cmd_calibrate(args) -> int:
     from ..transfer.calibrate import Calibration, CalibrationConfig
 
@@ -174,9 +189,7 @@ def cmd_calibrate(args) -> int:
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank, head_matched=args.head_matched,
-                            sharpen=tuple(args.sharpen or (0.0, 0.0)),
-                            plain_sharpen=tuple(args.plain_sharpen) if args.plain_sharpen else (
-                                mix.SHARPEN if general and args.sharpen is None else None))
+                            **_sharpening(args, general))
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)

@@ -17,6 +17,10 @@ from ..transfer.selectors import SELECTORS
 from .metrics import mean_ci, p_floor, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
+
+
+def gap_closed_header(plain_label: str | None = None) -> str:
+    return GAP_CLOSED if plain_label is None else f"gap closed (of target − plain transfer through {plain_label})"
 GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
 
 
@@ -137,7 +141,7 @@ def _p_cell(r: dict, key: str = "p", n_key: str = "p_n") -> str:
 
 
 def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", percent: bool = True,
-             template_share: float | None = None) -> str:
+             template_share: float | None = None, plain_label: str | None = None) -> str:
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
     fd = (lambda x: f"{x:+.1%}") if percent else (lambda x: f"{x:+.4f}")
     head = [f"**{title}**", ""] if title else []
@@ -145,7 +149,7 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
         head += [f"Shared template (instruction, exemplars, chat markup) is {template_share:.0%} of the prompt "
                  "positions; the last column is its share of the positions each arm recomputed.", ""]
     lines = head + [
-        f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {GAP_CLOSED} | Δ vs target (95% CI) "
+        f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
         "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
@@ -180,7 +184,7 @@ def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
     return "\n".join(lines)
 
 
-def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
+def compact(summary: list[dict], metric: str, percent: bool = True, plain_label: str | None = None) -> str:
     """One row per arm, one column group per map: the metric with its interval, floor-normalised
     retention (or, for lower-is-better metrics, the difference to the target), gap closed, the share
     of the source-to-target gap kept and the p-values against the target and against rank
@@ -193,7 +197,7 @@ def compact(summary: list[dict], metric: str, percent: bool = True) -> str:
         key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
         cells[key][parts[2] if parts else ""] = r
     second = "floor-norm. ret." if percent else "Δ vs target"
-    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {GAP_CLOSED} | {GAP_KEPT} | p vs target (n) | "
+    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {gap_closed_header(plain_label)} | {GAP_KEPT} | p vs target (n) | "
               "p vs rank (n)" for lab in labels)
     head = "| arm | " + " | ".join(groups) + " |"
     lines = [head, "|---" * (1 + 6 * len(labels)) + "|"]

@@ -84,6 +84,10 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                              f"through map {label!r}")
     default = max(means, key=means.get)
     plain_label = plain_label or label
+    for _, name, _, arms, _ in tasks:
+        if arm_name(0, "rank", plain_label) not in arms:
+            raise RarecacheError(f"{name}: no plain-transfer arm {arm_name(0, 'rank', plain_label)} (map label "
+                                 f"{plain_label!r}): plain_minus_source and gap closed read it")
     sha, plain_sha = _one_sha(paths, label), _one_sha(paths, plain_label)
     out = {"map": sha, "map_label": label, "default_selector": default,
            "selector_mean_model_gap_kept": means, "selector_mean_gap_closed": closed, "tasks": {}}
@@ -118,7 +122,7 @@ def _map_of(results: Path, label: str):
     from ..transfer.mapper import Mapper
 
     entry = json.loads(results.with_suffix(".meta.json").read_text()).get("maps", {}).get(label)
-    if not isinstance(entry, dict) or not Path(entry.get("file", "")).is_file():
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not Path(entry["file"]).is_file():
         raise RarecacheError(f"--served-map: {results} does not name an existing file for map {label!r} (the "
                              "check compares the served map with the very files the results went through)")
     if sha256_file(Path(entry["file"])) != entry.get("sha256"):
@@ -142,8 +146,13 @@ def check_served(served: Path, results: Path, label: str, plain_label: str) -> d
                                       for s in SIDES for n in names):
         raise RarecacheError(f"--served-map: {served}'s tensors are not map {label!r}'s: its handoffs were not "
                              "measured")
+    if plain.mlp or plain.info.k != mine.info.k or (plain.info.source, plain.info.target) != (
+            mine.info.source, mine.info.target):
+        raise RarecacheError(f"--served-map: {served} and map {plain_label!r} differ in models, k or kind")
     worst = 0.0
     a, b = mine.plain(), plain.plain()
+    if not all(torch.equal(a.sides[s].sources, b.sides[s].sources) for s in SIDES):
+        raise RarecacheError(f"--served-map: {served} reads other source layers than map {plain_label!r}")
     for s in SIDES:
         for n in ("weight", "bias"):
             x, y = getattr(a.sides[s], n).double(), getattr(b.sides[s], n).double()

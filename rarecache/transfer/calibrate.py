@@ -141,7 +141,8 @@ class Calibration:
         if not self.state_path.is_file():
             return False
         meta, tensors = read_state(self.state_path, self.device)
-        if meta["run"] != json.loads(json.dumps(self.run_id)):
+        run = dict(meta["run"], config={k: v for k, v in meta["run"].get("config", {}).items() if k not in FIT_ONLY})
+        if run != json.loads(json.dumps(self.run_id)):  # (states written before FIT_ONLY recorded sharpen)
             raise RarecacheError(f"{self.state_path} belongs to a different calibration (models, corpus or "
                                  "settings differ); delete it or pass --restart")
         self.stats = {name: RegressionStats.from_tensors(tensors, name) for name in self.stats}

@@ -76,6 +76,7 @@ def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[
              ) -> Diagnostics:
     """The diagnostics of `mapper` on `prompts` (each handed off whole, batch one)."""
     L = target.num_layers
+    mapper = mapper.at_rho(rho)  # what a handoff at rho maps with
     sums = {k: torch.zeros(L, dtype=torch.float64) for k in ("cos", "kc", "vc", "ra", "ea")}
     per_prompt, tokens = [], 0
     for ids in prompts:

@@ -7,8 +7,9 @@ over one ordering of the positions by the selector's scores, so each rung is a s
 one below and recomputes only the positions it adds (plus the last, which yields the logits):
 climbing to ρ costs about what a direct handoff at ρ does. Rung 0 is plain transfer (the last
 position only) through the map's stored fit, not its plain-transfer view (`Mapper.plain`): it is
-the reference rung 1 is compared with and the cache the rungs build on, and they recompute. After each rung the target's next-token distribution at the last position is
-compared with the rung below; their Jensen–Shannon divergence (bits) says whether the answer is
+the cache every rung builds on by recomputing positions, which the stored fit serves better.
+After each rung the target's next-token distribution at the last position is compared with the
+rung below; their Jensen–Shannon divergence (bits) says whether the answer is
 still moving. The policy accepts the first rung whose divergence is at most its threshold;
 above the top rung the target prefills the handed-off span itself (exact: every row is
 rewritten), reusing the rows it held before the handoff.

@@ -139,19 +139,33 @@ class Mapper:
         """The map as plain transfer applies it (a handoff that recomputes only the last position): the
         fit sharpened by `info.plain_sharpen` when the file records it, else this map. Exact from the
         stored tensors (fit.sharpen / unsharpen in float64), made once."""
-        powers = self.info.plain_sharpen
-        if powers is None or {s: p for s, p in powers.items() if p} == self.info.sharpen:
+        if not self.has_plain_view:
             return self
         if None not in self._views:
-            sides = {s: _resharpened(self.sides[s], self.info.sharpen.get(s, 0.0), powers.get(s, 0.0)) for s in SIDES}
-            self._views[None] = Mapper(replace(self.info, sharpen={s: p for s, p in powers.items() if p},
+            info, powers = self.info, self.info.plain_sharpen
+            if info.mlp_hidden or info.heads:
+                raise RarecacheError("a plain-transfer sharpening needs a dense linear map")
+            sides = {s: _resharpened(self.sides[s], info.sharpen.get(s, 0.0), powers.get(s, 0.0)) for s in SIDES}
+            if not all(torch.isfinite(t).all() for f in sides.values() for t in (f.weight, f.bias, f.eigenvalues)):
+                raise RarecacheError(f"this map's plain-transfer view ({info.direction}) is not finite: its r2 and "
+                                     "sharpening powers do not fit together")
+            self._views[None] = Mapper(replace(info, sharpen={s: p for s, p in powers.items() if p},
                                                plain_sharpen=None, r2_heldout={}), sides)
         if self.compute_dtype not in self._views:
             self._views[self.compute_dtype] = self._views[None].computing_in(self.compute_dtype)
         return self._views[self.compute_dtype]
 
+    @property
+    def has_plain_view(self) -> bool:
+        """Whether plain transfer maps with other sharpening than the stored fit's."""
+        p = self.info.plain_sharpen
+        return p is not None and {s: v for s, v in p.items() if v} != self.info.sharpen
+
     def at_rho(self, rho: float) -> "Mapper":
-        """The fit a handoff at budget `rho` maps with: `plain` at rho 0, else this map (the one rule)."""
+        """The fit a handoff at budget `rho` maps with: `plain` at rho 0, else this map (the one rule).
+        Keyed on the requested budget: rho 0 asks for plain transfer (every handed-off row mapped, only the
+        last position computed); any rho > 0 asks for recomputed positions, even where the budget rounds
+        to the last position alone."""
         return self.plain() if rho == 0 else self
 
     def dtype_for(self, target: Runner) -> torch.dtype:
@@ -161,8 +175,9 @@ class Mapper:
     # -- file format -------------------------------------------------------------------
 
     def with_mlp(self, mlp: dict[str, SideMLP], hidden: int) -> "Mapper":
-        """This ridge map plus residual MLPs (the nonlinear option)."""
-        return Mapper(replace(self.info, mlp_hidden=hidden), self.sides, mlp)
+        """This ridge map plus residual MLPs (the nonlinear option): one fit for every budget (a plain-transfer
+        sharpening, `plain_sharpen`, is for dense linear maps and is dropped)."""
+        return Mapper(replace(self.info, mlp_hidden=hidden, plain_sharpen=None), self.sides, mlp)
 
     def save(self, path: str | Path) -> None:
         tensors = {f"{s}.{name}": getattr(self.sides[s], name).contiguous() for s in SIDES for name in _TENSORS}
@@ -172,6 +187,10 @@ class Mapper:
         if self.mlp:
             tensors.update({k: v.contiguous() for s in SIDES for k, v in self.mlp[s].tensors(s).items()})
         tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
+        try:  # what `load` refuses is never written
+            _check_info(self.info)
+        except TypeError as e:
+            raise RarecacheError(f"not writing {path}: the map's metadata is invalid ({e})") from None
         meta = {f.name: getattr(self.info, f.name) for f in fields(MapInfo)}
         if meta["plain_sharpen"] is None:  # left out: files without it stay byte-identical to earlier ones
             del meta["plain_sharpen"]
@@ -258,6 +277,8 @@ class Mapper:
             if lt < 1 or dt < 1 or kd < 1 or kd % k or rank > dt or k > ls:
                 raise RarecacheError(f"{where}: {s}.weight has shape {(lt, kd, dt)}, which does not fit "
                                      f"k={k} of {ls} source layers and rank {rank}")
+            if (self.info.sharpen or self.info.plain_sharpen) and bool((fit.r2 > 1 + 1e-6).any()):
+                raise RarecacheError(f"{where}: {s}.r2 holds values above 1, which sharpening cannot scale by")
             src = fit.sources.long()
             if len(src) and (src.min() < 0 or src.max() >= ls):
                 raise RarecacheError(f"{where}: {s}.sources names a source layer outside 0..{ls - 1}")
@@ -320,7 +341,7 @@ class Mapper:
         kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
         if i.sharpen:
             kind += ", sharpened " + " ".join(f"{s}:R2^-{p:g}" for s, p in i.sharpen.items())
-        if i.plain_sharpen is not None and i.plain_sharpen != i.sharpen:
+        if self.has_plain_view:
             kind += "; plain transfer (rho 0) " + (" ".join(f"{s}:R2^-{p:g}" for s, p in i.plain_sharpen.items() if p)
                                                    or "unsharpened")
         lines = [f"map {i.direction}: {kind}, "
