@@ -372,3 +372,31 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
         mapped = first["handed_off_tokens"] - first["recomputed_tokens"]
         assert again["reused_approximate_tokens"] == (mapped if approximate else 0)
         assert (mapped > 0) == approximate
+
+
+def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
+    """The candidate signal `row_error`, against the long way: the mapped rows (a plain `Mapper.apply`) against
+    the rows the rungs recomputed (the last position's as plain transfer computed it, at rung 0)."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n = len(ids)
+    pol = GatePolicy("rank", (0.2, 0.5), ALWAYS)
+    snaps = target.new_cache(2, n)
+    _, _, res = gated_handoff(source, target, mapper, ids, pol, climb_all=True, snapshots=snaps)
+    mapped = target.new_cache(1, n)
+    src_cache, _ = source.prefill([ids])
+    mapper.apply(source, src_cache, target, mapped, torch.arange(n)[None])
+    plain, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0))
+
+    def ratio(pos: list[int], cache) -> float:
+        err = ref = 0.0
+        for exact, before in ((cache.k, mapped.k), (cache.v, mapped.v)):
+            e, b = exact[:, 0, :, pos].double(), before[:, 0, :, pos].double()
+            err, ref = err + (e - b).pow(2).sum().item(), ref + e.pow(2).sum().item()
+        return err, ref
+
+    e0, r0 = ratio([n - 1], plain)
+    assert res.rungs[0].row_error == pytest.approx(e0 / r0, rel=1e-4) and res.rungs[0].row_error > 0
+    top = [p for p in res.handoff.positions[0] if p != n - 1]
+    e1, r1 = ratio(top, snaps.row(1))
+    assert res.rungs[-1].row_error == pytest.approx((e0 + e1) / (r0 + r1), rel=1e-4)

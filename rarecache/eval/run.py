@@ -252,7 +252,7 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
     lps = continuation_logprobs(target.runner, snaps, firsts, n, conts)
     score_s = time.perf_counter() - t
     rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
-              "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain,
+              "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain, "row_error": r.row_error,
               **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp in zip(res.rungs[1:], lps)]
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings

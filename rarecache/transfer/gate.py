@@ -95,6 +95,7 @@ class Rung:
     margin: float = 0.0  # nats between the most and second most likely next token
     entropy: float = 0.0  # bits, of the next-token distribution
     js_plain: float = 0.0  # bits, against plain transfer (rung 0)
+    row_error: float = 0.0  # relative squared error of the mapped rows where recomputed so far (a candidate signal)
 
 
 @dataclass
@@ -162,23 +163,35 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     order = order.argsort(descending=True, stable=True) + target_kept  # (W,) positions, best first
     timings["score"] += _now(target) - t
 
+    err = torch.zeros(2, dtype=torch.float64)  # squared error of the mapped rows recomputed so far, and their norm
+
     def run(new: torch.Tensor) -> tuple[torch.Tensor, float]:  # recompute positions `new` (with the last)
         t = _now(target)
+        fresh = new  # (the last position's mapped row is measured once, at rung 0)
         new = torch.unique(torch.cat([new, order[:1]]))  # ascending
         tok, pos = subset(whole, [new])
+        mapped = [c[:, 0, :, fresh].double() for c in (cache.k, cache.v)]  # (L, H, m, D) before recompute
         lg = target.forward(tok, pos, cache).logits[0]
+        for c, before in zip((cache.k, cache.v), mapped):
+            exact = c[:, 0, :, fresh].double()
+            err[0] += (exact - before).pow(2).sum()
+            err[1] += exact.pow(2).sum()
         return lg, _now(target) - t
 
-    prev, plain_s = run(order[:0])  # rung 0: plain transfer
+    def row_error() -> float:
+        return (err[0] / err[1]).item() if err[1] > 0 else 0.0
+
+    prev, plain_s = run(order[:1])  # rung 0: plain transfer
     plain = prev
-    rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s, *_confidence(prev))]
+    rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s, *_confidence(prev), 0.0,
+                  row_error())]
     per_rung, done, accepted = [], 1, None
     for k, rho in enumerate(policy.rungs):
         want = budget(rho, w)
         lg, secs = run(order[done:want])
         top = order[:want] - target_kept
         rung = Rung(rho, want, js_bits(lg, prev), bool(lg.argmax() == prev.argmax()), _outside(scores, top), secs,
-                    *_confidence(lg), js_bits(lg, plain))
+                    *_confidence(lg), js_bits(lg, plain), row_error())
         rungs.append(rung)
         done, prev = want, lg
         if snapshots is not None:
