@@ -129,7 +129,8 @@ gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
 ppl general-256k
 for f in $E/ridge-*.jsonl $E/general-*-reverse.jsonl; do  # (ridge-held-*.jsonl: the gate's fit data, `eval gate fit`)
   case "$f" in *ridge-held-*) continue;; esac
-  rarecache eval report "$f" --plots docs/artifacts > "${f%.jsonl}.report.md"
-  rarecache eval report "$f" --compact > "${f%.jsonl}.compact.md"
+  plain=(); case "$f" in */ridge-*) plain=(--plain-label sharp);; esac  # the served file's plain transfer
+  rarecache eval report "$f" "${plain[@]}" --plots docs/artifacts > "${f%.jsonl}.report.md"
+  rarecache eval report "$f" "${plain[@]}" --compact > "${f%.jsonl}.compact.md"
 done
 echo GENERAL DONE
