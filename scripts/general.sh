@@ -46,7 +46,7 @@ served_form() {  # MAP: a map made by an older preset (sharpened whole) turned i
 # the issue's arms, in two passes so that every task reaches the acceptance budget (rho 0.2) early: pass A is
 # everything at 0.2 (and the issue's suffix 0.3), pass B the 0.1 / 0.3 arms. suffix+attn is the combined
 # selector (the newest positions and the most attended ones, in turn); attn+rank, the first combined selector,
-# lost to both its parts on MMLU (RESULTS.md 8) and was dropped after MMLU and 12 HellaSwag items for CPU time
+# lost to both its parts on MMLU (RESULTS.md 8) and was dropped after MMLU and 14 HellaSwag items for CPU time
 # (every arm costs its continuations: a 441-token HellaSwag item takes ~7 s per arm here). The gate's ladder
 # runs once the default selector is known: the one the general summary picks from passes A and B.
 PASS_A=(target source 0:rank@ridge 0:rank@sharp 0.2:rank@ridge 0.2:attn-source@ridge 0.2:suffix@ridge
@@ -56,7 +56,7 @@ PASS_B=(0.1:rank@ridge 0.3:rank@ridge 0.1:attn-source@ridge 0.3:attn-source@ridg
 . scripts/lib.sh  # seed, shipped
 ev() {  # source target task items out ridge-map sharp-map start arms...
   seed "$5"
-  rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" --arms "${@:9}" \
+  rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" "served=$SERVED" --arms "${@:9}" \
       --start "$8" --limit "$4" "${DT[@]}" --out "$5" >/dev/null
 }
 ev_one() {  # source target task items out map start arms... (label general)
@@ -89,18 +89,20 @@ default_selector() {  # the general summary's pick over every task's results so 
   python -c "import json,sys; print(json.load(open(sys.argv[1]))['default_selector'])" $A/general-map-summary.json
 }
 # what the numbers so far say: the gate's policy fitted on held-apart items (300-399, never evaluated) with the
-# default selector's ladder, its outcome on the evaluated items, CoQA drift through it
+# default selector's ladder, its outcome on the evaluated items, CoQA drift through it. The ladders run through
+# the served file itself (label served; its rungs map with its stored fit, the ridge one), so the policy records
+# the sha256 `serve --rho auto` checks.
 reports() {  # selector stories
-  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@ridge" --out $A/gate-policy.json
-  rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@ridge" --policy $A/gate-policy.json \
+  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json
+  rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy.json \
       --summary $A/gate-summary.json > $A/gate-report.md
   rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
       --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1.jsonl" > $A/drift-report.md
 }
 SEL=$(default_selector)
 for task in "${TASKS[@]}"; do
-  ev $S $T $task 100 $E/ridge-$task.jsonl $RIDGE $SHARP 0 ladder:$SEL@ridge
-  ev $S $T $task 100 $E/ridge-held-$task.jsonl $RIDGE $SHARP 300 target ladder:$SEL@ridge
+  ev $S $T $task 100 $E/ridge-$task.jsonl $RIDGE $SHARP 0 ladder:$SEL@served
+  ev $S $T $task 100 $E/ridge-held-$task.jsonl $RIDGE $SHARP 300 target ladder:$SEL@served
 done
 reports $SEL 50 || echo "REPORTS FAILED at 100 items; the evaluations go on"
 # breadth first: every figure the issues ask for at 100 items before any at 300. Large -> small on the tasks
@@ -118,7 +120,7 @@ ppl() {  # map name (prefix perplexity through it, as maps.sh did for v1's maps)
 gen $S $T 16384 $M/general-16k-0.5b-to-1.5b.safetensors
 ppl general-16k; ppl general-64k
 for task in "${TASKS[@]}"; do
-  ev $S $T $task 300 $E/ridge-$task.jsonl $RIDGE $SHARP 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL@ridge
+  ev $S $T $task 300 $E/ridge-$task.jsonl $RIDGE $SHARP 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL@served
 done
 [ "$(default_selector)" = "$SEL" ] || echo "THE DEFAULT SELECTOR MOVED at 300 items; the ladder is $SEL's"
 reports $SEL 200 || echo "REPORTS FAILED at 300 items"
