@@ -192,6 +192,20 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
     assert main(["eval", "gate", "fit", str(held), "--max-changed", "0.5", "--out", str(pol)]) == 0
     policy = GatePolicy.load(pol)
     assert policy.fitted["tasks"]["toychoice"]["items"] == ["toy-0", "toy-1", "toy-2"]
+    # the same fit at other bounds, stored: a looser bound never costs more; the file's own level is the policy
+    levels = policy.fitted["levels"]
+    assert [lv["max_changed"] for lv in levels] == [0.0, 0.25, 0.5, 1.0, 2.5, 5.0]
+    costs = [lv["tasks"]["toychoice"]["cost"] for lv in levels]
+    assert costs == sorted(costs, reverse=True) and levels[0]["tasks"]["toychoice"]["loss"] == 0
+    assert all(lv["tasks"]["toychoice"]["loss"] <= lv["max_changed"] + 1e-12 for lv in levels)
+    assert (levels[2]["threshold"], levels[2]["min_margin"]) == (policy.threshold, policy.min_margin)
+    tighter = policy.at_loss(0.3)  # the largest stored level at most 0.3: 0.25
+    assert tighter.threshold == levels[1]["threshold"] and tighter.fitted["bounds"]["max_changed"] == 0.25
+    assert policy.at_loss(0.5).threshold == policy.threshold
+    with pytest.raises(RarecacheError, match="no fitted level allows at most -0.1"):
+        policy.at_loss(-0.1)
+    with pytest.raises(RarecacheError, match="stores no other loss levels"):
+        GatePolicy("rank").at_loss(0.01)
     # evaluating on the items it was fitted on is refused
     assert main(["eval", "gate", "report", str(held), "--policy", str(pol)]) == 2
     summary = tmp_path / "gate-summary.json"
@@ -327,7 +341,7 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     policy = tmp_path / "p.json"
     policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": "0" * 64}}}).to_json())
     for extra, msg in ((["--rho", "auto"], "needs --gate-policy"), (["--rho", "half"], "a number in [0, 1] or auto"),
-                       (["--gate-policy", str(policy)], "goes with --rho auto"),
+                       (["--gate-policy", str(policy)], "go with --rho auto"),
                        (["--rho", "auto", "--gate-policy", str(policy)], "was not fitted through"),
                        (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
         assert main([*args, *extra]) == 2
@@ -335,8 +349,22 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
     assert "our own engine only" in capsys.readouterr().err
+    assert main([*args, "--max-loss", "0.01"]) == 2
+    assert "go with --rho auto" in capsys.readouterr().err
+    assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--max-loss", "0.01"]) == 2
+    assert "stores no other loss levels" in capsys.readouterr().err
     started = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
+    sha = sha256_file(path)
+    levels = [{"max_changed": 0.0, "max_bpb": 0.0, "threshold": -1.0, "min_margin": None, "tasks": {}},
+              {"max_changed": 0.05, "max_bpb": 0.0125, "threshold": 0.02, "min_margin": None, "tasks": {}}]
+    leveled = tmp_path / "levels.json"
+    leveled.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha}},
+                                                                     "levels": levels}).to_json())
+    assert main([*args, "--rho", "auto", "--gate-policy", str(leveled), "--max-loss", "0.1"]) == 0
+    assert "the level fitted at <= 0.05 changed answers, <= 0.0125 bpb (threshold 0.02 bits)" in capsys.readouterr().err
+    assert main([*args, "--rho", "auto", "--gate-policy", str(leveled), "--max-loss", "2"]) == 2
+    assert "--max-loss is a share of answers in [0, 1]" in capsys.readouterr().err
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy)]) == 0
     assert "gate rank, rungs 0.1/0.3" in capsys.readouterr().err
     client = TestClient(started["app"])

@@ -56,6 +56,12 @@ def cmd_gate_fit(args) -> int:
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} "
               f"fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
+    print("other loss levels stored (serve --rho auto --max-loss SHARE):")
+    for lv in policy.fitted["levels"]:
+        cost = sum(t["cost"] for t in lv["tasks"].values()) / len(lv["tasks"])
+        fell = sum(t["fallback"] for t in lv["tasks"].values()) / len(lv["tasks"])
+        print(f"  <= {lv['max_changed']:g} changed, <= {lv['max_bpb']:g} bpb: threshold {lv['threshold']:.4g}, "
+              f"mean recomputed {cost:.3f}, fell back {fell:.1%}")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
 

@@ -54,6 +54,10 @@ def register(sub) -> None:
     p.add_argument("--gate-policy", type=Path, default=None,
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
                         "served here; its selector replaces --selector")
+    p.add_argument("--max-loss", type=float, default=None, metavar="SHARE",
+                   help="with --rho auto: the loss the gate may accept, as the share of changed answers on the "
+                        "policy's held-apart multiple-choice items (its bpb bound scales with it); picks the "
+                        "policy file's fitted level at most SHARE (default: the level it was fitted at)")
     p.add_argument("--selector", default=None,
                    help="position selector (default: the one the committed general summary measured best through "
                         "the map served, docs/artifacts/general-map-summary.json, if it was measured through it; "
@@ -205,8 +209,8 @@ def _rho(args):
     from ..transfer.gate import GatePolicy
 
     if args.rho != "auto":
-        if args.gate_policy is not None:
-            raise RarecacheError("--gate-policy goes with --rho auto")
+        if args.gate_policy is not None or args.max_loss is not None:
+            raise RarecacheError("--gate-policy and --max-loss go with --rho auto")
         try:
             return float(args.rho), None
         except ValueError:
@@ -224,6 +228,13 @@ def _rho(args):
     if fitted != {sha256_file(args.map)}:
         raise RarecacheError(f"{args.gate_policy} was not fitted through {args.map}: its threshold holds for "
                              "the map it was fitted with only")
+    if args.max_loss is not None:
+        if not 0 <= args.max_loss <= 1:
+            raise RarecacheError(f"--max-loss is a share of answers in [0, 1], got {args.max_loss:g}")
+        gate = gate.at_loss(args.max_loss)
+        b = gate.fitted["bounds"]
+        print(f"gate: the level fitted at <= {b['max_changed']:g} changed answers, <= {b['max_bpb']:g} bpb "
+              f"(threshold {gate.threshold:.4g} bits)", file=sys.stderr)
     return None, gate
 
 

@@ -129,6 +129,9 @@ def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT,
     return point, float(lo), float(hi)
 
 
+LEVELS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)  # the fit's bounds times these, stored beside it (GatePolicy.at_loss)
+
+
 def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolicy:
     """One policy for all the tasks given: the cheapest (threshold, margin floor) that keeps each
     task within its bound."""
@@ -144,7 +147,14 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
                          else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
     th, floor, outcome = fit_threshold(groups, bounds, margins=margins)
-    fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb},
+    levels = []  # the same fit at other loss bounds, for `serve --max-loss` (the bpb bound scales with the share)
+    for scale in LEVELS:
+        mc, mb = max_changed * scale, max_bpb * scale
+        t, f, o = fit_threshold(groups, {lad.task: (mb if lad.metric == "bpb" else mc) for lad in ladders},
+                                margins=margins)
+        levels.append({"max_changed": mc, "max_bpb": mb, "threshold": t, "min_margin": f,
+                       "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})
+    fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
                                    **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
                         for lad in ladders}}

@@ -61,6 +61,28 @@ class GatePolicy:
         HandoffConfig(rungs[0], self.selector)  # validates the selector
         object.__setattr__(self, "rungs", rungs)
 
+    def at_loss(self, max_changed: float) -> "GatePolicy":
+        """The policy the same fit gives at another loss bound: the stored level (`eval gate fit` fits
+        several, `fitted.levels`) with the largest share of changed answers at most `max_changed` (its bpb
+        bound scales with it). A clear error when the file stores none that low."""
+        levels = self.fitted.get("levels")
+        if not isinstance(levels, list) or not levels:
+            raise RarecacheError("this gate policy stores no other loss levels (fit it again with `eval gate fit`)")
+        ok = []
+        for lv in levels:
+            if not (isinstance(lv, dict) and all(isinstance(lv.get(k), (int, float)) and not isinstance(lv.get(k), bool)
+                                                 for k in ("max_changed", "max_bpb", "threshold"))):
+                raise RarecacheError("this gate policy's fitted.levels are malformed")
+            if lv["max_changed"] <= max_changed + 1e-12:
+                ok.append(lv)
+        if not ok:
+            have = ", ".join(f"{lv['max_changed']:g}" for lv in levels)
+            raise RarecacheError(f"no fitted level allows at most {max_changed:g} changed answers (levels: {have})")
+        lv = max(ok, key=lambda lv: lv["max_changed"])
+        return GatePolicy(self.selector, self.rungs, lv["threshold"], lv.get("min_margin"),
+                          {**self.fitted, "bounds": {"max_changed": lv["max_changed"], "max_bpb": lv["max_bpb"]},
+                           "level": lv})
+
     def to_json(self) -> str:
         return json.dumps({"format": POLICY_FORMAT, **asdict(self), "rungs": list(self.rungs)}, indent=1) + "\n"
 
