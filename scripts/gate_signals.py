@@ -16,7 +16,7 @@ import numpy as np
 
 from rarecache.eval.gate import auc, auc_ci
 
-FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error"]  # those the ladders record are read
+FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source"]  # those the ladders record are read
 
 
 def ladders(path: str, arm: str | None):
@@ -26,7 +26,7 @@ def ladders(path: str, arm: str | None):
             and r["item"] in target]
     if len({r["arm"] for r in lads}) != 1:
         sys.exit(f"need exactly one ladder arm with target rows, found {sorted({r['arm'] for r in lads})}")
-    FEATURES[:] = [f for f in FEATURES if f in lads[0]["ladder"][0]]  # (row_error: ladders from 2026-12-03 on)
+    FEATURES[:] = [f for f in FEATURES if f in lads[0]["ladder"][0]]  # (row_error, js_source: from 2026-12-03 on)
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
              [rung["prediction"] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
 

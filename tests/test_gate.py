@@ -179,6 +179,16 @@ def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(model
         n = by[(item, "target")]["prompt_tokens"]
         assert [g["recomputed"] for g in lad] == [budget(r, n) for r in (0.1, 0.2, 0.3, 0.5)]
         assert "correct" not in by[(item, f"ladder/{sel}")]  # no headline metric: summaries skip it
+    # the candidate signal js_source, the long way for rung 1: a direct handoff at 0.1 against the source alone
+    from .test_eval import ToyChoice
+
+    source, target, mapper = models
+    for item in ToyChoice().items()[0:3]:
+        ids = source.encode(item.prompt)
+        _, own = source.runner.prefill([ids])
+        _, logits, _ = handoff(source.runner, target.runner, mapper, [ids], HandoffConfig.named(0.1, sel))
+        got = by[(item.id, f"ladder/{sel}")]["ladder"][0]["js_source"]
+        assert got == pytest.approx(js_bits(logits[0], own.logits[0]), rel=1e-3, abs=1e-6) and got > 0
 
 
 def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):

@@ -35,7 +35,7 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..transfer.gate import RUNGS, GatePolicy, gated_handoff
+from ..transfer.gate import RUNGS, GatePolicy, gated_handoff, js_bits
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
@@ -251,9 +251,11 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
     t = time.perf_counter()
     lps = continuation_logprobs(target.runner, snaps, firsts, n, conts)
     score_s = time.perf_counter() - t
+    v = min(firsts.shape[-1], src.logits.shape[-1])  # (a family shares its tokenizer; vocab rows may be padded)
     rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
               "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain, "row_error": r.row_error,
-              **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp in zip(res.rungs[1:], lps)]
+              "js_source": js_bits(lg[:v], src.logits[:v]),  # candidate signal: against the source's own next token
+              **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp, lg in zip(res.rungs[1:], lps, firsts)]
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings
     phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
