@@ -16,7 +16,8 @@ import numpy as np
 
 from rarecache.eval.gate import auc, auc_ci
 
-FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source"]  # those the ladders record are read
+FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source"]
+LOGGED = {"js", "js_plain", "row_error", "js_source"}  # those the ladders record are read
 
 
 def ladders(path: str, arm: str | None):
@@ -26,7 +27,8 @@ def ladders(path: str, arm: str | None):
             and r["item"] in target]
     if len({r["arm"] for r in lads}) != 1:
         sys.exit(f"need exactly one ladder arm with target rows, found {sorted({r['arm'] for r in lads})}")
-    FEATURES[:] = [f for f in FEATURES if f in lads[0]["ladder"][0]]  # (row_error, js_source: from 2026-12-03 on)
+    # those every rung of every record has (row_error, js_source: ladders from 2026-12-03 on)
+    FEATURES[:] = [f for f in FEATURES if all(f in g for r in lads for g in r["ladder"])]
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
              [rung["prediction"] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
 
@@ -36,7 +38,8 @@ def logistic_cv(per_item, folds: int = 5, lam: float = 1.0, seed: int = 0) -> fl
     X = np.array([x for xs, _ in per_item for x in xs], dtype=float)
     y = np.array([c for _, cs in per_item for c in cs], dtype=float)
     item = np.repeat(np.arange(len(per_item)), [len(cs) for _, cs in per_item])
-    X[:, :2] = np.log(X[:, :2] + 1e-9)
+    logs = [k for k, f in enumerate(FEATURES) if f in LOGGED]  # divergences and errors span decades
+    X[:, logs] = np.log(X[:, logs] + 1e-9)
     X = (X - X.mean(0)) / (X.std(0) + 1e-9)
     Xb = np.c_[np.ones(len(X)), X]
     order = np.random.default_rng(seed).permutation(len(per_item))

@@ -92,10 +92,11 @@ default_selector() {  # the general summary's pick over every task's results so 
 # default selector's ladder, its outcome on the evaluated items, CoQA drift through it. The ladders run through
 # the served file itself (label served; its rungs map with its stored fit, the ridge one), so the policy records
 # the sha256 `serve --rho auto` checks.
-reports() {  # selector stories
-  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json
+reports() {  # selector stories (called as `reports ... || echo`, where errexit is off: the steps are chained)
+  rm -f $A/gate-policy.json
+  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json &&
   rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy.json \
-      --summary $A/gate-summary.json > $A/gate-report.md
+      --summary $A/gate-summary.json > $A/gate-report.md &&
   rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
       --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1.jsonl" > $A/drift-report.md
 }
@@ -130,8 +131,8 @@ done
 gen $S $T 262144 $M/general-256k-0.5b-to-1.5b.safetensors
 ppl general-256k
 for f in $E/ridge-*.jsonl $E/general-*-reverse.jsonl; do  # (ridge-held-*.jsonl: the gate's fit data, `eval gate fit`)
-  case "$f" in *ridge-held-*) continue;; esac
-  plain=(); case "$f" in */ridge-*) plain=(--plain-label sharp);; esac  # the served file's plain transfer
+  case "$f" in *ridge-held-*|*.timings.jsonl) continue;; esac
+  plain=(); case "${f##*/}" in ridge-*) plain=(--plain-label sharp);; esac  # the served file's plain transfer
   rarecache eval report "$f" "${plain[@]}" --plots docs/artifacts > "${f%.jsonl}.report.md"
   rarecache eval report "$f" "${plain[@]}" --compact > "${f%.jsonl}.compact.md"
 done

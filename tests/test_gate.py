@@ -216,6 +216,19 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
         policy.at_loss(-0.1)
     with pytest.raises(RarecacheError, match="stores no other loss levels"):
         GatePolicy("rank").at_loss(0.01)
+    # levels tied in share of answers go to the looser bpb bound; malformed levels are refused, not served
+    tie = GatePolicy("rank", fitted={"levels": [{"max_changed": 0, "max_bpb": 0, "threshold": -1.0},
+                                                {"max_changed": 0, "max_bpb": 0.01, "threshold": 0.2}]})
+    assert tie.at_loss(0.5).threshold == 0.2
+    for bad in (float("nan"), float("inf"), 10 ** 400, True, "0.1"):
+        odd = GatePolicy("rank", fitted={"levels": [{"max_changed": bad, "max_bpb": 0, "threshold": 0.1}]})
+        with pytest.raises(RarecacheError, match="malformed"):
+            odd.at_loss(0.5)
+    # a policy is read on ladders of the map it was fitted through only
+    other = GatePolicy(policy.selector, policy.rungs, policy.threshold, policy.min_margin,
+                       {**policy.fitted, "tasks": {"toychoice": {"items": [], "map_sha256": "f" * 64}}})
+    with pytest.raises(RarecacheError, match="fitted through another map"):
+        evaluate(read_ladders(ev), other)
     # evaluating on the items it was fitted on is refused
     assert main(["eval", "gate", "report", str(held), "--policy", str(pol)]) == 2
     summary = tmp_path / "gate-summary.json"
@@ -438,3 +451,5 @@ def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
     top = [p for p in res.handoff.positions[0] if p != n - 1]
     e1, r1 = ratio(top, snaps.row(1))
     assert res.rungs[-1].row_error == pytest.approx((e0 + e1) / (r0 + r1), rel=1e-4)
+    _, _, online = gated_handoff(source, target, mapper, ids, pol)  # serving does not measure it
+    assert all(r.row_error == 0.0 for r in online.rungs)

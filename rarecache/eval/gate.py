@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RarecacheError
-from ..transfer.gate import GatePolicy, decide, fit_threshold
+from ..transfer.gate import GatePolicy, decide, fit_thresholds
 from .metrics import N_BOOT, paired_diff_ci
 from .results import load_results, map_sha256
 
@@ -146,14 +146,13 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     groups = {lad.task: (list(zip(lad.js, lad.loss, lad.cost, lad.margin)) if margins
                          else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
-    th, floor, outcome = fit_threshold(groups, bounds, margins=margins)
     levels = []  # the same fit at other loss bounds, for `serve --max-loss` (the bpb bound scales with the share)
-    for scale in LEVELS:
-        mc, mb = max_changed * scale, max_bpb * scale
-        t, f, o = fit_threshold(groups, {lad.task: (mb if lad.metric == "bpb" else mc) for lad in ladders},
-                                margins=margins)
-        levels.append({"max_changed": mc, "max_bpb": mb, "threshold": t, "min_margin": f,
-                       "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})
+    scaled = [{lad.task: (max_bpb if lad.metric == "bpb" else max_changed) * scale for lad in ladders}
+              for scale in LEVELS]
+    (th, floor, outcome), *fits = fit_thresholds(groups, [bounds, *scaled], margins=margins)  # one sweep
+    for scale, (t, f, o) in zip(LEVELS, fits):
+        levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
+                       "min_margin": f, "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})
     fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
                                    **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
@@ -168,6 +167,10 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     if overlap:
         raise RarecacheError(f"{lad.task}: the policy was fitted on {len(overlap)} of these items "
                              f"({', '.join(sorted(overlap)[:3])} ...); evaluate on held-apart items")
+    fitted_maps = {t.get("map_sha256") for t in policy.fitted.get("tasks", {}).values() if isinstance(t, dict)}
+    if fitted_maps and fitted_maps != {lad.map_sha256}:
+        raise RarecacheError(f"{lad.task}: the policy was fitted through another map than these ladders "
+                             f"({', '.join(str(s)[:12] for s in fitted_maps)} vs {str(lad.map_sha256)[:12]})")
     if lad.selector != policy.selector or tuple(lad.rungs) != policy.rungs:
         raise RarecacheError(f"{lad.task}: the ladder ({lad.selector}, rungs {lad.rungs}) is not the policy's "
                              f"({policy.selector}, rungs {list(policy.rungs)})")

@@ -68,17 +68,23 @@ class GatePolicy:
         levels = self.fitted.get("levels")
         if not isinstance(levels, list) or not levels:
             raise RarecacheError("this gate policy stores no other loss levels (fit it again with `eval gate fit`)")
+        def number(x) -> bool:
+            try:
+                return isinstance(x, (int, float)) and not isinstance(x, bool) and (math.isfinite(float(x)) or x < 0)
+            except OverflowError:
+                return False
+
         ok = []
         for lv in levels:
-            if not (isinstance(lv, dict) and all(isinstance(lv.get(k), (int, float)) and not isinstance(lv.get(k), bool)
-                                                 for k in ("max_changed", "max_bpb", "threshold"))):
+            if not (isinstance(lv, dict) and all(number(lv.get(k)) for k in ("max_changed", "max_bpb", "threshold"))
+                    and all(math.isfinite(float(lv[k])) for k in ("max_changed", "max_bpb"))):
                 raise RarecacheError("this gate policy's fitted.levels are malformed")
             if lv["max_changed"] <= max_changed + 1e-12:
                 ok.append(lv)
         if not ok:
             have = ", ".join(f"{lv['max_changed']:g}" for lv in levels)
             raise RarecacheError(f"no fitted level allows at most {max_changed:g} changed answers (levels: {have})")
-        lv = max(ok, key=lambda lv: lv["max_changed"])
+        lv = max(ok, key=lambda lv: (lv["max_changed"], lv["max_bpb"]))
         return GatePolicy(self.selector, self.rungs, lv["threshold"], lv.get("min_margin"),
                           {**self.fitted, "bounds": {"max_changed": lv["max_changed"], "max_bpb": lv["max_bpb"]},
                            "level": lv})
@@ -117,7 +123,7 @@ class Rung:
     margin: float = 0.0  # nats between the most and second most likely next token
     entropy: float = 0.0  # bits, of the next-token distribution
     js_plain: float = 0.0  # bits, against plain transfer (rung 0)
-    row_error: float = 0.0  # relative squared error of the mapped rows where recomputed so far (a candidate signal)
+    row_error: float = 0.0  # relative squared error of the mapped rows where recomputed so far (recorded ladders only)
 
 
 @dataclass
@@ -185,23 +191,25 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     order = order.argsort(descending=True, stable=True) + target_kept  # (W,) positions, best first
     timings["score"] += _now(target) - t
 
-    err = torch.zeros(2, dtype=torch.float64)  # squared error of the mapped rows recomputed so far, and their norm
+    err = [0.0, 0.0]  # squared error of the mapped rows recomputed so far, and their squared norm
+    measure = climb_all  # row_error is a candidate signal the evaluation records; serving does not pay for it
 
     def run(new: torch.Tensor) -> tuple[torch.Tensor, float]:  # recompute positions `new` (with the last)
-        t = _now(target)
         fresh = new  # (the last position's mapped row is measured once, at rung 0)
+        mapped = [c[:, 0, :, fresh].double() for c in (cache.k, cache.v)] if measure else []  # (L, H, m, D)
+        t = _now(target)
         new = torch.unique(torch.cat([new, order[:1]]))  # ascending
         tok, pos = subset(whole, [new])
-        mapped = [c[:, 0, :, fresh].double() for c in (cache.k, cache.v)]  # (L, H, m, D) before recompute
         lg = target.forward(tok, pos, cache).logits[0]
-        for c, before in zip((cache.k, cache.v), mapped):
+        secs = _now(target) - t
+        for c, before in zip((cache.k, cache.v), mapped):  # (outside the timed recompute)
             exact = c[:, 0, :, fresh].double()
-            err[0] += (exact - before).pow(2).sum()
-            err[1] += exact.pow(2).sum()
-        return lg, _now(target) - t
+            err[0] += (exact - before).pow(2).sum().item()
+            err[1] += exact.pow(2).sum().item()
+        return lg, secs
 
     def row_error() -> float:
-        return (err[0] / err[1]).item() if err[1] > 0 else 0.0
+        return err[0] / err[1] if err[1] > 0 else 0.0
 
     prev, plain_s = run(order[:1])  # rung 0: plain transfer
     plain = prev
@@ -269,6 +277,11 @@ def candidate_thresholds(ladders: list[list[float]]) -> list[float]:
 
 def fit_threshold(groups: dict[str, list[tuple]], bounds: dict[str, float],
                   margins: bool = False) -> tuple[float, float | None, dict[str, dict]]:
+    return fit_thresholds(groups, [bounds], margins)[0]
+
+
+def fit_thresholds(groups: dict[str, list[tuple]], bounds_list: list[dict[str, float]],
+                   margins: bool = False) -> list[tuple[float, float | None, dict[str, dict]]]:
     """The policy that recomputes least while every group's mean loss stays within its bound.
 
     `groups`: per task, per held-apart item, (js per rung, loss per rung, cost per rung[, margin
@@ -300,13 +313,16 @@ def fit_threshold(groups: dict[str, list[tuple]], bounds: dict[str, float],
 
         ms = [m for items in groups.values() for it in items for m in it[3]]
         floors += sorted({float(q) for q in np.quantile(ms, np.linspace(0.1, 0.9, 9))}) if ms else []
-    best = (math.inf, -1.0, None)  # (mean cost over groups, threshold, floor)
-    for mm in floors:
-        for th in candidate_thresholds([it[0] for items in groups.values() for it in items]):
-            out = outcome(th, mm)
+    table = [(th, mm, outcome(th, mm)) for mm in floors  # one sweep, read for every set of bounds
+             for th in candidate_thresholds([it[0] for items in groups.values() for it in items])]
+    fits = []
+    for bounds in bounds_list:
+        best = (math.inf, -1.0, None, None)  # (mean cost over groups, threshold, floor, outcome)
+        for th, mm, out in table:
             if all(o["loss"] <= bounds[g] + 1e-12 for g, o in out.items()):
                 c = sum(o["cost"] for o in out.values()) / len(out)
                 if c < best[0] - 1e-12 or (abs(c - best[0]) <= 1e-12 and mm == best[2] and th > best[1]):
-                    best = (c, th, mm)
-    _, th, mm = best
-    return th, mm, outcome(th, mm)
+                    best = (c, th, mm, out)
+        _, th, mm, out = best
+        fits.append((th, mm, out if out is not None else outcome(th, mm)))
+    return fits
