@@ -147,9 +147,8 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
                          else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
     levels = []  # the same fit at other loss bounds, for `serve --max-loss` (the bpb bound scales with the share)
-    scaled = [{lad.task: (max_bpb if lad.metric == "bpb" else max_changed) * scale for lad in ladders}
-              for scale in LEVELS]
-    (th, floor, outcome), *fits = fit_thresholds(groups, [bounds, *scaled], margins=margins)  # one sweep
+    fits = fit_thresholds(groups, [{t: b * scale for t, b in bounds.items()} for scale in LEVELS], margins)
+    th, floor, outcome = fits[LEVELS.index(1.0)]  # (one sweep for every level; 1.0: the bounds asked for)
     for scale, (t, f, o) in zip(LEVELS, fits):
         levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
                        "min_margin": f, "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})

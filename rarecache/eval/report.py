@@ -17,11 +17,11 @@ from ..transfer.selectors import SELECTORS
 from .metrics import mean_ci, p_floor, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
+GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
 
 
 def gap_closed_header(plain_label: str | None = None) -> str:
     return GAP_CLOSED if plain_label is None else f"gap closed (of target − plain transfer through {plain_label})"
-GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
 
 
 def split_arm(arm: str) -> tuple[float, str, str] | None:
@@ -80,7 +80,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
-            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # plain transfer (same map)
+            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # plain transfer (same map, or plain_label's)
             both = [i for i in items if i in target and i in plain]
             if both:  # only handoffs close the plain-transfer gap
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)

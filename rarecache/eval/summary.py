@@ -137,11 +137,14 @@ def check_served(served: Path, results: Path, label: str, plain_label: str) -> d
     import torch
 
     from ..packages import sha256_file
+    from dataclasses import fields
+
+    from ..transfer.fit import SideFit
     from ..transfer.mapper import SIDES, Mapper
 
     mine, (fit, fit_sha), (plain, plain_sha) = Mapper.load(served), _map_of(results, label), _map_of(results,
                                                                                                       plain_label)
-    names = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
+    names = [f.name for f in fields(SideFit)]
     if mine.mlp or fit.mlp or not all(torch.equal(getattr(mine.sides[s], n), getattr(fit.sides[s], n))
                                       for s in SIDES for n in names):
         raise RarecacheError(f"--served-map: {served}'s tensors are not map {label!r}'s: its handoffs were not "

@@ -149,7 +149,7 @@ class Mapper:
             if not all(torch.isfinite(t).all() for f in sides.values() for t in (f.weight, f.bias, f.eigenvalues)):
                 raise RarecacheError(f"this map's plain-transfer view ({info.direction}) is not finite: its r2 and "
                                      "sharpening powers do not fit together")
-            self._views[None] = Mapper(replace(info, sharpen={s: p for s, p in powers.items() if p},
+            self._views[None] = Mapper(replace(info, sharpen=_nonzero(powers),
                                                plain_sharpen=None, r2_heldout={}), sides)
         if self.compute_dtype not in self._views:
             self._views[self.compute_dtype] = self._views[None].computing_in(self.compute_dtype)
@@ -159,7 +159,7 @@ class Mapper:
     def has_plain_view(self) -> bool:
         """Whether plain transfer maps with other sharpening than the stored fit's."""
         p = self.info.plain_sharpen
-        return p is not None and {s: v for s, v in p.items() if v} != self.info.sharpen
+        return p is not None and _nonzero(p) != self.info.sharpen
 
     def at_rho(self, rho: float) -> "Mapper":
         """The fit a handoff at budget `rho` maps with: `plain` at rho 0, else this map (the one rule).
@@ -415,6 +415,11 @@ class Mapper:
             out[side] = self.map_rows(side, x)
         write_rows(target, target_cache, positions, out["k"][0], out["v"][0])
         return {side: z for side, (_, z) in out.items()}
+
+
+def _nonzero(powers: dict[str, float]) -> dict[str, float]:
+    """Sharpening powers as `MapInfo.sharpen` records them: the sides actually sharpened."""
+    return {s: p for s, p in powers.items() if p}
 
 
 def _resharpened(fit: SideFit, stored: float, power: float) -> SideFit:
