@@ -80,7 +80,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
-            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # plain transfer (same map, or plain_label's)
+            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # (same map, or plain_label's)
             both = [i for i in items if i in target and i in plain]
             if both:  # only handoffs close the plain-transfer gap
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)
