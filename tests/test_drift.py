@@ -87,6 +87,39 @@ def test_drift_arms_and_missing_policy_are_refused(chat, tmp_path):
         run_drift([("s", TURNS)], source, target, maps, ["gate"], None, tmp_path / "x.jsonl", progress=False)
 
 
+
+def test_drift_resume_refuses_other_maps_dtype_or_gate_rule(chat, tmp_path):
+    """A drift file records what its rows depend on; resuming it with anything else is refused before a
+    row is written, so a refitted gate policy or another map cannot mix into one file's figures."""
+    from rarecache.errors import RarecacheError
+    from rarecache.eval.drift import drift_meta
+    from rarecache.eval.results import models_meta
+
+    source, target, maps = _pair(chat)
+    paths = {}
+    for (a, b), m in maps.items():
+        paths[f"{a}->{b}"] = tmp_path / f"{a}-{b}.safetensors"
+        m.save(paths[f"{a}->{b}"])
+    never, other = GatePolicy("rank", (0.1, 0.3), -1.0), GatePolicy("rank", (0.1, 0.3), 0.5)
+    out = tmp_path / "drift.jsonl"
+
+    def run(arms, policy=never, dtype="float32", files=paths, reverse=True, convs=(("s1", TURNS[:2]),)):
+        meta = drift_meta(models_meta(source, target, files, dtype), reverse, arms, policy)
+        run_drift(list(convs), source, target, maps, arms, policy, out, progress=False, meta=meta)
+
+    run(["alone", "0.2:rank"])
+    assert json.loads(out.with_suffix(".meta.json").read_text())["gate"] is None
+    run(["alone", "0.2:rank", "gate"])  # a file run without the gate arm may gain it
+    rows = out.read_text()
+    swapped = {"source->target": paths["target->source"], "target->source": paths["source->target"]}
+    for kwargs, why in (({"policy": other}, "gate"), ({"dtype": "bfloat16"}, "dtype"), ({"files": swapped}, "map"),
+                        ({"reverse": False}, "reverse")):
+        with pytest.raises(RarecacheError, match=why):
+            run(["alone", "gate"], convs=(("s2", TURNS[:2]),), **kwargs)
+        assert out.read_text() == rows
+    run(["alone", "0.2:rank"], policy=other, convs=(("s2", TURNS[:2]),))  # no gate arm: the rule is not used
+    assert json.loads(out.with_suffix(".meta.json").read_text())["gate"]["threshold"] == -1.0
+
 # -- the same run through the HTTP server (rarecache serve's scoring extensions)
 
 

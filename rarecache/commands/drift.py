@@ -47,7 +47,8 @@ def register(ev) -> None:
 
 def cmd_drift_run(args) -> int:
     from ..engine.llm import LLM
-    from ..eval.drift import conversations, parse_arm, run_drift
+    from ..eval.drift import conversations, drift_meta, parse_arm, run_drift
+    from ..eval.results import models_meta
     from ..transfer.gate import GatePolicy
     from ..transfer.mapper import Mapper
 
@@ -67,9 +68,13 @@ def cmd_drift_run(args) -> int:
     gate = GatePolicy.load(args.gate_policy) if args.gate_policy else None
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
     maps = {("source", "target"): Mapper.load(args.map)}
+    paths = {"source->target": args.map}
     if args.reverse_map:
         maps[("target", "source")] = Mapper.load(args.reverse_map)
-    out = run_drift(conversations(args.cache_dir, args.stories), source, target, maps, args.arms, gate, args.out)
+        paths["target->source"] = args.reverse_map
+    meta = drift_meta(models_meta(source, target, paths, args.dtype), args.reverse_map is not None, args.arms, gate)
+    out = run_drift(conversations(args.cache_dir, args.stories), source, target, maps, args.arms, gate, args.out,
+                    meta=meta)
     print(_report(out))
     return 0
 

@@ -44,7 +44,7 @@ from ..transfer.conversation import Conversation
 from ..transfer.gate import GatePolicy
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
-from .results import read_done
+from .results import check_meta, read_done
 from .tasks.coqa import CALIBRATION_STORIES, INSTRUCTION, MAX_TURNS, _stories
 
 
@@ -133,13 +133,28 @@ def _check_via(out: Path, via: str | None) -> None:
                                  f"({via or 'Conversation'}) to another --out")
 
 
+DRIFT_KEYS = ("task", "source", "target", "dtype", "seed", "reverse")  # what a drift file's rows depend on
+
+
+def drift_meta(meta: dict, reverse: bool, arms: list[str], gate: GatePolicy | None) -> dict:
+    """A drift run's record (`results.models_meta`, checked on resume like an evaluation's): whether
+    the target hands back through a map of its own, and the gate's rule when the gate arm runs."""
+    rule = None
+    if gate is not None and any(parse_arm(a)[0] == "switch/gate" for a in arms):
+        rule = {k: v for k, v in json.loads(gate.to_json()).items() if k not in ("format", "fitted")}
+    return {"task": "coqa_drift", **meta, "reverse": reverse, "gate": rule}
+
+
 def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mapper], arms: list[str],
-              gate: GatePolicy | None, out: Path, progress: bool = True) -> Path:
+              gate: GatePolicy | None, out: Path, progress: bool = True, meta: dict | None = None) -> Path:
     """Every (story, arm) not yet in `out`, appended a story and arm at a time. `maps` are keyed by
-    ("source", "target") and, if given, ("target", "source")."""
+    ("source", "target") and, if given, ("target", "source"). `meta` (`drift_meta`): resuming a file
+    made with other models, maps, dtype or gate rule is refused."""
     parsed = [parse_arm(a) for a in arms]
     if any(name == "switch/gate" for name, _ in parsed) and gate is None:
         raise RarecacheError("the gate arm needs a policy (--gate-policy)")
+    if meta is not None:
+        check_meta(out, meta, DRIFT_KEYS, once=("gate",))
     models = {"source": source, "target": target}
     return _run(convs, parsed, out, progress, None,
                 lambda arm, cfg: _Local(Conversation(models, maps, cfg or HandoffConfig(),

@@ -55,21 +55,31 @@ def load_results(path: Path) -> list[dict]:
 
 def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype: str,
              sampling: SamplingConfig | None) -> dict:
+    return {"task": task.name, "task_file": task.record(), **models_meta(source, target, maps, dtype),
+            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None}
+
+
+def models_meta(source: LLM, target: LLM, maps: dict[str, Path], dtype: str) -> dict:
+    """What every results file records of how it was computed: the models, the maps by label (their
+    sha256), dtype, seed and versions."""
     from importlib.metadata import version
 
-    return {"task": task.name, "task_file": task.record(),
-            "source": {"name": source.path.name, "fingerprint": checkpoint_fingerprint(source.path)},
+    return {"source": {"name": source.path.name, "fingerprint": checkpoint_fingerprint(source.path)},
             "target": {"name": target.path.name, "fingerprint": checkpoint_fingerprint(target.path)},
             "maps": {label: {"file": str(p), "sha256": sha256_file(p)} for label, p in maps.items()},
             "dtype": dtype, "seed": SEED,
-            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None,
             "versions": {"rarecache": version("rarecache"), "torch": torch.__version__,
                          "python": platform.python_version(),
                          "cpu": torch.backends.cpu.get_cpu_capability()}}  # float rounding depends on it
 
 
-def check_meta(out: Path, meta: dict) -> dict:
-    """Refuse to add to a results file made with other models, maps or settings; record this run."""
+RUN_KEYS = ("task", "source", "target", "dtype", "seed", "sampling")
+
+
+def check_meta(out: Path, meta: dict, keys: tuple[str, ...] = RUN_KEYS, once: tuple[str, ...] = ()) -> dict:
+    """Refuse to add to a results file made with other models, maps or settings (`keys`, the maps by
+    label, a task file's content); record this run. `once`: settings compared only where both the
+    record and this run have one (a drift file's gate policy: a file run without the gate arm may gain it)."""
     meta = json.loads(json.dumps(meta))  # compare what the file will hold: tuples read back as lists
     path = out.with_suffix(".meta.json")
     if path.is_file():
@@ -77,7 +87,7 @@ def check_meta(out: Path, meta: dict) -> dict:
             old = json.loads(path.read_text())
         except ValueError:
             raise RarecacheError(f"{path} is not a run record; move it away or use another --out") from None
-        for key in ("task", "source", "target", "dtype", "seed", "sampling"):
+        for key in keys + tuple(k for k in once if old.get(k) is not None and meta.get(k) is not None):
             if old.get(key) != meta[key]:
                 raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has {meta[key]!r}: "
                                      "use another --out")
@@ -94,7 +104,8 @@ def check_meta(out: Path, meta: dict) -> dict:
                                      "use another --out")
         seen = [*old.get("versions_seen", []), old.get("versions"), meta["versions"]]
         meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
-                "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]]}
+                "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]],
+                **{k: old[k] for k in once if meta.get(k) is None and old.get(k) is not None}}
         if "maps_replaced" in old:  # a map recalibrated on another CPU (scripts/rebase_map.py): kept on record
             meta["maps_replaced"] = old["maps_replaced"]
     out.parent.mkdir(parents=True, exist_ok=True)
