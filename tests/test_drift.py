@@ -72,6 +72,9 @@ def test_drift_harness_resumes_and_its_exact_arms_show_no_drift(chat, tmp_path):
         assert fig[arm]["delta"] == pytest.approx(0.0, abs=1e-4) and fig[arm]["n"] == 4
     assert fig["switch/gate"]["fallback_share"] == 1.0 and fig["switch/gate"]["mean_recomputed_share"] == 1.0
     assert fig["switch/1:rank"]["mean_recomputed_share"] == 1.0
+    own = [r for r in rows if "handed_off" in r]  # the target's own prefill of each handed-off span, timed
+    assert own and all(r["own_prefill_s"] > 0 and r["own_prefill_tokens"] == r["handed_off"] for r in own)
+    assert fig["switch/0.2:rank"]["expected_speedup"] > 0
     assert 0 < fig["switch/0.2:rank"]["mean_recomputed_share"] < 1
 
 
@@ -119,6 +122,18 @@ def test_drift_resume_refuses_other_maps_dtype_or_gate_rule(chat, tmp_path):
         assert out.read_text() == rows
     run(["alone", "0.2:rank"], policy=other, convs=(("s2", TURNS[:2]),))  # no gate arm: the rule is not used
     assert json.loads(out.with_suffix(".meta.json").read_text())["gate"]["threshold"] == -1.0
+    # `eval gate report --drift`: the gate arm as the report's CoQA task, only under the rule it ran with
+    from rarecache.eval.drift import gate_figures
+    from rarecache.packages import sha256_file
+
+    sha = sha256_file(paths["source->target"])
+    fig = gate_figures(out, never, sha)
+    assert fig["fallback_share"] == 1.0 and fig["delta"] == pytest.approx(0.0, abs=1e-4)
+    assert fig["gated"] == pytest.approx(fig["target"], abs=1e-4) and fig["expected_speedup"] > 0
+    with pytest.raises(RarecacheError, match="another rule"):
+        gate_figures(out, other, sha)
+    with pytest.raises(RarecacheError, match="through map"):
+        gate_figures(out, never, "0" * 64)
 
 # -- the same run through the HTTP server (rarecache serve's scoring extensions)
 

@@ -34,6 +34,9 @@ def register(ev) -> None:
     r.add_argument("--arm", default=None, help="the ladder arm, if a file has several")
     r.add_argument("--summary", type=Path, default=None,
                    help="write the summary JSON here (e.g. docs/artifacts/gate-summary.json)")
+    r.add_argument("--drift", type=Path, default=None,
+                   help="an `eval drift run` file whose gate arm ran with this policy: adds CoQA (coqa_bpb, "
+                        "Δ over stories against the target alone)")
     r.set_defaults(func=cmd_gate_report)
 
 
@@ -75,11 +78,15 @@ def cmd_gate_report(args) -> int:
     policy = GatePolicy.load(args.policy)
     ladders = _ladders(args.results, args.arm)
     results = {lad.task: evaluate(lad, policy) for lad in ladders}
+    shas = {lad.map_sha256 for lad in ladders}
+    if len(shas) > 1:
+        raise RarecacheError(f"the results files went through different maps: {shas}")
+    if args.drift is not None:
+        from ..eval.drift import gate_figures
+
+        results["coqa_bpb"] = gate_figures(args.drift, policy, next(iter(shas)))
     print(markdown(results, policy))
     if args.summary:
-        shas = {lad.map_sha256 for lad in ladders}
-        if len(shas) > 1:
-            raise RarecacheError(f"the results files went through different maps: {shas}")
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
         summary = {"map": shas.pop(), "policy": {"selector": policy.selector, "rungs": list(policy.rungs),
                                                  "threshold": policy.threshold, "min_margin": policy.min_margin},

@@ -36,11 +36,13 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from tqdm import tqdm
 
 from ..engine.llm import LLM
+from ..engine.runner import spans
 from ..errors import RarecacheError
-from ..transfer.conversation import Conversation
+from ..transfer.conversation import Conversation, common_prefix
 from ..transfer.gate import GatePolicy
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
@@ -72,18 +74,38 @@ def conversations(cache_dir: Path | None, stories: int) -> list[tuple[str, list[
 
 
 class _Local:
-    """A `Conversation` scoring the turns: each turn's row fields."""
+    """A `Conversation` scoring the turns: each turn's row fields. On a turn that is handed off, the
+    answering model's own prefill of the same span is timed first (`own_prefill_s` over
+    `own_prefill_tokens`, on a copy of its cache), the baseline the handoff's seconds are set against."""
 
     def __init__(self, conv: Conversation):
         self.conv = conv
 
+    @torch.inference_mode()
+    def _own_prefill(self, user: str, who: str) -> tuple[float, int] | None:
+        conv = self.conv
+        if conv.last is None or conv.last == who or (conv.last, who) not in conv.maps:
+            return None  # not a handoff: the model prefills itself anyway
+        llm, st = conv.models[who], conv.state[who]
+        ids = llm.encode([*conv.messages, {"role": "user", "content": user}])
+        keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # what the turn keeps (prefill_or_handoff)
+        scratch = llm.runner.new_cache(1, len(ids))
+        if keep:
+            scratch.copy_prefix(st.cache, keep)
+        toks, pos = spans([ids], [keep], llm.runner.device)
+        t = time.perf_counter()
+        llm.runner.forward(toks, pos, scratch)
+        return time.perf_counter() - t, len(ids) - keep
+
     def score(self, user: str, answer: str, who: str) -> dict:
+        own = self._own_prefill(user, who)
         turn = self.conv.score(user, answer, who)
         row = {"model": who, "bpb": turn.bpb, "prompt_tokens": turn.prompt_tokens, "reused": turn.reused,
                "seconds": turn.seconds}
         if turn.handoff is not None:
             start, end = turn.handoff.handed_off[0]
-            row.update(handed_off=end - start, recomputed=len(turn.handoff.positions[0]))
+            row.update(handed_off=end - start, recomputed=len(turn.handoff.positions[0]),
+                       own_prefill_s=own[0], own_prefill_tokens=own[1])
         if turn.gate is not None:
             row["gate"] = turn.gate.record()
         return row
@@ -314,7 +336,10 @@ def run_drift_server(convs, server: DriftServer, arms: list[str], out: Path, pro
 def report(path: Path) -> tuple[str, dict]:
     """Per switching arm, on the turns the target answered after a handoff: the bpb drift against the
     target reading it all itself (mean over stories of each story's mean, 95% CI over stories), by
-    turn, and for the gate its fallbacks and recomputed share (a fallback counts 1.0)."""
+    turn, and for the gate its fallbacks and recomputed share (a fallback counts 1.0). The expected
+    speed-up sets the target's own prefill of each handed-off span, timed in the same run
+    (`own_prefill_s`), against what the turn's handoff took (the source's prefill of what it had not
+    seen, map, selection, recompute, and any fallback prefill); None for rows without the baseline."""
     import numpy as np
 
     from .metrics import mean_ci
@@ -325,30 +350,59 @@ def report(path: Path) -> tuple[str, dict]:
     alone = {(r["story"], r["turn"], r["model"]): r["bpb"] for r in rows if r["arm"] == "alone"}
     arms = sorted({r["arm"] for r in rows if r["arm"] != "alone"})
     lines = ["| arm | stories | target turns | Δ bpb vs target alone (95% CI over stories) | by turn (2, 4, 6, 8, 10) "
-             "| fell back | recomputed share |", "|---|---|---|---|---|---|---|"]
+             "| fell back | recomputed share | expected speed-up |", "|---|---|---|---|---|---|---|---|"]
     out = {}
     for arm in arms:
         per_story: dict[str, list[float]] = {}
+        own_bpb: dict[str, list[float]] = {}  # the target alone on the same turns
         by_turn: dict[int, list[float]] = {}
-        shares, fell = [], 0
+        shares, fell, own, spent = [], 0, [], []
         for r in rows:
             key = (r["story"], r["turn"], r["model"])
             if r["arm"] != arm or r["model"] != "target" or "handed_off" not in r or key not in alone:
                 continue
             d = r["bpb"] - alone[key]
             per_story.setdefault(r["story"], []).append(d)
+            own_bpb.setdefault(r["story"], []).append(alone[key])
             by_turn.setdefault(r["turn"], []).append(d)
             g = r.get("gate")
             fell += bool(g and g["decision"] == "fallback")
             shares.append(1.0 if g and g["decision"] == "fallback" else r["recomputed"] / r["handed_off"])
+            own.append(r.get("own_prefill_s"))
+            spent.append(r["seconds"]["prefill_or_handoff"])
         if not per_story:
             continue
         m, lo, hi = mean_ci([float(np.mean(v)) for v in per_story.values()])
         n = len(shares)
         turns = " ".join(f"{np.mean(by_turn[t]):+.4f}" if t in by_turn else "—" for t in (2, 4, 6, 8, 10))
+        speedup = sum(own) / sum(spent) if own and None not in own and sum(spent) > 0 else None
         lines.append(f"| {arm} | {len(per_story)} | {n} | {m:+.4f} ({lo:+.4f}, {hi:+.4f}) | {turns} | "
-                     f"{fell / n:.1%} | {np.mean(shares):.3f} |")
+                     f"{fell / n:.1%} | {np.mean(shares):.3f} | {'—' if speedup is None else f'{speedup:.2f}×'} |")
+        target = float(np.mean([np.mean(v) for v in own_bpb.values()]))
         out[arm] = {"unit": "bpb", "delta": m, "ci": [lo, hi], "n": n, "stories": len(per_story),
+                    "target": target, "gated": target + m, "expected_speedup": speedup,
                     "fallback_share": fell / n, "mean_recomputed_share": float(np.mean(shares)),
                     "by_turn": {t: float(np.mean(v)) for t, v in sorted(by_turn.items())}}
     return "\n".join(lines), out
+
+
+def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict:
+    """The gate arm of a drift file as one task of `eval gate report` (coqa_bpb), after checking from
+    its record that it ran with this policy's rule through the map `map_sha256` (that of the ladders)."""
+    meta_path = path.with_suffix(".meta.json")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        raise RarecacheError(f"{path}: no readable run record {meta_path} (a drift file written before "
+                             "drift runs recorded one cannot say which policy it ran)") from None
+    rule = drift_meta({}, False, ["gate"], policy)["gate"]
+    if meta.get("gate") != rule:
+        raise RarecacheError(f"{path}: its gate arm ran with another rule ({meta.get('gate')}) than the policy's "
+                             f"({rule})")
+    sha = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
+    if map_sha256 is not None and sha != map_sha256:
+        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through {map_sha256[:12]}")
+    figures = report(path)[1].get("switch/gate")
+    if figures is None:
+        raise RarecacheError(f"{path} holds no gate arm turns yet")
+    return {**figures, "auc": None, "auc_ci": None}

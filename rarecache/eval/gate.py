@@ -215,7 +215,8 @@ def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
         u = " pp" if pct else ""
         dfmt = (lambda x: f"{x:+.1f}") if pct else (lambda x: f"{x:+.4f}")
         sp = f"{r['expected_speedup']:.2f}×" if r["expected_speedup"] else "—"
+        auc = "—" if r["auc"] is None else f"{r['auc']:.3f} ({r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f})"
         lines.append(f"| {task} | {r['n']} | {f(r['target'])} | {f(r['gated'])} | {dfmt(r['delta'])}{u} "
                      f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}) | {r['fallback_share']:.1%} | "
-                     f"{r['mean_recomputed_share']:.3f} | {sp} | {r['auc']:.3f} ({r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f}) |")
+                     f"{r['mean_recomputed_share']:.3f} | {sp} | {auc} |")
     return "\n".join(lines)
