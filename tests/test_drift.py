@@ -132,8 +132,14 @@ def test_drift_resume_refuses_other_maps_dtype_or_gate_rule(chat, tmp_path):
     assert fig["gated"] == pytest.approx(fig["target"], abs=1e-4) and fig["expected_speedup"] > 0
     with pytest.raises(RarecacheError, match="another rule"):
         gate_figures(out, other, sha)
-    with pytest.raises(RarecacheError, match="through map"):
-        gate_figures(out, never, "0" * 64)
+    for sha in ("0" * 64, None):  # the ladders' map must be known and the same
+        with pytest.raises(RarecacheError, match="through map"):
+            gate_figures(out, never, sha)
+    bare = tmp_path / "bare.jsonl"  # rows without a run record: what they ran with is unknown
+    bare.write_text(out.read_text())
+    with pytest.raises(RarecacheError, match="no run record"):
+        run_drift([("s1", TURNS[:2])], source, target, maps, ["alone"], None, bare, progress=False,
+                  meta=drift_meta(models_meta(source, target, paths, "float32"), True, ["alone"], None))
 
 # -- the same run through the HTTP server (rarecache serve's scoring extensions)
 

@@ -44,7 +44,7 @@ from ..engine.runner import spans
 from ..errors import RarecacheError
 from ..transfer.conversation import Conversation, common_prefix
 from ..transfer.gate import GatePolicy
-from ..transfer.handoff import HandoffConfig
+from ..transfer.handoff import HandoffConfig, _now
 from ..transfer.mapper import Mapper
 from .results import check_meta, read_done
 from .tasks.coqa import CALIBRATION_STORIES, INSTRUCTION, MAX_TURNS, _stories
@@ -93,9 +93,9 @@ class _Local:
         if keep:
             scratch.copy_prefix(st.cache, keep)
         toks, pos = spans([ids], [keep], llm.runner.device)
-        t = time.perf_counter()
+        t = _now(llm.runner)
         llm.runner.forward(toks, pos, scratch)
-        return time.perf_counter() - t, len(ids) - keep
+        return _now(llm.runner) - t, len(ids) - keep
 
     def score(self, user: str, answer: str, who: str) -> dict:
         own = self._own_prefill(user, who)
@@ -176,6 +176,9 @@ def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mappe
     if any(name == "switch/gate" for name, _ in parsed) and gate is None:
         raise RarecacheError("the gate arm needs a policy (--gate-policy)")
     if meta is not None:
+        if read_done(out, key=("story", "arm")) and not out.with_suffix(".meta.json").is_file():
+            raise RarecacheError(f"{out} holds rows but no run record ({out.with_suffix('.meta.json').name}): what "
+                                 "they were run with is unknown; write this run to another --out")
         check_meta(out, meta, DRIFT_KEYS, once=("gate",))
     models = {"source": source, "target": target}
     return _run(convs, parsed, out, progress, None,
@@ -400,8 +403,8 @@ def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict
         raise RarecacheError(f"{path}: its gate arm ran with another rule ({meta.get('gate')}) than the policy's "
                              f"({rule})")
     sha = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
-    if map_sha256 is not None and sha != map_sha256:
-        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through {map_sha256[:12]}")
+    if map_sha256 is None or sha != map_sha256:
+        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through {str(map_sha256)[:12]}")
     figures = report(path)[1].get("switch/gate")
     if figures is None:
         raise RarecacheError(f"{path} holds no gate arm turns yet")
