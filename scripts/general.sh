@@ -111,7 +111,7 @@ SEL=$(default_selector)
 # report; then 100 of each, and CoQA through the policy fitted on those (a drift file records the gate rule
 # its rows were run with and refuses another, so CoQA waits for the policy it is reported with)
 for n in 50 100; do
-  for task in "${TASKS[@]}"; do
+  for task in mmlu arc_challenge hellaswag gsm8k_bpb; do  # the cheapest ladders first (GSM8K's ~830-token prompts last)
     ev $S $T $task $n $E/ridge-$task.jsonl $RIDGE $SHARP 0 ladder:$SEL@served
     ev $S $T $task $n $E/ridge-held-$task.jsonl $RIDGE $SHARP 300 target ladder:$SEL@served
   done
