@@ -248,6 +248,20 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
         sum(budget(0.1, rows[(i, "target")]["prompt_tokens"]) / rows[(i, "target")]["prompt_tokens"]
             for i in lad.items) / 2)
     assert always["expected_speedup"] > 0
+    # --loss accuracy: a rung's loss is the accuracy lost against the target (changes between wrong answers free)
+    acc = read_ladders(ev, loss="accuracy")
+    for i, item in enumerate(acc.items):
+        t = float(rows[(item, "target")]["correct"])
+        assert acc.loss[i] == [t - float(g["correct"]) for g in rows[(item, "ladder/rank")]["ladder"]]
+        assert lad.loss[i] == [float(c) for c in lad.changed[i]]
+    pol_acc = tmp_path / "policy-acc.json"
+    assert main(["eval", "gate", "fit", str(held), "--loss", "accuracy", "--max-changed", "0", "--out",
+                 str(pol_acc)]) == 0
+    fitted = GatePolicy.load(pol_acc).fitted
+    assert fitted["loss"] == "accuracy" and policy.fitted["loss"] == "changed"
+    assert all(lv["tasks"]["toychoice"]["loss"] <= lv["max_changed"] + 1e-12 for lv in fitted["levels"])
+    with pytest.raises(RarecacheError, match="unknown gate loss"):
+        read_ladders(ev, loss="bits")
 
 
 def test_auc_by_hand():

@@ -25,6 +25,10 @@ def register(ev) -> None:
                         "(default: 0.01)")
     f.add_argument("--max-bpb", type=float, default=0.0025,
                    help="bits-per-byte tasks: most mean bpb increase the gate may accept (default: 0.0025)")
+    f.add_argument("--loss", choices=("changed", "accuracy"), default="changed",
+                   help="multiple-choice tasks: what --max-changed bounds: the share of changed answers "
+                        "(default), or the mean accuracy lost against the target (a change between two wrong "
+                        "answers costs nothing; right to wrong and wrong to right offset)")
     f.add_argument("--arm", default=None, help="the ladder arm, if a file has several (e.g. ladder/rank@general)")
     f.add_argument("--out", type=Path, required=True, help="policy file to write (JSON)")
     f.set_defaults(func=cmd_gate_fit)
@@ -40,10 +44,10 @@ def register(ev) -> None:
     r.set_defaults(func=cmd_gate_report)
 
 
-def _ladders(paths: list[Path], arm: str | None):
+def _ladders(paths: list[Path], arm: str | None, loss: str = "changed"):
     from ..eval.gate import read_ladders
 
-    return [read_ladders(p, arm) for p in paths]
+    return [read_ladders(p, arm, loss) for p in paths]
 
 
 def cmd_gate_fit(args) -> int:
@@ -51,7 +55,7 @@ def cmd_gate_fit(args) -> int:
 
     if not 0 <= args.max_changed <= 1 or args.max_bpb < 0:
         raise RarecacheError("--max-changed must be in [0, 1] and --max-bpb >= 0")
-    policy = fit(_ladders(args.results, args.arm), args.max_changed, args.max_bpb)
+    policy = fit(_ladders(args.results, args.arm, args.loss), args.max_changed, args.max_bpb)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
@@ -59,11 +63,12 @@ def cmd_gate_fit(args) -> int:
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} "
               f"fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
+    what = "changed" if args.loss == "changed" else "accuracy lost"
     print("other loss levels stored (serve --rho auto --max-loss SHARE):")
     for lv in policy.fitted["levels"]:
         cost = sum(t["cost"] for t in lv["tasks"].values()) / len(lv["tasks"])
         fell = sum(t["fallback"] for t in lv["tasks"].values()) / len(lv["tasks"])
-        print(f"  <= {lv['max_changed']:g} changed, <= {lv['max_bpb']:g} bpb: threshold {lv['threshold']:.4g}, "
+        print(f"  <= {lv['max_changed']:g} {what}, <= {lv['max_bpb']:g} bpb: threshold {lv['threshold']:.4g}, "
               f"mean recomputed {cost:.3f}, fell back {fell:.1%}")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

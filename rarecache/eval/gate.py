@@ -10,7 +10,11 @@ answers with the target's own prefill: the item's target arm.
 A rung's loss, what accepting it costs against the target's own answer: for multiple choice 1 when
 the answer changed (the gate bounds changed answers, which bounds the accuracy lost either way),
 for bits per byte the increase in bpb. Its cost is the share of prompt positions recomputed; a
-fallback costs 1.0 (the target's own prefill) and loses nothing.
+fallback costs 1.0 (the target's own prefill) and loses nothing. `LOSSES`: "changed" is that
+per-request bound; "accuracy" bounds what the evaluation measures instead, the mean accuracy lost
+(the target right and the rung wrong counts 1, the other way round −1, a change between two wrong
+answers 0): where the target's own answers are near coin flips (0-shot MMLU) most changes are of
+the last kind, and bounding them forces a fallback on nearly every request.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from .metrics import N_BOOT, paired_diff_ci
 from .results import load_results, map_sha256
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
+LOSSES = ("changed", "accuracy")  # what a multiple-choice rung's loss counts (module docstring)
 
 
 @dataclass
@@ -34,6 +39,7 @@ class Ladders:
 
     task: str
     metric: str
+    loss_kind: str  # LOSSES: what a multiple-choice rung's loss counts
     arm: str
     selector: str
     rungs: list[float]
@@ -53,10 +59,13 @@ def _answer_key(metric: str) -> str:
     return "prediction_norm" if metric == "correct_norm" else "prediction"
 
 
-def read_ladders(path: Path, arm: str | None = None) -> Ladders:
-    """The ladder arm (the only one, or `arm`) and the target arm of a results file."""
+def read_ladders(path: Path, arm: str | None = None, loss: str = "changed") -> Ladders:
+    """The ladder arm (the only one, or `arm`) and the target arm of a results file; `loss` (`LOSSES`):
+    what a multiple-choice rung's loss counts."""
     from .tasks import TASKS
 
+    if loss not in LOSSES:
+        raise RarecacheError(f"unknown gate loss {loss!r}: {', '.join(LOSSES)}")
     if not path.is_file():
         raise RarecacheError(f"no results file {path}")
     rows = load_results(path)
@@ -77,7 +86,7 @@ def read_ladders(path: Path, arm: str | None = None) -> Ladders:
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
-    out = Ladders(task, metric, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
+    out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
                   items, [], [], [], [], [], [], [], [], map_sha256(path, arm.partition("@")[2]))
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
@@ -91,7 +100,8 @@ def read_ladders(path: Path, arm: str | None = None) -> Ladders:
             out.changed.append([abs(g["bpb"] - t["bpb"]) > CHANGED_BPB for g in rungs])
         else:
             out.changed.append([g[key] != t[key] for g in rungs])
-            out.loss.append([float(c) for c in out.changed[-1]])
+            out.loss.append([float(c) for c in out.changed[-1]] if loss == "changed"
+                            else [float(t[metric]) - float(g[metric]) for g in rungs])
         out.seconds.append(times.get(i, {}))
     if any(m is None for ms in out.margin for m in ms):
         out.margin = None
@@ -142,6 +152,9 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     names = [lad.task for lad in ladders]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
+    kinds = {lad.loss_kind for lad in ladders}
+    if len(kinds) > 1:
+        raise RarecacheError(f"the ladders were read with different losses ({', '.join(sorted(kinds))})")
     margins = all(lad.margin is not None for lad in ladders)
     groups = {lad.task: (list(zip(lad.js, lad.loss, lad.cost, lad.margin)) if margins
                          else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
@@ -152,7 +165,7 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     for scale, (t, f, o) in zip(LEVELS, fits):
         levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
                        "min_margin": f, "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})
-    fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "levels": levels,
+    fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "loss": kinds.pop(), "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
                                    **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
                         for lad in ladders}}
@@ -206,7 +219,8 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
-             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items)",
+             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items, "
+             f"multiple-choice loss: {'accuracy lost' if policy.fitted.get('loss') == 'accuracy' else 'changed answers'})",
              "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
              "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
     for task, r in results.items():
