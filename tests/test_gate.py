@@ -74,6 +74,16 @@ def test_recorded_ladder_equals_the_online_gate(fitted):
         torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
         torch.testing.assert_close(cache.k[:, 0, :, :n], snaps.k[:, k, :, :n], atol=1e-5, rtol=0)
         assert res.recomputed_share == budget(rungs[k], n) / n
+    # climbing at most m rungs: the rung the record says, else a fallback after exactly m rungs
+    th = sorted(js)[len(js) // 2]
+    for m in range(len(rungs) + 1):
+        k = decide(js, th, max_rungs=m)
+        cache, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", rungs, th, max_rungs=m))
+        if k is None:
+            assert res.decision == "fallback" and len(res.rungs) == 1 + m
+        else:
+            assert res.decision == "accept" and res.rho == rungs[k] and k < m
+            torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
 
 
 def test_js_bits():
@@ -92,17 +102,32 @@ def test_fit_recovers_the_planted_threshold():
     for _ in range(200):
         js = (torch.rand(3, generator=g) * 0.1).tolist()
         items.append((js, [0.0 if d < 0.05 else 1.0 for d in js], [0.1, 0.2, 0.3]))
-    th, floor, out = fit_threshold({"t": items}, {"t": 0.0})
+    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0})
     assert floor is None
     safe = max(d for js, _, _ in items for d in js if d < 0.05)
     assert th == safe and out["t"]["loss"] == 0.0
     # a looser bound accepts more, at a lower cost
-    th2, _, out2 = fit_threshold({"t": items}, {"t": 0.05})
+    th2, _, out2, _ = fit_threshold({"t": items}, {"t": 0.05})
     assert th2 > th and out2["t"]["cost"] < out["t"]["cost"] and out2["t"]["loss"] <= 0.05
     # every group must hold its bound: a second group that loses everything forces fallback
     bad = [([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 10
-    th3, _, out3 = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
+    th3, _, out3, _ = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
     assert th3 < 0 and out3["bad"]["fallback"] == 1.0 and out3["t"]["cost"] == 1.0
+
+
+def test_fit_falls_back_early_when_climbing_is_wasted():
+    """Planted: half the items keep their answer from rung 1 on (tiny js), the other half lose it at
+    every rung whatever the signal says. Climbing all three rungs before falling back on those wastes
+    0.3 of a prefill each; the fit must stop after rung 1 and still lose nothing."""
+    good = [([1e-4, 1e-4, 1e-4], [0.0, 0.0, 0.0], [0.1, 0.2, 0.3])] * 50
+    hopeless = [([0.5, 2e-4, 1e-4], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 50
+    th, floor, out, most = fit_threshold({"t": good + hopeless}, {"t": 0.0})
+    assert most == 1 and 1e-4 <= th < 0.5 and out["t"]["loss"] == 0.0
+    assert out["t"]["fallback"] == 0.5 and out["t"]["work"] == pytest.approx(0.5 * 0.1 + 0.5 * 1.1)
+    assert out["t"]["cost"] == pytest.approx(0.5 * 0.1 + 0.5 * 1.0)  # the issue's figure: a fallback is 1.0
+    # nothing safe anywhere: fall back right after plain transfer, not after the ladder
+    th, _, out, most = fit_threshold({"t": hopeless}, {"t": 0.0})
+    assert most == 0 and th < 0 and out["t"]["work"] == 1.0
 
 
 def test_fit_uses_a_margin_floor_when_the_signal_alone_cannot_separate():
@@ -114,9 +139,9 @@ def test_fit_uses_a_margin_floor_when_the_signal_alone_cannot_separate():
     for _ in range(200):
         m = (torch.rand(3, generator=g) * 2).tolist()
         items.append(([1e-4] * 3, [0.0 if x > 1.0 else 1.0 for x in m], [0.1, 0.2, 0.3], m))
-    th, floor, out = fit_threshold({"t": items}, {"t": 0.0}, margins=False)
+    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=False)
     assert th < 0 and out["t"]["cost"] == 1.0
-    th, floor, out = fit_threshold({"t": items}, {"t": 0.0}, margins=True)
+    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=True)
     assert floor is not None and floor >= 1.0 and out["t"]["loss"] == 0.0 and out["t"]["cost"] < 0.6
     # the online decision agrees with the fitted rule
     for js, ls, cs, m in items:
@@ -129,7 +154,13 @@ def test_policy_file_round_trip_and_validation(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(pol.to_json())
     back = GatePolicy.load(f)
-    assert back == pol and back.fitted == {"items": 5}
+    assert back == pol and back.fitted == {"items": 5} and back.max_rungs is None
+    early = GatePolicy("rank", (0.1, 0.3), 0.02, max_rungs=1)
+    f.write_text(early.to_json())
+    assert GatePolicy.load(f) == early and GatePolicy.load(f).max_rungs == 1
+    for m in (3, -1, 1.5, True, "1"):
+        with pytest.raises(RarecacheError, match="max_rungs"):
+            GatePolicy("rank", (0.1, 0.3), 0.02, max_rungs=m)
     bad = [("not json", "not a readable"), ("[]", "not a gate policy"),
            (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.3, 0.1],
                         "threshold": 0.1}), "increase strictly"),

@@ -59,16 +59,19 @@ def cmd_gate_fit(args) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
-    print(f"threshold {policy.threshold:.4g} bits{floor} ({'always falls back' if policy.threshold < 0 else 'accepts'})")
+    most = "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s) before falling back"
+    never = policy.threshold < 0 or policy.max_rungs == 0
+    print(f"threshold {policy.threshold:.4g} bits{floor}{most} ({'always falls back' if never else 'accepts'})")
     for task, o in policy.fitted["tasks"].items():
-        print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} "
-              f"fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
+        print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} (fallback = 1; with the "
+              f"rungs climbed first {o['work']:.3f}) fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
     what = "changed" if args.loss == "changed" else "accuracy lost"
     print("other loss levels stored (serve --rho auto --max-loss SHARE):")
     for lv in policy.fitted["levels"]:
         cost = sum(t["cost"] for t in lv["tasks"].values()) / len(lv["tasks"])
         fell = sum(t["fallback"] for t in lv["tasks"].values()) / len(lv["tasks"])
         print(f"  <= {lv['max_changed']:g} {what}, <= {lv['max_bpb']:g} bpb: threshold {lv['threshold']:.4g}, "
+              f"max rungs {'all' if lv['max_rungs'] is None else lv['max_rungs']}, "
               f"mean recomputed {cost:.3f}, fell back {fell:.1%}")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -161,15 +161,16 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
     levels = []  # the same fit at other loss bounds, for `serve --max-loss` (the bpb bound scales with the share)
     fits = fit_thresholds(groups, [{t: b * scale for t, b in bounds.items()} for scale in LEVELS], margins)
-    th, floor, outcome = fits[LEVELS.index(1.0)]  # (one sweep for every level; 1.0: the bounds asked for)
-    for scale, (t, f, o) in zip(LEVELS, fits):
+    th, floor, outcome, most = fits[LEVELS.index(1.0)]  # (one sweep for every level; 1.0: the bounds asked for)
+    for scale, (t, f, o, mr) in zip(LEVELS, fits):
         levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
-                       "min_margin": f, "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "fallback")} for g in o}})
+                       "min_margin": f, "max_rungs": mr,
+                       "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "work", "fallback")} for g in o}})
     fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "loss": kinds.pop(), "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
                                    **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
                         for lad in ladders}}
-    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted)
+    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most)
 
 
 def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
@@ -190,7 +191,8 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     for k_item, js in enumerate(lad.js):
         if policy.min_margin is not None and lad.margin is None:
             raise RarecacheError(f"{lad.task}: the policy floors the margin, which these ladders do not record")
-        k = decide(js, policy.threshold, lad.margin[k_item] if lad.margin else None, policy.min_margin)
+        k = decide(js, policy.threshold, lad.margin[k_item] if lad.margin else None, policy.min_margin,
+                   policy.max_rungs)
         tm = lad.seconds[k_item]
         fixed = tm.get("map", 0.0) + tm.get("score", 0.0)
         climbed = tm.get("rung_recompute", [])
@@ -198,7 +200,8 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
             fell += 1
             gated.append(lad.target[k_item])
             cost.append(1.0)
-            secs.append(fixed + sum(climbed) + tm.get("target_prefill", 0.0))
+            m = len(js) if policy.max_rungs is None else min(policy.max_rungs, len(js))
+            secs.append(fixed + sum(climbed[: m + 1]) + tm.get("target_prefill", 0.0))  # rung 0 and the m climbed
         else:
             gated.append(lad.value[k_item][k])
             cost.append(lad.cost[k_item][k])
@@ -218,6 +221,7 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
 
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
+    floor += "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s), then fallback"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
              f"threshold {policy.threshold:.4g} bits{floor} (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items, "
              f"multiple-choice loss: {'accuracy lost' if policy.fitted.get('loss') == 'accuracy' else 'changed answers'})",

@@ -14,8 +14,11 @@ still moving. The policy accepts the first rung whose divergence is at most its 
 above the top rung the target prefills the handed-off span itself (exact: every row is
 rewritten), reusing the rows it held before the handoff.
 
-The threshold is fitted on held-apart items (`fit_threshold`: the largest that keeps every task
-within its loss bound), never on evaluated ones; policy files record what they were fitted on.
+The threshold is fitted on held-apart items (`fit_threshold`: the one that computes least while every
+task stays within its loss bound), never on evaluated ones; policy files record what they were fitted
+on. A policy may also stop climbing after `max_rungs` rungs and fall back there: where the answer
+rarely settles (0-shot MMLU), climbing the whole ladder before a fallback costs more than the
+target's own prefill, so the fit counts the rungs a fallback climbed as work and stops early.
 Rung 1 of the ladder is exactly a direct handoff at its ρ (tested); higher rungs keep the rows
 recomputed below them rather than recompute them against the better cache (the reuse that makes
 climbing cheap), so they differ slightly from a direct handoff at the same ρ.
@@ -48,6 +51,7 @@ class GatePolicy:
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
     min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
+    max_rungs: int | None = None  # climb at most this many rungs, then fall back (None: all; 0: right after plain)
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
@@ -59,6 +63,9 @@ class GatePolicy:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise RarecacheError(f"gate {name} must be a number, got {v!r}")
         HandoffConfig(rungs[0], self.selector)  # validates the selector
+        m = self.max_rungs
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= len(rungs)):
+            raise RarecacheError(f"gate max_rungs must be a whole number from 0 to {len(rungs)} (or null), got {m!r}")
         object.__setattr__(self, "rungs", rungs)
 
     def at_loss(self, max_changed: float) -> "GatePolicy":
@@ -87,7 +94,7 @@ class GatePolicy:
         lv = max(ok, key=lambda lv: (lv["max_changed"], lv["max_bpb"]))
         return GatePolicy(self.selector, self.rungs, lv["threshold"], lv.get("min_margin"),
                           {**self.fitted, "bounds": {"max_changed": lv["max_changed"], "max_bpb": lv["max_bpb"]},
-                           "level": lv})
+                           "level": lv}, lv.get("max_rungs"))
 
     def to_json(self) -> str:
         return json.dumps({"format": POLICY_FORMAT, **asdict(self), "rungs": list(self.rungs)}, indent=1) + "\n"
@@ -102,14 +109,15 @@ class GatePolicy:
             raise RarecacheError(f"{path}: not a readable gate policy ({e})") from None
         if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
             raise RarecacheError(f"{path}: not a gate policy (format {POLICY_FORMAT} expected)")
-        extra = set(data) - {"format", "selector", "rungs", "threshold", "min_margin", "fitted"}
+        extra = set(data) - {"format", "selector", "rungs", "threshold", "min_margin", "fitted", "max_rungs"}
         if extra:
             raise RarecacheError(f"{path}: unknown gate policy field(s) {', '.join(sorted(extra))}")
         rungs, sel, fitted = data.get("rungs"), data.get("selector"), data.get("fitted", {})
         if (not isinstance(rungs, list) or not all(isinstance(r, (int, float)) for r in rungs)
                 or not isinstance(sel, str) or not isinstance(fitted, dict)):
             raise RarecacheError(f"{path}: gate policy needs selector (text), rungs (numbers), fitted (object)")
-        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted)
+        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted,
+                   data.get("max_rungs"))
 
 
 @dataclass
@@ -217,6 +225,8 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
                   row_error())]
     per_rung, done, accepted = [], 1, None
     for k, rho in enumerate(policy.rungs):
+        if not climb_all and policy.max_rungs is not None and k >= policy.max_rungs:
+            break  # the policy falls back here rather than climb further
         want = budget(rho, w)
         lg, secs = run(order[done:want])
         top = order[:want] - target_kept
@@ -246,10 +256,12 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     toks, pos = spans([ids], [target_kept], target.device)
     logits = target.forward(toks, pos, cache).logits  # every handed-off row rewritten: the target's own
     timings["fallback_prefill"] = _now(target) - t
-    why = (f"no rung had js <= {policy.threshold:.4g} bits" + (
+    climbed = "" if policy.max_rungs is None or policy.max_rungs >= len(policy.rungs) else (
+        f" in the first {policy.max_rungs}")
+    why = (f"no rung{climbed} had js <= {policy.threshold:.4g} bits" + (
         f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
-        + f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})"
-        if policy.threshold >= 0 else "the policy always falls back")
+        + (f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
+        if policy.threshold >= 0 and policy.max_rungs != 0 else "the policy always falls back")
     result.positions = [list(range(target_kept, n))]
     return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
 
@@ -261,10 +273,10 @@ def _accepts(threshold: float, min_margin: float | None, js: float, margin: floa
 
 
 def decide(js: list[float], threshold: float, margins: list[float] | None = None,
-           min_margin: float | None = None) -> int | None:
+           min_margin: float | None = None, max_rungs: int | None = None) -> int | None:
     """The rung (index into the policy's rungs) a policy accepts, given each rung's js (and top-2
-    margin); None: fallback."""
-    for k, d in enumerate(js):
+    margin), climbing at most `max_rungs`; None: fallback."""
+    for k, d in enumerate(js[:max_rungs]):
         if _accepts(threshold, min_margin, d, margins[k] if margins is not None else 0.0):
             return k
     return None
@@ -276,35 +288,40 @@ def candidate_thresholds(ladders: list[list[float]]) -> list[float]:
 
 
 def fit_threshold(groups: dict[str, list[tuple]], bounds: dict[str, float],
-                  margins: bool = False) -> tuple[float, float | None, dict[str, dict]]:
+                  margins: bool = False) -> tuple[float, float | None, dict[str, dict], int | None]:
     return fit_thresholds(groups, [bounds], margins)[0]
 
 
 def fit_thresholds(groups: dict[str, list[tuple]], bounds_list: list[dict[str, float]],
-                   margins: bool = False) -> list[tuple[float, float | None, dict[str, dict]]]:
-    """The policy that recomputes least while every group's mean loss stays within its bound.
+                   margins: bool = False) -> list[tuple[float, float | None, dict[str, dict], int | None]]:
+    """The policy that computes least while every group's mean loss stays within its bound.
 
     `groups`: per task, per held-apart item, (js per rung, loss per rung, cost per rung[, margin
     per rung]) where loss is what accepting that rung costs against the target's own answer (1 for
     a changed multiple-choice answer, the bpb increase for a continuation) and cost the recomputed
-    share; a fallback costs 1 and loses nothing. Thresholds are searched over every observed js
-    and, with `margins`, a floor on the top-2 margin over deciles of the observed margins. Ties in
-    cost go to the larger threshold. Returns the threshold, the margin floor (None: unused) and,
-    per group, what they give.
+    share; a fallback loses nothing. Thresholds are searched over every observed js, with `margins`
+    a floor on the top-2 margin over deciles of the observed margins, and the most rungs to climb
+    before falling back (`GatePolicy.max_rungs`). What is minimised is the work: the share of
+    positions the target computes, a fallback counting 1 plus the rungs it climbed first (they were
+    wasted), so a policy that would fall back anyway does so early. Ties go to the larger threshold.
+    Returns, per set of bounds, the threshold, the margin floor (None: unused), per group what they
+    give (loss, cost with a fallback as 1.0, work, fallback share), and the most rungs (None: all).
     """
-    def outcome(th: float, mm: float | None) -> dict[str, dict]:
+    def outcome(th: float, mm: float | None, mr: int | None) -> dict[str, dict]:
         res = {}
         for g, items in groups.items():
-            loss = cost = fell = 0.0
+            loss = cost = work = fell = 0.0
             for it in items:
                 js, ls, cs = it[0], it[1], it[2]
-                k = decide(js, th, it[3] if mm is not None else None, mm)
+                k = decide(js, th, it[3] if mm is not None else None, mm, mr)
                 if k is None:
+                    climbed = len(js) if mr is None else min(mr, len(js))
                     fell, cost = fell + 1, cost + 1.0
+                    work += 1.0 + (cs[climbed - 1] if climbed else 0.0)
                 else:
-                    loss, cost = loss + ls[k], cost + cs[k]
+                    loss, cost, work = loss + ls[k], cost + cs[k], work + cs[k]
             n = max(1, len(items))
-            res[g] = {"loss": loss / n, "cost": cost / n, "fallback": fell / n, "n": len(items)}
+            res[g] = {"loss": loss / n, "cost": cost / n, "work": work / n, "fallback": fell / n, "n": len(items)}
         return res
 
     floors: list[float | None] = [None]
@@ -313,16 +330,19 @@ def fit_thresholds(groups: dict[str, list[tuple]], bounds_list: list[dict[str, f
 
         ms = [m for items in groups.values() for it in items for m in it[3]]
         floors += sorted({float(q) for q in np.quantile(ms, np.linspace(0.1, 0.9, 9))}) if ms else []
-    table = [(th, mm, outcome(th, mm)) for mm in floors  # one sweep, read for every set of bounds
-             for th in candidate_thresholds([it[0] for items in groups.values() for it in items])]
+    rungs = max((len(it[0]) for items in groups.values() for it in items), default=0)
+    ths = candidate_thresholds([it[0] for items in groups.values() for it in items])
+    table = [(-1.0, None, outcome(-1.0, None, 0), 0)]  # fall back right after plain transfer (any threshold)
+    table += [(th, mm, outcome(th, mm, mr), mr) for mr in [*range(1, rungs), None] for mm in floors for th in ths]
     fits = []
     for bounds in bounds_list:
-        best = (math.inf, -1.0, None, None)  # (mean cost over groups, threshold, floor, outcome)
-        for th, mm, out in table:
+        best = (math.inf, -1.0, None, None, None)  # (mean work over groups, threshold, floor, outcome, max rungs)
+        for th, mm, out, mr in table:  # (one sweep, read for every set of bounds)
             if all(o["loss"] <= bounds[g] + 1e-12 for g, o in out.items()):
-                c = sum(o["cost"] for o in out.values()) / len(out)
-                if c < best[0] - 1e-12 or (abs(c - best[0]) <= 1e-12 and mm == best[2] and th > best[1]):
-                    best = (c, th, mm, out)
-        _, th, mm, out = best
-        fits.append((th, mm, out if out is not None else outcome(th, mm)))
+                c = sum(o["work"] for o in out.values()) / len(out)
+                if c < best[0] - 1e-12 or (abs(c - best[0]) <= 1e-12 and mm == best[2] and mr == best[4]
+                                           and th > best[1]):
+                    best = (c, th, mm, out, mr)
+        _, th, mm, out, mr = best
+        fits.append((th, mm, out if out is not None else outcome(th, mm, mr), mr))
     return fits
