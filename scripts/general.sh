@@ -104,7 +104,13 @@ reports() {  # selector stories (called as `reports ... || echo`, where errexit 
     fi
   fi
   rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy.json "${drift[@]}" \
-      --summary $A/gate-summary.json > $A/gate-report.md
+      --summary $A/gate-summary.json > $A/gate-report.md || return 1
+  # the same fit bounding the accuracy lost instead of changed answers (RESULTS 9), on the four tasks
+  rm -f $A/gate-policy-accuracy.json $A/gate-report-accuracy.md $A/gate-summary-accuracy.json
+  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --loss accuracy \
+      --out $A/gate-policy-accuracy.json &&
+  rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy-accuracy.json \
+      --summary $A/gate-summary-accuracy.json > $A/gate-report-accuracy.md
 }
 SEL=$(default_selector)
 # the ladders breadth first too: 50 evaluated and 50 held items of every task give a first policy and its
