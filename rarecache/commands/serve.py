@@ -55,9 +55,10 @@ def register(sub) -> None:
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
                         "served here; its selector replaces --selector")
     p.add_argument("--max-loss", type=float, default=None, metavar="SHARE",
-                   help="with --rho auto: the loss the gate may accept, as the share of changed answers on the "
-                        "policy's held-apart multiple-choice items (its bpb bound scales with it); picks the "
-                        "policy file's fitted level at most SHARE (default: the level it was fitted at)")
+                   help="with --rho auto: the loss the gate may accept, as the share of changed answers (or, for "
+                        "a policy fitted with --loss accuracy, the accuracy lost) on the policy's held-apart "
+                        "multiple-choice items (its bpb bound scales with it); picks the policy file's fitted "
+                        "level at most SHARE (default: the level it was fitted at)")
     p.add_argument("--selector", default=None,
                    help="position selector (default: the one the committed general summary measured best through "
                         "the map served, docs/artifacts/general-map-summary.json, if it was measured through it; "
