@@ -14,7 +14,8 @@ import sys
 
 import numpy as np
 
-from rarecache.eval.gate import auc, auc_ci
+from rarecache.eval.gate import _answer_key, auc, auc_ci
+from rarecache.eval.tasks import TASKS
 
 FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source"]
 LOGGED = {"js", "js_plain", "row_error", "js_source"}  # those the ladders record are read
@@ -22,7 +23,8 @@ LOGGED = {"js", "js_plain", "row_error", "js_source"}  # those the ladders recor
 
 def ladders(path: str, arm: str | None):
     rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
-    target = {r["item"]: r["prediction"] for r in rows if r["arm"] == "target"}
+    key = _answer_key(TASKS[rows[0]["task"]].metric)  # the answer the task scores (acc_norm: prediction_norm)
+    target = {r["item"]: r[key] for r in rows if r["arm"] == "target"}
     lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
             and r["item"] in target]
     if len({r["arm"] for r in lads}) != 1:
@@ -30,7 +32,7 @@ def ladders(path: str, arm: str | None):
     # those every rung of every record has (row_error, js_source: ladders from 2026-12-03 on)
     FEATURES[:] = [f for f in FEATURES if all(f in g for r in lads for g in r["ladder"])]
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
-             [rung["prediction"] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
+             [rung[key] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
 
 
 def logistic_cv(per_item, folds: int = 5, lam: float = 1.0, seed: int = 0) -> float:
