@@ -79,7 +79,7 @@ def cmd_gate_fit(args) -> int:
 
 def cmd_gate_report(args) -> int:
     from ..eval.gate import evaluate, markdown
-    from ..transfer.gate import GatePolicy
+    from ..transfer.gate import GatePolicy, gate_rule
 
     if not args.policy.is_file():
         raise RarecacheError(f"no policy file {args.policy}")
@@ -96,8 +96,7 @@ def cmd_gate_report(args) -> int:
     print(markdown(results, policy))
     if args.summary:
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
-        summary = {"map": shas.pop(), "policy": {"selector": policy.selector, "rungs": list(policy.rungs),
-                                                 "threshold": policy.threshold, "min_margin": policy.min_margin},
+        summary = {"map": shas.pop(), "policy": {**gate_rule(policy), "loss": policy.fitted.get("loss", "changed")},
                    "tasks": {t: {k: r[k] for k in keys} | {"auc": r["auc"], "auc_ci": r["auc_ci"]}
                              for t, r in results.items()}}
         args.summary.parent.mkdir(parents=True, exist_ok=True)

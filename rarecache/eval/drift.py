@@ -42,8 +42,8 @@ from tqdm import tqdm
 from ..engine.llm import LLM
 from ..engine.runner import spans
 from ..errors import RarecacheError
-from ..transfer.conversation import Conversation, common_prefix
-from ..transfer.gate import GatePolicy
+from ..transfer.conversation import Conversation, kept
+from ..transfer.gate import GatePolicy, gate_rule
 from ..transfer.handoff import HandoffConfig, _now
 from ..transfer.mapper import Mapper
 from .results import check_meta, read_done
@@ -84,11 +84,11 @@ class _Local:
     @torch.inference_mode()
     def _own_prefill(self, user: str, who: str) -> tuple[float, int] | None:
         conv = self.conv
-        if conv.last is None or conv.last == who or (conv.last, who) not in conv.maps:
+        if conv.handoff_source(who) is None:
             return None  # not a handoff: the model prefills itself anyway
         llm, st = conv.models[who], conv.state[who]
         ids = llm.encode([*conv.messages, {"role": "user", "content": user}])
-        keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # what the turn keeps (prefill_or_handoff)
+        keep = kept(st.ids, ids)  # what the turn keeps (prefill_or_handoff)
         scratch = llm.runner.new_cache(1, len(ids))
         if keep:
             scratch.copy_prefix(st.cache, keep)
@@ -161,10 +161,8 @@ DRIFT_KEYS = ("task", "source", "target", "dtype", "seed", "reverse")  # what a 
 def drift_meta(meta: dict, reverse: bool, arms: list[str], gate: GatePolicy | None) -> dict:
     """A drift run's record (`results.models_meta`, checked on resume like an evaluation's): whether
     the target hands back through a map of its own, and the gate's rule when the gate arm runs."""
-    rule = None
-    if gate is not None and any(parse_arm(a)[0] == "switch/gate" for a in arms):
-        rule = {k: v for k, v in json.loads(gate.to_json()).items() if k not in ("format", "fitted")}
-    return {"task": "coqa_drift", **meta, "reverse": reverse, "gate": rule}
+    runs = gate is not None and any(parse_arm(a)[0] == "switch/gate" for a in arms)
+    return {"task": "coqa_drift", **meta, "reverse": reverse, "gate": gate_rule(gate) if runs else None}
 
 
 def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mapper], arms: list[str],
@@ -398,13 +396,14 @@ def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict
     except (OSError, ValueError):
         raise RarecacheError(f"{path}: no readable run record {meta_path} (a drift file written before "
                              "drift runs recorded one cannot say which policy it ran)") from None
-    rule = drift_meta({}, False, ["gate"], policy)["gate"]
+    rule = gate_rule(policy)
     if meta.get("gate") != rule:
         raise RarecacheError(f"{path}: its gate arm ran with another rule ({meta.get('gate')}) than the policy's "
                              f"({rule})")
     sha = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
     if map_sha256 is None or sha != map_sha256:
-        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through {str(map_sha256)[:12]}")
+        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through "
+                             f"{str(map_sha256)[:12]}")
     figures = report(path)[1].get("switch/gate")
     if figures is None:
         raise RarecacheError(f"{path} holds no gate arm turns yet")

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RarecacheError
-from ..transfer.gate import GatePolicy, decide, fit_thresholds
+from ..transfer.gate import GatePolicy, decide, fit_thresholds, rungs_climbed
 from .metrics import N_BOOT, paired_diff_ci
 from .results import load_results, map_sha256
 
@@ -86,7 +86,8 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed") -> L
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
-    out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0], [g["rho"] for g in ladder[items[0]]["ladder"]],
+    out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
+                  [g["rho"] for g in ladder[items[0]]["ladder"]],
                   items, [], [], [], [], [], [], [], [], map_sha256(path, arm.partition("@")[2]))
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
@@ -200,7 +201,7 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
             fell += 1
             gated.append(lad.target[k_item])
             cost.append(1.0)
-            m = len(js) if policy.max_rungs is None else min(policy.max_rungs, len(js))
+            m = rungs_climbed(len(js), policy.max_rungs)
             secs.append(fixed + sum(climbed[: m + 1]) + tm.get("target_prefill", 0.0))  # rung 0 and the m climbed
         else:
             gated.append(lad.value[k_item][k])
@@ -222,9 +223,11 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
     floor += "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s), then fallback"
+    held = sum(len(t.get("items", [])) for t in policy.fitted.get("tasks", {}).values())
+    loss = "accuracy lost" if policy.fitted.get("loss") == "accuracy" else "changed answers"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
-             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {sum(len(t.get('items', [])) for t in policy.fitted.get('tasks', {}).values())} held-apart items, "
-             f"multiple-choice loss: {'accuracy lost' if policy.fitted.get('loss') == 'accuracy' else 'changed answers'})",
+             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {held} held-apart items, "
+             f"multiple-choice loss: {loss})",
              "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
              "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
     for task, r in results.items():

@@ -74,6 +74,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def kept(held: list[int], ids: list[int]) -> int:
+    """The positions a model keeps of what it holds when it is given the prompt `ids`: their common
+    prefix, short of the last position (always computed: it gives the logits)."""
+    return min(common_prefix(held, ids), len(ids) - 1)
+
+
 def check_maps(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], holder: str) -> None:
     """Refuse maps between models `holder` (e.g. "the conversation") does not have, or fitted for other models."""
     for (a, b), mapper in maps.items():
@@ -115,7 +121,7 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
     if source is not None and (source, model) not in maps:
         raise RarecacheError(f"no map from {source} to {model}")
     st = held[model]
-    keep = min(common_prefix(st.ids, ids), len(ids) - 1)  # the last position is always computed
+    keep = kept(st.ids, ids)
     st.keep(keep)  # rows past `keep` are about to be overwritten
     reused_approximate = len(st.approximate)
     cache = st.reserve(llm.runner, need)
@@ -183,6 +189,12 @@ class Conversation:
         self.last: str | None = None  # the model that spoke last
         self.turns: list[Turn] = []
 
+    def handoff_source(self, model: str) -> str | None:
+        """The model whose rows `model`'s next turn is handed off from: the one that spoke last, if
+        another and mapped to `model`; None: `model` prefills itself."""
+        prev = self.last
+        return prev if prev is not None and prev != model and (prev, model) in self.maps else None
+
     @torch.inference_mode()
     def say(self, content: str, model: str) -> Turn:
         """Add a user message and let `model` answer it."""
@@ -191,8 +203,7 @@ class Conversation:
         llm = self.models[model]
         self.messages.append({"role": "user", "content": content})
         ids = llm.encode(self.messages)
-        prev = self.last
-        source = prev if prev is not None and prev != model and (prev, model) in self.maps else None
+        source = self.handoff_source(model)
         try:
             gen, keep, started, seconds = respond(self.models, self.maps, self.cfg, self.sampling, model, ids,
                                                   self.state, source, gate=self.gate)
@@ -220,8 +231,7 @@ class Conversation:
             raise RarecacheError("the answer to score is empty")
         self.messages.append({"role": "user", "content": content})
         ids = llm.encode(self.messages)
-        prev = self.last
-        source = prev if prev is not None and prev != model and (prev, model) in self.maps else None
+        source = self.handoff_source(model)
         sampling = SamplingConfig(max_new_tokens=len(tokens))
         try:
             s = prefill_or_handoff(self.models, self.maps, self.cfg, sampling, model, ids, self.state, source,

@@ -120,6 +120,17 @@ class GatePolicy:
                    data.get("max_rungs"))
 
 
+def gate_rule(policy: GatePolicy) -> dict:
+    """What decides a request under `policy` (selector, rungs, threshold, margin floor, max rungs) as
+    its file writes it, without what it was fitted on: what results record it ran with."""
+    return {k: v for k, v in json.loads(policy.to_json()).items() if k not in ("format", "fitted")}
+
+
+def rungs_climbed(rungs: int, max_rungs: int | None) -> int:
+    """How many of a ladder's `rungs` a policy climbs before it falls back."""
+    return rungs if max_rungs is None else min(max_rungs, rungs)
+
+
 @dataclass
 class Rung:
     rho: float
@@ -315,7 +326,7 @@ def fit_thresholds(groups: dict[str, list[tuple]], bounds_list: list[dict[str, f
                 js, ls, cs = it[0], it[1], it[2]
                 k = decide(js, th, it[3] if mm is not None else None, mm, mr)
                 if k is None:
-                    climbed = len(js) if mr is None else min(mr, len(js))
+                    climbed = rungs_climbed(len(js), mr)
                     fell, cost = fell + 1, cost + 1.0
                     work += 1.0 + (cs[climbed - 1] if climbed else 0.0)
                 else:
