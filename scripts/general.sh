@@ -92,14 +92,14 @@ default_selector() {  # the general summary's pick over every task's results so 
 # default selector's ladder, its outcome on the evaluated items, CoQA drift through it. The ladders run through
 # the served file itself (label served; its rungs map with its stored fit, the ridge one), so the policy records
 # the sha256 `serve --rho auto` checks.
-reports() {  # selector stories (called as `reports ... || echo`, where errexit is off: the steps are chained)
+reports() {  # selector stories items (called as `reports ... || echo`, where errexit is off: the steps are chained)
   rm -f $A/gate-policy.json $A/gate-report.md $A/gate-summary.json  # nothing stale beside a new policy
   local drift=()  # (stories 0: the policy and its report on the four tasks only)
   rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json || return 1
   if [ "$2" != 0 ]; then
     if rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
-        --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1.jsonl" > $A/drift-report.md
-    then drift=(--drift "$E/drift-coqa-$1.jsonl")
+        --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1-n$3.jsonl" > $A/drift-report.md
+    then drift=(--drift "$E/drift-coqa-$1-n$3.jsonl")
     else echo "DRIFT FAILED; the gate report goes on without CoQA"
     fi
   fi
@@ -114,15 +114,16 @@ reports() {  # selector stories (called as `reports ... || echo`, where errexit 
 }
 SEL=$(default_selector)
 # the ladders breadth first too: 50 evaluated and 50 held items of every task give a first policy and its
-# report; then 100 of each, and CoQA through the policy fitted on those (a drift file records the gate rule
-# its rows were run with and refuses another, so CoQA waits for the policy it is reported with)
+# report, with CoQA through it on 10 stories; then 100 of each, and CoQA on 50 through the policy fitted on those
+# (a drift file records the gate rule its rows were run with and refuses another: one file per policy, named by
+# the items it was fitted on). A CoQA story costs minutes per arm here, so the story counts are small.
 for n in 50 100; do
   for task in mmlu arc_challenge hellaswag gsm8k_bpb; do  # the cheapest ladders first (GSM8K's ~830-token prompts last)
     ev $S $T $task $n $E/ridge-$task.jsonl $RIDGE $SHARP 0 ladder:$SEL@served
     ev $S $T $task $n $E/ridge-held-$task.jsonl $RIDGE $SHARP 300 target ladder:$SEL@served
   done
-  [ $n = 50 ] && stories=0 || stories=50
-  reports $SEL $stories || echo "REPORTS FAILED at $n items; the evaluations go on"
+  [ $n = 50 ] && stories=10 || stories=50
+  reports $SEL $stories $n || echo "REPORTS FAILED at $n items; the evaluations go on"
 done
 # breadth first: every figure the issues ask for at 100 items before any at 300. Large -> small on the tasks
 # where the 0.5B is above chance; how the fit moves with the number of positions (held-out R2 on the
@@ -142,7 +143,7 @@ for task in "${TASKS[@]}"; do
   ev $S $T $task 300 $E/ridge-$task.jsonl $RIDGE $SHARP 0 "${PASS_A[@]}" "${PASS_B[@]}" ladder:$SEL@served
 done
 [ "$(default_selector)" = "$SEL" ] || echo "THE DEFAULT SELECTOR MOVED at 300 items; the ladder is $SEL's"
-reports $SEL 200 || echo "REPORTS FAILED at 300 items"
+reports $SEL 200 300 || echo "REPORTS FAILED at 300 items"
 for task in hellaswag arc_challenge; do
   ev_one $T $S $task 300 $E/general-$task-reverse.jsonl $REVERSE 0 "${ONE[@]}"
 done
