@@ -41,17 +41,27 @@ def test_fallback_is_the_targets_own_prefill(fitted):
     n = len(ids)
     own, out = target.prefill([ids], max_len=n)
     for kept in (0, 9):
-        held = target.new_cache(1, n)
-        if kept:
-            held.copy_prefix(own, kept)
-        cache, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", (0.1, 0.3), NEVER),
-                                           target_cache=held, target_kept=kept)
-        assert res.decision == "fallback" and res.recomputed_share == 1.0 and res.rho == 1.0
-        assert [r.rho for r in res.rungs] == [0.0, 0.1, 0.3]
-        assert res.handoff.positions == [list(range(kept, n))]
-        torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(cache.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=0)
-        torch.testing.assert_close(cache.v[:, :, :, :n], own.v[:, :, :, :n], atol=1e-5, rtol=0)
+        # a margin floor no rung meets: the whole ladder climbed, then the fallback
+        climbs = GatePolicy("rank", (0.1, 0.3), ALWAYS, min_margin=math.inf)
+        # a policy that can accept nothing decides before the handoff: no map, no source prefill, no rung
+        never = GatePolicy("rank", (0.1, 0.3), NEVER)
+        early = GatePolicy("rank", (0.1, 0.3), ALWAYS, max_rungs=0)
+        for policy, rungs in ((climbs, [0.0, 0.1, 0.3]), (never, []), (early, [])):
+            assert policy.always_falls_back == (not rungs)
+            held = target.new_cache(1, n)
+            if kept:
+                held.copy_prefix(own, kept)
+            src = source.new_cache(1, n)
+            cache, logits, res = gated_handoff(source, target, mapper, ids, policy, source_cache=src,
+                                               target_cache=held, target_kept=kept)
+            assert res.decision == "fallback" and res.recomputed_share == 1.0 and res.rho == 1.0
+            assert [r.rho for r in res.rungs] == rungs
+            assert res.handoff.positions == [list(range(kept, n))] and res.handoff.handed_off == [(kept, n)]
+            assert bool(src.k.abs().sum()) == bool(rungs)  # the source prefilled only when rungs were climbed
+            assert ("map" in res.handoff.timings) == bool(rungs) and res.handoff.timings["fallback_prefill"] > 0
+            torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.v[:, :, :, :n], own.v[:, :, :, :n], atol=1e-5, rtol=0)
 
 
 def test_recorded_ladder_equals_the_online_gate(fitted):
@@ -80,7 +90,7 @@ def test_recorded_ladder_equals_the_online_gate(fitted):
         k = decide(js, th, max_rungs=m)
         cache, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", rungs, th, max_rungs=m))
         if k is None:
-            assert res.decision == "fallback" and len(res.rungs) == 1 + m
+            assert res.decision == "fallback" and len(res.rungs) == (1 + m if m else 0)  # 0: decided at once
         else:
             assert res.decision == "accept" and res.rho == rungs[k] and k < m
             torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
@@ -318,10 +328,14 @@ def test_a_gated_conversation_that_falls_back_equals_the_target_alone(chat):
     for text, who in zip(["the quick brown fox", "jumps over the lazy dog", "def add return"],
                          ["small", "large", "small"]):
         want = models[who].generate([conv.messages + [{"role": "user", "content": text}]], sampling)[0].tokens
+        before = {name: list(st.ids) for name, st in conv.state.items()}
         turn = conv.say(text, who)
         assert turn.tokens == want
         if len(conv.turns) > 1:
             assert turn.gate.decision == "fallback" and turn.gate.recomputed_share == 1.0
+            assert turn.gate.rungs == [] and not conv.state[who].approximate
+            other = next(name for name in conv.state if name != who)  # decided at once: it prefilled nothing
+            assert conv.state[other].ids == before[other]
     conv = Conversation(models, maps, sampling=sampling, gate=GatePolicy("rank", (0.3, 0.5), ALWAYS))
     conv.say("the quick brown fox", "small")
     turn = conv.say("jumps over the lazy dog", "large")

@@ -202,7 +202,8 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
             gated.append(lad.target[k_item])
             cost.append(1.0)
             m = rungs_climbed(len(js), policy.max_rungs)
-            secs.append(fixed + sum(climbed[: m + 1]) + tm.get("target_prefill", 0.0))  # rung 0 and the m climbed
+            spent = 0.0 if policy.always_falls_back else fixed + sum(climbed[: m + 1])  # rung 0 and the m climbed
+            secs.append(spent + tm.get("target_prefill", 0.0))
         else:
             gated.append(lad.value[k_item][k])
             cost.append(lad.cost[k_item][k])

@@ -147,7 +147,8 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
             _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
                                         source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
                                         target_kept=[keep])
-        src.ids = list(ids)  # the source prefilled the whole prompt
+        if gated is None or gated.rungs:  # the source prefilled the whole prompt (not a gate that decided at once)
+            src.ids = list(ids)
         if gated is None or gated.decision != "fallback":  # rows the map wrote and nobody recomputed
             chosen = set(result.positions[0])
             st.approximate += [p for p in range(keep, len(ids)) if p not in chosen]

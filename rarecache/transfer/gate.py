@@ -18,7 +18,9 @@ The threshold is fitted on held-apart items (`fit_threshold`: the one that compu
 task stays within its loss bound), never on evaluated ones; policy files record what they were fitted
 on. A policy may also stop climbing after `max_rungs` rungs and fall back there: where the answer
 rarely settles (0-shot MMLU), climbing the whole ladder before a fallback costs more than the
-target's own prefill, so the fit counts the rungs a fallback climbed as work and stops early.
+target's own prefill, so the fit counts the rungs a fallback climbed as work and stops early. A
+policy that can accept nothing (a negative threshold, or `max_rungs` 0) decides before the handoff:
+the target prefills at once and nothing is mapped, so it costs exactly the target's own prefill.
 Rung 1 of the ladder is exactly a direct handoff at its ρ (tested); higher rungs keep the rows
 recomputed below them rather than recompute them against the better cache (the reuse that makes
 climbing cheap), so they differ slightly from a direct handoff at the same ρ.
@@ -67,6 +69,13 @@ class GatePolicy:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= len(rungs)):
             raise RarecacheError(f"gate max_rungs must be a whole number from 0 to {len(rungs)} (or null), got {m!r}")
         object.__setattr__(self, "rungs", rungs)
+
+    @property
+    def always_falls_back(self) -> bool:
+        """No rung can be accepted (a negative threshold: the divergence is never below it; or no rung
+        climbed): such a policy decides before any handoff, so the target prefills at once and nothing
+        is mapped (`gated_handoff`)."""
+        return self.threshold < 0 or self.max_rungs == 0
 
     def at_loss(self, max_changed: float) -> "GatePolicy":
         """The policy the same fit gives at another loss bound: the stored level (`eval gate fit` fits
@@ -198,6 +207,15 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     rung's cache, and the logits returned are per rung (R, V).
     """
     n = len(ids)
+    if policy.always_falls_back and not climb_all:  # decided already: no map, no source prefill, no rung
+        cache = target_cache or target.new_cache(1, n)
+        t = _now(target)
+        toks, pos = spans([ids], [target_kept], target.device)
+        logits = target.forward(toks, pos, cache).logits
+        result = HandoffResult([list(range(target_kept, n))], None, [(target_kept, n)],
+                               timings={"fallback_prefill": _now(target) - t})
+        return cache, logits, GateResult("fallback", 1.0, "the policy always falls back: the target prefilled "
+                                         "the span itself, nothing was mapped", [], result, 1.0)
     cfg = HandoffConfig(policy.rungs[0], policy.selector)
     m = map_and_score(source, target, mapper, [ids], cfg, None, source_cache, [source_kept], target_cache,
                       [target_kept], source_attn)
@@ -269,10 +287,9 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     timings["fallback_prefill"] = _now(target) - t
     climbed = "" if policy.max_rungs is None or policy.max_rungs >= len(policy.rungs) else (
         f" in the first {policy.max_rungs}")
-    why = (f"no rung{climbed} had js <= {policy.threshold:.4g} bits" + (
-        f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
-        + (f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
-        if policy.threshold >= 0 and policy.max_rungs != 0 else "the policy always falls back")
+    why = f"no rung{climbed} had js <= {policy.threshold:.4g} bits" + (
+        f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "") + (
+        f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
     result.positions = [list(range(target_kept, n))]
     return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
 
