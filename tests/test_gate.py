@@ -274,6 +274,11 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
     assert main(["eval", "gate", "report", str(held), "--policy", str(pol)]) == 2
     summary = tmp_path / "gate-summary.json"
     assert main(["eval", "gate", "report", str(ev), "--policy", str(pol), "--summary", str(summary)]) == 0
+    fitted_task = policy.fitted["tasks"]["toychoice"]
+    lo, hi = fitted_task["auc_ci"]
+    a = fitted_task["auc"]  # (nan where the toy items all changed, or none did)
+    assert (lo <= a <= hi) or all(map(math.isnan, (a, lo, hi)))
+    assert json.dumps(policy.fitted["auc_pooled"]) == json.dumps({"auc": a, "ci": [lo, hi]})  # one task: the same
     got = json.loads(summary.read_text())["tasks"]["toychoice"]
     assert got["n"] == 2 and got["unit"] == "pp" and 0 <= got["fallback_share"] <= 1
     # the two ends by hand: never accept = the target's answers at cost 1; always accept = rung 1's
@@ -312,6 +317,23 @@ def test_auc_by_hand():
     assert auc([0.9, 0.8, 0.1, 0.2], [False, False, True, True]) == 0.0
     assert auc([0.5, 0.5], [True, False]) == 0.5
     assert math.isnan(auc([0.1, 0.2], [True, True]))
+
+
+def test_pooled_auc_resamples_within_each_task():
+    """A pooled AUC is the AUC of every task's pairs together; its bootstrap keeps each task's item
+    count, so no draw is one task alone (whose signal may run the other way)."""
+    from rarecache.eval.gate import auc, auc_ci
+
+    a = [([0.5], [True]), ([0.6], [False])]  # task 0: the signal inverted within it
+    b = [([0.9], [True]), ([0.1], [False]), ([0.95], [True]), ([0.05], [False])]  # task 1: it separates
+    items = a + b
+    point, lo, hi = auc_ci(items, n_boot=300, strata=[0, 0, 1, 1, 1, 1])
+    assert point == auc([0.5, 0.6, 0.9, 0.1, 0.95, 0.05], [True, False, True, False, True, False]) == 8 / 9
+    # a stratified draw holds 2 items of task 0 and 4 of task 1: at worst both task-0 items are its negative
+    # (0.6, above task 1's negatives only) or its positive (0.5, below task 1's positives only)
+    assert 0.75 <= lo <= point <= hi == 1.0
+    _, lo_all, _ = auc_ci(items, n_boot=300)  # ignoring the tasks a draw can be task 0's pair alone: AUC 0
+    assert lo_all < lo
 
 
 # -- the gate where users meet it: Conversation and the server ------------------------------

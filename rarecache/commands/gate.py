@@ -60,11 +60,16 @@ def cmd_gate_fit(args) -> int:
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
     most = "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s) before falling back"
-    never = policy.threshold < 0 or policy.max_rungs == 0
+    never = policy.always_falls_back
     print(f"threshold {policy.threshold:.4g} bits{floor}{most} ({'always falls back' if never else 'accepts'})")
+    ci = lambda a, c: f"{a:.3f} ({c[0]:.3f}-{c[1]:.3f})"  # noqa: E731
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} (fallback = 1; with the "
-              f"rungs climbed first {o['work']:.3f}) fell back {o['fallback']:.1%} signal AUC {o['auc']:.3f}")
+              f"rungs climbed first {o['work']:.3f}) fell back {o['fallback']:.1%} "
+              f"signal AUC {ci(o['auc'], o['auc_ci'])}")
+    pooled = policy.fitted["auc_pooled"]
+    print(f"  signal AUC over every task's (item, rung) pairs: {ci(pooled['auc'], pooled['ci'])} "
+          "(95% CI: items resampled within each task)")
     what = "changed" if args.loss == "changed" else "accuracy lost"
     print("other loss levels stored (serve --rho auto --max-loss SHARE):")
     for lv in policy.fitted["levels"]:
@@ -98,7 +103,8 @@ def cmd_gate_report(args) -> int:
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
         summary = {"map": shas.pop(), "policy": {**gate_rule(policy), "loss": policy.fitted.get("loss", "changed")},
                    "tasks": {t: {k: r[k] for k in keys} | {"auc": r["auc"], "auc_ci": r["auc_ci"]}
-                             for t, r in results.items()}}
+                             for t, r in results.items()},
+                   "held_auc": policy.fitted.get("auc_pooled")}  # the signal on the items it was fitted on
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"wrote {args.summary}", file=sys.stderr)

@@ -126,13 +126,17 @@ def auc(scores: list[float], labels: list[bool]) -> float:
     return float(greater / (len(pos) * len(neg)))
 
 
-def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT, seed: int = 0
-           ) -> tuple[float, float, float]:
-    """AUC over every (item, rung) pair, with a bootstrap interval resampling items."""
+def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT, seed: int = 0,
+           strata: list[int] | None = None) -> tuple[float, float, float]:
+    """AUC over every (item, rung) pair, with a bootstrap interval resampling items (within each
+    stratum, e.g. task, when `strata` gives one per item: a pooled AUC keeps every task's weight)."""
     flat = lambda ix: ([s for k in ix for s in per_item[k][0]], [c for k in ix for c in per_item[k][1]])  # noqa: E731
     point = auc(*flat(range(len(per_item))))
     rng = np.random.default_rng(seed)
-    boots = [auc(*flat(rng.integers(0, len(per_item), len(per_item)))) for _ in range(n_boot)]
+    groups = [np.flatnonzero(np.asarray(strata) == g) for g in sorted(set(strata))] if strata else [
+        np.arange(len(per_item))]
+    draw = lambda: np.concatenate([g[rng.integers(0, len(g), len(g))] for g in groups])  # noqa: E731
+    boots = [auc(*flat(draw())) for _ in range(n_boot)]
     boots = [b for b in boots if b == b]
     if not boots:
         return point, float("nan"), float("nan")
@@ -167,10 +171,14 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
         levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
                        "min_margin": f, "max_rungs": mr,
                        "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "work", "fallback")} for g in o}})
+    aucs = {lad.task: auc_ci(list(zip(lad.js, lad.changed))) for lad in ladders}
+    pooled = auc_ci([p for lad in ladders for p in zip(lad.js, lad.changed)],
+                    strata=[k for k, lad in enumerate(ladders) for _ in lad.items])
     fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "loss": kinds.pop(), "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
-                                   **outcome[lad.task], "auc": auc_ci(list(zip(lad.js, lad.changed)))[0]}
-                        for lad in ladders}}
+                                   **outcome[lad.task], "auc": aucs[lad.task][0], "auc_ci": list(aucs[lad.task][1:])}
+                        for lad in ladders},
+              "auc_pooled": {"auc": pooled[0], "ci": list(pooled[1:])}}  # every task's (item, rung) pairs together
     return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most)
 
 
@@ -241,4 +249,9 @@ def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
         lines.append(f"| {task} | {r['n']} | {f(r['target'])} | {f(r['gated'])} | {dfmt(r['delta'])}{u} "
                      f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}) | {r['fallback_share']:.1%} | "
                      f"{r['mean_recomputed_share']:.3f} | {sp} | {auc} |")
+    pooled = policy.fitted.get("auc_pooled")
+    if pooled:  # (policies fitted before it was recorded have none)
+        lines += ["", f"signal AUC on the held-apart items, every task's (item, rung) pairs pooled: "
+                      f"{pooled['auc']:.3f} (95% CI {pooled['ci'][0]:.3f}, {pooled['ci'][1]:.3f}; items resampled "
+                      "within each task)"]
     return "\n".join(lines)
