@@ -19,7 +19,7 @@ the last kind, and bounding them forces a fallback on nearly every request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -44,15 +44,17 @@ class Ladders:
     selector: str
     rungs: list[float]
     items: list[str]
-    js: list[list[float]]  # per item, per rung
-    margin: list[list[float]] | None  # per item, per rung: top-2 margin (None: the records predate it)
-    loss: list[list[float]]
-    cost: list[list[float]]
-    value: list[list[float]]  # the metric per rung
-    target: list[float]  # the target's metric
-    changed: list[list[bool]]
-    seconds: list[dict]  # per item: map, score, rung_recompute (rung 0 first), target_prefill
     map_sha256: str | None
+    js: list[list[float]] = field(default_factory=list)  # per item, per rung
+    margin: list[list[float]] | None = field(default_factory=list)  # per item, per rung: top-2 margin (None: the
+    # records predate it)
+    loss: list[list[float]] = field(default_factory=list)
+    cost: list[list[float]] = field(default_factory=list)
+    value: list[list[float]] = field(default_factory=list)  # the metric per rung
+    target: list[float] = field(default_factory=list)  # the target's metric
+    changed: list[list[bool]] = field(default_factory=list)
+    seconds: list[dict] = field(default_factory=list)  # per item: map, score, rung_recompute (rung 0 first),
+    # target_prefill
 
 
 def _answer_key(metric: str) -> str:
@@ -87,8 +89,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed") -> L
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
-                  [g["rho"] for g in ladder[items[0]]["ladder"]],
-                  items, [], [], [], [], [], [], [], [], map_sha256(path, arm.partition("@")[2]))
+                  [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]))
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
         out.js.append([g["js"] for g in rungs])
