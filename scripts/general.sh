@@ -95,7 +95,8 @@ default_selector() {  # the general summary's pick over every task's results so 
 reports() {  # selector stories items (called as `reports ... || echo`, where errexit is off: the steps are chained)
   rm -f $A/gate-policy.json $A/gate-report.md $A/gate-summary.json  # nothing stale beside a new policy
   local drift=()  # (stories 0: the policy and its report on the four tasks only)
-  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json || return 1
+  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json \
+      > $A/gate-fit.txt || return 1  # (what it prints: each task's outcome and the signal's held-apart AUC)
   if [ "$2" != 0 ]; then
     if rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
         --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1-n$3.jsonl" > $A/drift-report.md
@@ -105,6 +106,15 @@ reports() {  # selector stories items (called as `reports ... || echo`, where er
   fi
   rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy.json "${drift[@]}" \
       --summary $A/gate-summary.json > $A/gate-report.md || return 1
+  # each task's own policy, fitted on its held items alone: what a deployment fitting the gate on its own
+  # traffic gets (one policy per task instead of one for all; RESULTS 9)
+  rm -f $A/gate-report-per-task.md
+  local t
+  for t in "${TASKS[@]}"; do
+    { rarecache eval gate fit $E/ridge-held-$t.jsonl --arm "ladder/$1@served" --out $A/gate-policy-$t.json &&
+      rarecache eval gate report $E/ridge-$t.jsonl --arm "ladder/$1@served" --policy $A/gate-policy-$t.json
+    } >> $A/gate-report-per-task.md || echo "PER-TASK GATE FAILED for $t"
+  done
   # the same fit bounding the accuracy lost instead of changed answers (RESULTS 9), on the four tasks
   rm -f $A/gate-policy-accuracy.json $A/gate-report-accuracy.md $A/gate-summary-accuracy.json
   rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --loss accuracy \
