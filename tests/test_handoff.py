@@ -349,3 +349,24 @@ def test_one_file_maps_plain_transfer_with_its_plain_view_and_handoffs_with_its_
         ref_cache, ref_logits, _ = handoff(source, target, combined, ids, cfg)
         torch.testing.assert_close(logits[v], ref_logits[0], atol=1e-4, rtol=0)
         torch.testing.assert_close(cache.k[:, v, :, :n], ref_cache.k[:, 0, :, :n], atol=1e-5, rtol=0)
+
+
+def test_a_span_after_kept_rows_maps_as_in_a_whole_handoff(fitted):
+    """A later turn hands off only the span the target has not seen: its rows are mapped exactly as the
+    same positions of a whole-prompt handoff (the map reads the source's rows at each position; nothing
+    depends on where the span starts), the target's own rows before it stay, and the selector's picks
+    among the span recompute against them."""
+    source, target, mapper, prompts = fitted
+    ids, n, k = prompts[0], len(prompts[0]), 20
+    whole, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(rho=0.0))
+    own, _ = target.prefill([ids], max_len=n)
+    for rho in (0.0, 0.3):
+        held = target.new_cache(1, n)
+        held.copy_prefix(own, k)
+        cache, _, res = handoff(source, target, mapper, [ids], HandoffConfig(rho=rho, selector="suffix"),
+                                target_cache=held, target_kept=[k])
+        assert res.handed_off == [(k, n)] and all(k <= p < n for p in res.positions[0])
+        mapped = [p for p in range(k, n) if p not in res.positions[0]]
+        for c, w, o in ((cache.k, whole.k, own.k), (cache.v, whole.v, own.v)):
+            torch.testing.assert_close(c[:, 0, :, :k], o[:, 0, :, :k], atol=0, rtol=0)  # its own rows, untouched
+            torch.testing.assert_close(c[:, 0, :, mapped], w[:, 0, :, mapped], atol=1e-5, rtol=0)
