@@ -60,8 +60,8 @@ def cmd_gate_fit(args) -> int:
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
     most = "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s) before falling back"
-    never = policy.always_falls_back
-    print(f"threshold {policy.threshold:.4g} bits{floor}{most} ({'always falls back' if never else 'accepts'})")
+    does = "always falls back" if policy.always_falls_back else "accepts"
+    print(f"threshold {policy.threshold:.4g} bits{floor}{most} ({does})")
     ci = lambda a, c: f"{a:.3f} ({c[0]:.3f}-{c[1]:.3f})"  # noqa: E731
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} (fallback = 1; with the "

@@ -53,7 +53,7 @@ class GatePolicy:
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
     min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
-    max_rungs: int | None = None  # climb at most this many rungs, then fall back (None: all; 0: right after plain)
+    max_rungs: int | None = None  # climb at most this many rungs, then fall back (None: all; 0: at once, unmapped)
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
@@ -207,13 +207,18 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     rung's cache, and the logits returned are per rung (R, V).
     """
     n = len(ids)
-    if policy.always_falls_back and not climb_all:  # decided already: no map, no source prefill, no rung
-        cache = target_cache or target.new_cache(1, n)
+
+    def own_prefill(cache: KVCache, timings: dict) -> torch.Tensor:  # the fallback: every handed-off row rewritten
         t = _now(target)
         toks, pos = spans([ids], [target_kept], target.device)
         logits = target.forward(toks, pos, cache).logits
-        result = HandoffResult([list(range(target_kept, n))], None, [(target_kept, n)],
-                               timings={"fallback_prefill": _now(target) - t})
+        timings["fallback_prefill"] = _now(target) - t
+        return logits
+
+    if policy.always_falls_back and not climb_all:  # decided already: no map, no source prefill, no rung
+        cache = target_cache or target.new_cache(1, n)
+        result = HandoffResult([list(range(target_kept, n))], None, [(target_kept, n)])
+        logits = own_prefill(cache, result.timings)
         return cache, logits, GateResult("fallback", 1.0, "the policy always falls back: the target prefilled "
                                          "the span itself, nothing was mapped", [], result, 1.0)
     cfg = HandoffConfig(policy.rungs[0], policy.selector)
@@ -281,10 +286,7 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         why = f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}" + (
             f", margin {r.margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
         return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
-    t = _now(target)
-    toks, pos = spans([ids], [target_kept], target.device)
-    logits = target.forward(toks, pos, cache).logits  # every handed-off row rewritten: the target's own
-    timings["fallback_prefill"] = _now(target) - t
+    logits = own_prefill(cache, timings)
     climbed = "" if policy.max_rungs is None or policy.max_rungs >= len(policy.rungs) else (
         f" in the first {policy.max_rungs}")
     why = f"no rung{climbed} had js <= {policy.threshold:.4g} bits" + (
@@ -360,7 +362,7 @@ def fit_thresholds(groups: dict[str, list[tuple]], bounds_list: list[dict[str, f
         floors += sorted({float(q) for q in np.quantile(ms, np.linspace(0.1, 0.9, 9))}) if ms else []
     rungs = max((len(it[0]) for items in groups.values() for it in items), default=0)
     ths = candidate_thresholds([it[0] for items in groups.values() for it in items])
-    table = [(-1.0, None, outcome(-1.0, None, 0), 0)]  # fall back right after plain transfer (any threshold)
+    table = [(-1.0, None, outcome(-1.0, None, 0), 0)]  # fall back at once, nothing mapped (any threshold)
     table += [(th, mm, outcome(th, mm, mr), mr) for mr in [*range(1, rungs), None] for mm in floors for th in ths]
     fits = []
     for bounds in bounds_list:
