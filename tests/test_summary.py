@@ -143,3 +143,32 @@ def test_one_served_map_stands_for_a_ridge_fit_and_a_sharpened_plain_transfer(fi
     # a plain label no file has is refused, not read as missing figures
     assert main(base + ["--plain-label", "shrap"]) == 2
     assert "no plain-transfer arm rho=0/rank@shrap" in capsys.readouterr().err
+
+
+def test_arms_run_on_more_items_are_read_paired_and_candidates_on_shared_items(tmp_path):
+    """A queue grows the acceptance's arms (target, source, plain transfer, the default at 0.2) past the
+    others: each headline figure is read over the items its own arms share and says how many; the
+    selectors are compared on the items all of them share."""
+    vals = _arms([0.5] * 10, [0.6] * 10, [0.7] * 10, [0.52] * 10, [0.65] * 10)
+    rows = [{"task": "gsm8k_bpb", "item": i, "arm": arm, "bpb": v} for arm, vs in vals.items()
+            for i, v in zip(ITEMS, vs) if arm in ("target", "source", "rho=0/rank@general",
+                                                   "rho=0.2/attn-source@general") or i in ITEMS[:4]]
+    # the 6 items past the first 4: the default lands on the target there, plain transfer level with the source
+    for r in rows:
+        if r["item"] not in ITEMS[:4] and r["arm"] in ("rho=0.2/attn-source@general", "rho=0/rank@general"):
+            r["bpb"] = 0.5 if r["arm"].startswith("rho=0.2") else 0.6
+    path = tmp_path / "g.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.with_suffix(".meta.json").write_text(json.dumps({"maps": {"general": {"file": "m", "sha256": "abc"}}}))
+    out = tmp_path / "s.json"
+    assert main(["eval", "report", str(path), "--general-summary", str(out)]) == 0
+    s = json.loads(out.read_text())
+    g = s["tasks"]["gsm8k_bpb"]
+    assert g["n"] == 10 and g["n_plain_minus_source"] == 10 and g["pick_n"] == 4
+    # paired over all 10: plain (4 x 0.7 + 6 x 0.6) / 10 = 0.64, default (4 x 0.52 + 6 x 0.5) / 10 = 0.508
+    assert g["plain_minus_source"] == pytest.approx(0.6 - 0.64)
+    assert g["gap_closed_default_rho0.2"] == pytest.approx((0.508 - 0.64) / (0.5 - 0.64))
+    # the candidates on the first 4 items alone: attn-source (0.52 - 0.6) / (0.5 - 0.6), rank (0.65 - 0.6) / -0.1
+    assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx(0.8)
+    assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx(-0.5)
+    assert s["default_selector"] == "attn-source"

@@ -13,6 +13,11 @@ own. It is still a ratio of noisy means: at ARC-C's 6 pp (p = 0.26 at n = 100) o
 selector's share there by 17%, against 50% for gap closed. A task whose target does not beat its
 source is refused. The summary file records both means per candidate, so the choice can be checked.
 
+Arms may have run on different numbers of items (a queue grows the arms the acceptance reads first).
+The candidates are compared on the items every one of them, the target and the source share in each
+task (`pick_n`); each headline figure is read over the items its own arms share, paired, and records
+that n (`n`: the default at ρ 0.2 against the target and plain transfer; `n_plain_minus_source`).
+
 A map file serves plain transfer through its plain view (`Mapper.plain`) and handoffs through its
 fit. Results may have measured the two through two files (`--plain-label`: the sharpened fit's
 plain transfer, `--map-label`: the ridge fit's handoffs); `--served-map` then names the one file
@@ -34,7 +39,11 @@ RHOS = (0.1, 0.2, 0.3)
 PLAIN_VIEW_RTOL = 1e-5  # a served map's plain view against the plain-transfer map: float32 rounding apart
 
 
-def _task_summary(path: Path, plain_label: str | None = None) -> tuple[str, str, dict[str, dict], int]:
+def _task_summary(path: Path, label: str | None, plain_label: str | None = None
+                  ) -> tuple[str, str, dict[str, dict], dict[str, dict[str, float]], int]:
+    """Task name, metric, per arm the summary over all its items, per arm its values by item, and the
+    number of items the selector candidates are compared on (the summary's arms over those alone when
+    arms ran on different items)."""
     from .tasks import TASKS
     from .tasks.custom import headline
 
@@ -43,8 +52,34 @@ def _task_summary(path: Path, plain_label: str | None = None) -> tuple[str, str,
         raise RarecacheError(f"{path} holds no results yet")
     name = rows[0]["task"]
     metric, chance = (TASKS[name].metric, TASKS[name].chance) if name in TASKS else headline(rows)
-    summary = summarise(rows, metric, chance, lower_is_better=metric == "bpb", plain_label=plain_label)
-    return name, metric, {r["arm"]: r for r in summary}, len({r["item"] for r in rows})
+    vals: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if metric in r:
+            vals.setdefault(r["arm"], {})[r["item"]] = float(r[metric])
+    shared = _pick_items(vals, label)
+    picked = [r for r in rows if r["item"] in shared]
+    summary = summarise(picked, metric, chance, lower_is_better=metric == "bpb", plain_label=plain_label)
+    return name, metric, {r["arm"]: r for r in summary}, vals, len(shared)
+
+
+def _pick_items(vals: dict[str, dict[str, float]], label: str | None) -> set[str]:
+    """The items the target, the source and every candidate selector run at every budget of RHOS (through
+    `label`, or any map) share: where the candidates are compared."""
+    by_sel: dict[tuple[str, str], set[float]] = {}
+    for arm in vals:
+        parts = split_arm(arm)
+        if parts is not None and (label is None or parts[2] == label):
+            by_sel.setdefault(parts[1:], set()).add(parts[0])
+    arms = ["target", "source"] + [arm_name(r, s, lb) for (s, lb), rhos in by_sel.items()
+                                   if not is_oracle(s) and s != "layer-prefix" and set(RHOS) <= rhos for r in RHOS]
+    items = [set(vals[a]) for a in arms if a in vals]
+    return set.intersection(*items) if items else set()
+
+
+def _paired(a: dict[str, float], b: dict[str, float]) -> tuple[float | None, int]:
+    """Mean of a - b over the items both hold, and how many."""
+    both = sorted(set(a) & set(b))
+    return (sum(a[i] - b[i] for i in both) / len(both) if both else None), len(both)
 
 
 def general_summary(paths: list[Path], label: str | None = None, plain_label: str | None = None,
@@ -52,18 +87,19 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
     """The summary of `paths` (one results file per task) through map `label` (its handoffs) and
     `plain_label` (its plain transfer; default: `label`), standing for the map file `served` when given
     (checked: `check_served`)."""
-    tasks = [(p, *_task_summary(p, plain_label)) for p in paths]
-    names = [t[1] for t in tasks]
-    if len(set(names)) < len(names):
-        raise RarecacheError(f"a task given twice: {', '.join(names)}")
-    labels = {split_arm(a)[2] for _, _, _, arms, _ in tasks for a in arms if split_arm(a) is not None}
     if label is None:
+        labels = {split_arm(a)[2] for p in paths for a in {r["arm"] for r in load_results(p)}
+                  if split_arm(a) is not None}
         if len(labels) != 1:
             raise RarecacheError(f"the results go through several maps ({', '.join(sorted(labels))}): "
                                  "name one with --map-label")
         label = labels.pop()
-    selectors = {split_arm(a)[1] for _, _, _, arms, _ in tasks for a in arms if split_arm(a) is not None}
-    for _, name, metric, arms, _ in tasks:  # the rule's denominator: the target must beat the source
+    tasks = [(p, *_task_summary(p, label, plain_label)) for p in paths]
+    names = [t[1] for t in tasks]
+    if len(set(names)) < len(names):
+        raise RarecacheError(f"a task given twice: {', '.join(names)}")
+    selectors = {split_arm(a)[1] for _, _, _, arms, _, _ in tasks for a in arms if split_arm(a) is not None}
+    for _, name, metric, arms, _, _ in tasks:  # the rule's denominator: the target must beat the source
         t, src = arms.get("target"), arms.get("source")
         if t is None or src is None:
             raise RarecacheError(f"{name}: no {'target' if t is None else 'source'} arm: the share of the "
@@ -73,7 +109,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                                  f"({src['mean']:.4g}): there is no gap for a selector to keep")
     means, closed = {}, {}
     for sel in sorted(s for s in selectors if not is_oracle(s) and s != "layer-prefix"):
-        cells = [arms.get(arm_name(r, sel, label), {}) for _, _, _, arms, _ in tasks for r in RHOS]
+        cells = [arms.get(arm_name(r, sel, label), {}) for _, _, _, arms, _, _ in tasks for r in RHOS]
         kept = [c.get("model_gap_kept") for c in cells]
         if kept and all(k is not None for k in kept):
             means[sel] = sum(kept) / len(kept)
@@ -84,8 +120,8 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                              f"through map {label!r}")
     default = max(means, key=means.get)
     plain_label = plain_label or label
-    for _, name, _, arms, _ in tasks:
-        if arm_name(0, "rank", plain_label) not in arms:
+    for _, name, _, _, vals, _ in tasks:
+        if arm_name(0, "rank", plain_label) not in vals:
             raise RarecacheError(f"{name}: no plain-transfer arm {arm_name(0, 'rank', plain_label)} (map label "
                                  f"{plain_label!r}): plain_minus_source and gap closed read it")
     sha, plain_sha = _one_sha(paths, label), _one_sha(paths, plain_label)
@@ -96,14 +132,19 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
     if served is not None:
         out["served"] = check_served(served, paths[0], label, plain_label)
         out["map"] = out["served"]["sha256"]
-    for _, name, metric, arms, n in tasks:
+    for _, name, metric, _, vals, pick_n in tasks:
         bpb = metric == "bpb"
-        plain, source = arms.get(arm_name(0, "rank", plain_label)), arms.get("source")
-        d = None
-        if plain and source:
-            d = (source["mean"] - plain["mean"]) if bpb else 100 * (plain["mean"] - source["mean"])
-        out["tasks"][name] = {"gap_closed_default_rho0.2": arms.get(arm_name(0.2, default, label), {}).get("gap_closed"),
-                              "plain_minus_source": d, "unit": "bpb" if bpb else "pp", "metric": metric, "n": n}
+        plain, source = vals.get(arm_name(0, "rank", plain_label), {}), vals.get("source", {})
+        d, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
+        if d is not None and not bpb:
+            d *= 100
+        target, arm = vals.get("target", {}), vals.get(arm_name(0.2, default, label), {})
+        both = sorted(set(target) & set(plain) & set(arm))  # the default at 0.2, paired with both ends of its gap
+        t, p0, a = (sum(v[i] for i in both) / len(both) if both else None for v in (target, plain, arm))
+        closed = (a - p0) / (t - p0) + 0.0 if both and t != p0 else None
+        out["tasks"][name] = {"gap_closed_default_rho0.2": closed, "plain_minus_source": d,
+                              "unit": "bpb" if bpb else "pp", "metric": metric, "n": len(both),
+                              "n_plain_minus_source": n_d, "pick_n": pick_n}
     return out
 
 
@@ -179,10 +220,12 @@ def markdown(summary: dict) -> str:
              + ", ".join(f"{k} {v:.1%} [" + ("—" if closed.get(k) is None else f"{closed[k]:.1%}") + "]"
                          for k, v in sorted(summary["selector_mean_model_gap_kept"].items(), key=lambda kv: -kv[1]))
              + ")",
-             "", "| task | n | gap closed, default at ρ = 0.2 | plain transfer − source alone |", "|---|---|---|---|"]
+             "", "| task | gap closed, default at ρ = 0.2 (n) | plain transfer − source alone (n) | selectors "
+             "compared on (n) |", "|---|---|---|---|"]
     for name, t in summary["tasks"].items():
         g = "—" if t["gap_closed_default_rho0.2"] is None else f"{t['gap_closed_default_rho0.2']:.1%}"
         d = "—" if t["plain_minus_source"] is None else (
             f"{t['plain_minus_source']:+.1f} pp" if t["unit"] == "pp" else f"{t['plain_minus_source']:+.4f} bpb")
-        lines.append(f"| {name} | {t['n']} | {g} | {d} |")
+        lines.append(f"| {name} | {g} ({t['n']}) | {d} ({t.get('n_plain_minus_source', t['n'])}) | "
+                     f"{t.get('pick_n', t['n'])} |")
     return "\n".join(lines)
