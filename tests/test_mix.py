@@ -154,6 +154,29 @@ def test_serve_defaults_to_the_selector_the_summary_measured_through_the_same_ma
     assert measured_selector(served, tmp_path / "no-summary.json") is None
 
 
+def test_the_default_selector_is_the_summarys_pick_where_the_engine_runs_it(tmp_path):
+    """One rule for `serve` and the vLLM connector's own settings: the summary's pick through every
+    map given, when the engine runs it; else rank, saying why."""
+    import json
+
+    from rarecache.eval.mix import default_selector
+    from rarecache.packages import sha256_file
+
+    served, other = tmp_path / "served.safetensors", tmp_path / "other.safetensors"
+    served.write_bytes(b"the map served")
+    other.write_bytes(b"another map")
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "attn-source"}))
+    assert default_selector([served], None, summary)[0] == "attn-source"
+    name, why = default_selector([served], ("rank", "random", "suffix"), summary)
+    assert name == "rank" and "attn-source does not run" in why
+    assert default_selector([served, other], None, summary)[0] == "rank"  # not measured through every map
+    assert default_selector([], None, summary)[0] == "rank"
+    summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "suffix"}))
+    assert default_selector([served, served], ("rank", "suffix"), summary) == (
+        "suffix", "the one the general summary measured best through this map")
+
+
 def test_the_general_preset_sharpens_plain_transfer_only_and_a_head_matched_map_whole():
     """--preset general: a plain ridge fit with plain transfer's sharpening recorded; head-matched maps (one
     fit for every budget) take the preset's sharpening as their fit's, as before; given powers win."""

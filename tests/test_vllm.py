@@ -242,6 +242,20 @@ def test_settings_are_checked(vpair, tmp_path):
     tgt = vpair.root / "tgt"
     ok = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
     assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (0.3, "rank")
+    # a map the committed general summary measured: its pick, as `rarecache serve` takes it
+    import json
+
+    from rarecache.eval import mix
+    from rarecache.packages import sha256_file
+
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"map": sha256_file(vpair.root / "src-tgt.map"), "default_selector": "suffix"}))
+    old, mix.SUMMARY = mix.SUMMARY, str(summary)  # (absolute: the checkout's root joins it unchanged)
+    try:
+        measured = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
+    finally:
+        mix.SUMMARY = old
+    assert measured.selector == "suffix"
     for extra, match in [
         ({}, "needs 'store'"),
         ({"store": str(tmp_path), "rh0": 1}, "unknown RarecacheConnector setting.*'rh0'"),

@@ -142,17 +142,13 @@ def cmd_serve(args) -> int:
                   "committed one when its sha256 is the recorded one); serving through the demo's quick map",
                   file=sys.stderr)
     if args.selector is None:  # what the general summary measured best through this map, else rank
-        from ..eval.mix import measured_selector
+        from ..eval.mix import default_selector
 
-        pick = measured_selector(args.map) if args.map is not None else None
-        why = "the one the general summary measured best through this map" if pick else (
-            "the paper's rank disagreement (no general summary measured through this map)")
-        if pick is not None and args.engine == "vllm":
+        runs = None
+        if args.engine == "vllm":
             from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
-
-            if pick not in ENGINE_SELECTORS:
-                pick, why = None, f"the summary's {pick} does not run in the vLLM adapter"
-        args.selector = pick or "rank"
+            runs = ENGINE_SELECTORS
+        args.selector, why = default_selector([args.map] if args.map is not None else [], runs)
         if args.rho != "auto":  # (the gate policy names its own)
             print(f"selector {args.selector}: {why}", file=sys.stderr)
     rho, gate = _rho(args)

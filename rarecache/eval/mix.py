@@ -104,6 +104,21 @@ def measured_selector(map_path: Path, summary: Path | None = None) -> str | None
     return pick if data.get("map") == sha256_file(map_path) else None
 
 
+def default_selector(maps: list[Path], runs: tuple[str, ...] | None = None,
+                     summary: Path | None = None) -> tuple[str, str]:
+    """The selector handoffs through `maps` use when nobody names one, and why: the one the committed
+    general summary measured best through them (the same pick for every map), when the engine runs it
+    (`runs`: the selectors it can; None: all); else the paper's rank disagreement. `rarecache serve` and
+    the vLLM connector's own settings both read it."""
+    picks = {measured_selector(m, summary) for m in maps}
+    pick = picks.pop() if len(picks) == 1 else None
+    if pick is None:
+        return "rank", "the paper's rank disagreement (no general summary measured through this map)"
+    if runs is not None and pick not in runs:
+        return "rank", f"the paper's rank disagreement (the summary's {pick} does not run in this engine)"
+    return pick, "the one the general summary measured best through this map"
+
+
 def _user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 

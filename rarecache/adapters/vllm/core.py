@@ -127,7 +127,9 @@ def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
     identity = model_identity(model)
     config = ModelConfig.from_dir(model)
     rho = _number(extra.get("rho", DEFAULT_RHO), "rho", 0, 1)
-    selector = check_selector(extra.get("selector", "rank"))
+    selector = extra.get("selector")
+    if selector is not None:
+        selector = check_selector(selector)
     seed = _whole(extra.get("seed", 0), "seed")
     capture = _flag(extra.get("capture", True), "capture")
     maps = extra.get("maps") or {}
@@ -139,6 +141,10 @@ def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
         mapper = Mapper.load(path)
         check_map(mapper, identity, config, where=f"maps[{name!r}] ({path})")
         peers[name] = Peer(name, Path(path), mapper)
+    if selector is None:  # as `rarecache serve`: the general summary's pick through these maps, else rank
+        from ...eval.mix import default_selector
+
+        selector = default_selector([p.path for p in peers.values()], ENGINE_SELECTORS)[0]
     return Settings(Path(store), model, identity, config, peers, rho, selector, seed, capture)
 
 
