@@ -58,6 +58,7 @@ def test_fallback_is_the_targets_own_prefill(fitted):
             assert [r.rho for r in res.rungs] == rungs
             assert res.handoff.positions == [list(range(kept, n))] and res.handoff.handed_off == [(kept, n)]
             assert bool(src.k.abs().sum()) == bool(rungs)  # the source prefilled only when rungs were climbed
+            assert res.source_prefilled == bool(rungs) and res.record()["source_prefilled"] == bool(rungs)
             assert ("map" in res.handoff.timings) == bool(rungs) and res.handoff.timings["fallback_prefill"] > 0
             torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
             torch.testing.assert_close(cache.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=0)

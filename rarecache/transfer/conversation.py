@@ -147,7 +147,7 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
             _, logits, result = handoff(models[source].runner, llm.runner, maps[(source, model)], [ids], cfg,
                                         source_cache=src_cache, source_kept=[src_keep], target_cache=cache,
                                         target_kept=[keep])
-        if gated is None or gated.rungs:  # the source prefilled the whole prompt (not a gate that decided at once)
+        if gated is None or gated.source_prefilled:  # the source now holds the whole prompt
             src.ids = list(ids)
         if gated is None or gated.decision != "fallback":  # rows the map wrote and nobody recomputed
             chosen = set(result.positions[0])

@@ -162,11 +162,12 @@ class GateResult:
     rungs: list[Rung]  # every rung climbed (rung 0, plain transfer, first)
     handoff: HandoffResult  # positions recomputed by the rungs, scores, phase timings
     recomputed_share: float  # of the handed-off span, 1.0 on fallback
+    source_prefilled: bool = True  # the source read the prompt (False: a policy that decided before the handoff)
 
     def record(self) -> dict:
         """JSON-ready: what the response's `rarecache` object and result files show."""
         return {"decision": self.decision, "rho": self.rho, "reason": self.reason,
-                "recomputed_share": self.recomputed_share,
+                "recomputed_share": self.recomputed_share, "source_prefilled": self.source_prefilled,
                 "rungs": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(r).items()}
                           for r in self.rungs]}
 
@@ -220,7 +221,7 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         result = HandoffResult([list(range(target_kept, n))], None, [(target_kept, n)])
         logits = own_prefill(cache, result.timings)
         return cache, logits, GateResult("fallback", 1.0, "the policy always falls back: the target prefilled "
-                                         "the span itself, nothing was mapped", [], result, 1.0)
+                                         "the span itself, nothing was mapped", [], result, 1.0, source_prefilled=False)
     cfg = HandoffConfig(policy.rungs[0], policy.selector)
     m = map_and_score(source, target, mapper, [ids], cfg, None, source_cache, [source_kept], target_cache,
                       [target_kept], source_attn)
