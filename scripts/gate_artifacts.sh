@@ -28,16 +28,8 @@ rarecache eval gate fit "${held[@]}" --arm $ARM --out $A/gate-policy.json > $A/g
 rarecache eval drift report "$tmp/drift.jsonl" > $A/drift-report.md
 rarecache eval gate report "${ev[@]}" --arm $ARM --policy $A/gate-policy.json --drift "$tmp/drift.jsonl" \
     --summary $A/gate-summary.json > $A/gate-report.md
-: > $A/gate-report-per-task.md  # each task's own policy (fitted on its held items alone; not committed as files)
-for t in "${TASKS[@]}"; do
-  rarecache eval gate fit "$tmp/ridge-held-$t.jsonl" --arm $ARM --out "$tmp/policy-$t.json" >> $A/gate-report-per-task.md
-  rarecache eval gate report "$tmp/ridge-$t.jsonl" --arm $ARM --policy "$tmp/policy-$t.json" \
-      >> $A/gate-report-per-task.md
-  echo >> $A/gate-report-per-task.md
-done
-rarecache eval gate fit "${held[@]}" --arm $ARM --loss accuracy --out "$tmp/policy-accuracy.json" \
-    > $A/gate-report-accuracy.md
-rarecache eval gate report "${ev[@]}" --arm $ARM --policy "$tmp/policy-accuracy.json" >> $A/gate-report-accuracy.md
+. scripts/lib.sh
+gate_side_fits $ARM "$tmp" "$tmp" $A "$tmp"  # each task's own policy and the accuracy-loss fit (not committed)
 # the reports name the temporary copies; say which artifacts they were
 sed -i "s#$tmp/#docs/artifacts (unpacked): #g" $A/gate-*.md $A/gate-fit.txt $A/drift-report.md
 echo "wrote $A/gate-policy.json gate-summary.json gate-report.md gate-fit.txt gate-report-per-task.md" \

@@ -53,7 +53,7 @@ PASS_A=(target source 0:rank@ridge 0:rank@sharp 0.2:rank@ridge 0.2:attn-source@r
         0.3:suffix@ridge 0.2:suffix+attn@ridge)
 PASS_B=(0.1:rank@ridge 0.3:rank@ridge 0.1:attn-source@ridge 0.3:attn-source@ridge 0.1:suffix@ridge
         0.1:suffix+attn@ridge 0.3:suffix+attn@ridge)
-. scripts/lib.sh  # seed, shipped
+. scripts/lib.sh  # seed, shipped, gate_side_fits
 ev() {  # source target task items out ridge-map sharp-map start arms...
   seed "$5"
   rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" "served=$SERVED" --arms "${@:9}" \
@@ -106,21 +106,7 @@ reports() {  # selector stories items (called as `reports ... || echo`, where er
   fi
   rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy.json "${drift[@]}" \
       --summary $A/gate-summary.json > $A/gate-report.md || return 1
-  # each task's own policy, fitted on its held items alone: what a deployment fitting the gate on its own
-  # traffic gets (one policy per task instead of one for all; RESULTS 9)
-  rm -f $A/gate-report-per-task.md
-  local t
-  for t in "${TASKS[@]}"; do
-    { rarecache eval gate fit $E/ridge-held-$t.jsonl --arm "ladder/$1@served" --out $A/gate-policy-$t.json &&
-      rarecache eval gate report $E/ridge-$t.jsonl --arm "ladder/$1@served" --policy $A/gate-policy-$t.json
-    } >> $A/gate-report-per-task.md || echo "PER-TASK GATE FAILED for $t"
-  done
-  # the same fit bounding the accuracy lost instead of changed answers (RESULTS 9), on the four tasks
-  rm -f $A/gate-policy-accuracy.json $A/gate-report-accuracy.md $A/gate-summary-accuracy.json
-  rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --loss accuracy \
-      --out $A/gate-policy-accuracy.json &&
-  rarecache eval gate report $(gen_paths ridge) --arm "ladder/$1@served" --policy $A/gate-policy-accuracy.json \
-      --summary $A/gate-summary-accuracy.json > $A/gate-report-accuracy.md
+  gate_side_fits "ladder/$1@served" $E $E $A $A  # each task's own policy and the accuracy-loss fit (lib.sh)
 }
 SEL=$(default_selector)
 # the ladders breadth first too: 50 evaluated and 50 held items of every task give a first policy and its

@@ -46,3 +46,24 @@ shipped() {
   local art; art=docs/artifacts/maps/$(basename "$1")
   [ -f "$1" ] || [ ! -f "$art" ] || cp "$art" "$1"
 }
+# gate_side_fits ARM HELD EVAL OUT POLICIES: beside the joint policy, each task's own (fitted on its held items
+# alone: what a deployment fitting the gate on its own traffic gets, RESULTS 9) and the fit bounding the accuracy
+# lost instead of changed answers, each reported on the evaluated items. HELD holds ridge-held-TASK.jsonl and EVAL
+# ridge-TASK.jsonl for every task of $TASKS; the reports go to OUT (gate-report-per-task.md,
+# gate-report-accuracy.md), the policies and the accuracy fit's summary to POLICIES. Its steps are chained, so a
+# caller may run it as `gate_side_fits ... || echo` (where errexit is off).
+gate_side_fits() {
+  local arm=$1 held=$2 ev=$3 out=$4 pol=$5 t hs=() es=()
+  : > "$out/gate-report-per-task.md"
+  for t in "${TASKS[@]}"; do
+    hs+=("$held/ridge-held-$t.jsonl"); es+=("$ev/ridge-$t.jsonl")
+    { rarecache eval gate fit "$held/ridge-held-$t.jsonl" --arm "$arm" --out "$pol/gate-policy-$t.json" &&
+      rarecache eval gate report "$ev/ridge-$t.jsonl" --arm "$arm" --policy "$pol/gate-policy-$t.json" && echo
+    } >> "$out/gate-report-per-task.md" || { echo "PER-TASK GATE FAILED for $t"; return 1; }
+  done
+  rm -f "$pol/gate-policy-accuracy.json" "$pol/gate-summary-accuracy.json"
+  rarecache eval gate fit "${hs[@]}" --arm "$arm" --loss accuracy --out "$pol/gate-policy-accuracy.json" \
+      > "$out/gate-report-accuracy.md" &&
+  rarecache eval gate report "${es[@]}" --arm "$arm" --policy "$pol/gate-policy-accuracy.json" \
+      --summary "$pol/gate-summary-accuracy.json" >> "$out/gate-report-accuracy.md"
+}
