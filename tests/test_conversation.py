@@ -61,3 +61,53 @@ def test_unknown_model_and_bad_map(chat):
     with pytest.raises(RarecacheError, match="names a model the conversation does not have"):
         Conversation(models, {("small", "huge"): maps[("small", "large")]})
     assert isinstance(maps[("small", "large")], Mapper)
+
+
+def _own_rows(llm: LLM, ids: list[int]):
+    import torch
+
+    from rarecache.engine.runner import spans
+
+    cache = llm.runner.new_cache(1, len(ids))
+    toks, pos = spans([ids], [0], llm.runner.device)
+    llm.runner.forward(toks, pos, cache, logits_at=None)
+    return cache.k[:, :, :, : len(ids)], cache.v[:, :, :, : len(ids)]
+
+
+@pytest.mark.parametrize("how", ["rank", "gate"])
+def test_heal_makes_every_row_the_models_own_prefill(chat, how, monkeypatch):
+    """After a handoff a model's rows are approximate from the first handed-off position on (mapped rows,
+    and every row computed over them). Healed, they are the model's own prefill of what it holds, row for
+    row; unhealed they are not (so the check can fail). A gate that climbs rungs of scattered positions
+    recomputes early positions at a higher rung than later ones that attended to their mapped rows: healing
+    starts at the handed-off span, not at the first mapped row."""
+    import torch
+
+    from rarecache.transfer.gate import GatePolicy
+
+    from rarecache.transfer import gate as gate_mod
+
+    models, maps = chat
+    gate = None
+    if how == "gate":  # accept the second rung whatever its signal: both rungs climbed, positions chosen at each
+        gate = GatePolicy("rank", (0.2, 0.5), threshold=1.0)
+        seen = []
+        monkeypatch.setattr(gate_mod, "_accepts", lambda *a: seen.append(1) or len(seen) % 2 == 0)
+    for heal in (False, True):
+        conv = Conversation(models, maps, HandoffConfig(rho=0.3, selector="rank"), SAMPLING, gate=gate, heal=heal)
+        conv.say(TURNS[0], "small")
+        turn = conv.say(TURNS[1] + " " + TURNS[2], "large")
+        st = conv.state["large"]
+        start = turn.handoff.handed_off[0][0]
+        if gate is not None:
+            assert turn.gate.decision == "accept" and turn.gate.rho == 0.5
+        assert turn.healed == (len(st.ids) - start if heal else 0) and ("heal" in turn.seconds) == heal
+        assert (st.inexact_from is None) == heal and (st.approximate == []) == heal
+        k, v = _own_rows(models["large"], st.ids)
+        n = len(st.ids)
+        same = torch.allclose(st.cache.k[:, :, :, :n], k, atol=1e-5, rtol=0) and torch.allclose(
+            st.cache.v[:, :, :, :n], v, atol=1e-5, rtol=0)
+        assert same == heal
+        # the next turn of the same model reuses only its own rows when healed
+        nxt = conv.say(TURNS[3], "large")
+        assert nxt.handoff is None and nxt.reused > 0

@@ -480,9 +480,10 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
 
 
 def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
-    """A handoff leaves mapped rows in the receiving model's cache; a later request that reuses them
-    says how many it reused (never passed off as the model's own rows). All recomputed (ρ = 1) or a
-    gate fallback leaves none."""
+    """A handoff leaves mapped rows in the receiving model's cache, and every row computed after them
+    attended to them; a later request that reuses them says how many it reused (never passed off as the
+    model's own rows): here every reused row, the handoff having started at position 0. All recomputed
+    (ρ = 1) or a gate fallback leaves none."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -503,7 +504,7 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
                                                           "max_tokens": 3}).json()["rarecache"]
         assert again["handed_off_from"] is None and again["reused_tokens"] > 0
         mapped = first["handed_off_tokens"] - first["recomputed_tokens"]
-        assert again["reused_approximate_tokens"] == (mapped if approximate else 0)
+        assert again["reused_approximate_tokens"] == (again["reused_tokens"] if approximate else 0)
         assert (mapped > 0) == approximate
 
 

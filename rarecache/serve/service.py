@@ -149,7 +149,7 @@ class Reply:
     gate: dict | None = None  # the quality gate's decision and why (GateResult.record), if it ran
     rho: float | None = None  # the budget a handoff had: ρ (the gate's rung, 1.0 on a fallback) and selector
     selector: str | None = None
-    reused_approximate: int = 0  # of the reused positions, those holding mapped rows from an earlier handoff
+    reused_approximate: int = 0  # of the reused positions, those an earlier handoff left not the model's own
     continued: int = 0  # continue_final: tokens of the final assistant message, the last of `prompt_tokens`
     # continue_final with logprobs: per token of that message, (token, logprob, rank in the vocabulary, its text)
     prompt_logprobs: list[tuple[int, float, int, str]] | None = None

@@ -7,6 +7,12 @@ the longest prefix it already holds, and the rest is either prefilled by itself
 it has not seen, the map translates everything the receiving model has not seen,
 and the receiving model recomputes the selected positions of that span. Switching
 back works the same way.
+
+Rows a model holds from a handoff stay approximate for the rest of the conversation, and so does every
+row it computes after them (they attended to the mapped ones): on CoQA the error grows turn by turn
+(docs/RESULTS.md 9). `heal` puts that right off the critical path: once a turn is answered, the model
+prefills itself again from its first mapped row on, so its next turn reuses only its own rows and a
+handoff costs accuracy on the turn it serves, not on every turn after.
 """
 
 from __future__ import annotations
@@ -36,11 +42,16 @@ class Held:
     cache: KVCache | None = None
     ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
     approximate: list[int] = field(default_factory=list)  # positions whose rows came from a map, not the model
+    # the first position whose row may not be the model's own: a handoff's first handed-off position (rows the
+    # target recomputed there attended to mapped rows, some since recomputed by a higher gate rung); None: all exact
+    inexact_from: int | None = None
 
     def keep(self, n: int) -> None:
         """Hold only the first n positions (the rest are about to be rewritten)."""
         self.ids = self.ids[:n]
         self.approximate = [p for p in self.approximate if p < n]
+        if self.inexact_from is not None and self.inexact_from >= n:
+            self.inexact_from = None
 
     def reserve(self, runner: Runner, length: int) -> KVCache:
         """Make the cache hold `length` positions (allocated on first use, else grown) and return it."""
@@ -50,6 +61,22 @@ class Held:
     @property
     def nbytes(self) -> int:
         return 0 if self.cache is None else self.cache.k.nbytes + self.cache.v.nbytes
+
+
+@torch.inference_mode()
+def heal(runner: Runner, st: Held) -> int:
+    """Make `st`'s rows the model's own again: every row from the first one that may not be
+    (`Held.inexact_from`) to the end of what it holds is prefilled afresh over the rows before it (the
+    model's own), which is exactly the model's prefill of `st.ids`. Returns the positions recomputed
+    (0: all were its own)."""
+    start = st.inexact_from
+    if start is None or start >= len(st.ids):
+        st.inexact_from, st.approximate = None, []
+        return 0
+    toks, pos = spans([st.ids], [start], runner.device)
+    runner.forward(toks, pos, st.cache, logits_at=None)
+    st.inexact_from, st.approximate = None, []
+    return len(st.ids) - start
 
 
 @dataclass
@@ -63,6 +90,7 @@ class Turn:
     seconds: dict[str, float]
     gate: GateResult | None = None  # set when a handoff went through the quality gate
     bpb: float | None = None  # `Conversation.score`: bits per byte of the given answer
+    healed: int = 0  # positions the model prefilled again after answering (`heal`), in seconds["heal"]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -99,7 +127,8 @@ class Started:
     sampling: SamplingConfig  # the request's, with the model's end tokens filled in
     seconds: float  # prefill or handoff
     gate: GateResult | None = None  # set when the handoff went through the quality gate
-    reused_approximate: int = 0  # of the `keep` positions reused, how many hold mapped (not the model's own) rows
+    reused_approximate: int = 0  # of the `keep` positions reused, how many may not be the model's own rows
+    # (mapped, or computed over mapped rows: from `Held.inexact_from` on)
 
 
 @torch.inference_mode()
@@ -123,7 +152,7 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
     st = held[model]
     keep = kept(st.ids, ids)
     st.keep(keep)  # rows past `keep` are about to be overwritten
-    reused_approximate = len(st.approximate)
+    reused_approximate = 0 if st.inexact_from is None else keep - st.inexact_from  # (st.keep: < keep)
     cache = st.reserve(llm.runner, need)
     cache.clear(keep)
     t0 = time.perf_counter()
@@ -151,7 +180,10 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
             src.ids = list(ids)
         if gated is None or gated.decision != "fallback":  # rows the map wrote and nobody recomputed
             chosen = set(result.positions[0])
-            st.approximate += [p for p in range(keep, len(ids)) if p not in chosen]
+            mapped = [p for p in range(keep, len(ids)) if p not in chosen]
+            st.approximate += mapped
+            if mapped:  # (rho 1 recomputes every position in one pass: the model's own rows)
+                st.inexact_from = keep if st.inexact_from is None else min(st.inexact_from, keep)
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
         logits = llm.runner.forward(toks, pos, cache).logits
@@ -181,9 +213,12 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
 class Conversation:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
-                 system: str | None = None, gate: GatePolicy | None = None):
-        """`gate`: hand off through the quality gate's policy (adaptive ρ, fallback) instead of `cfg`'s ρ."""
+                 system: str | None = None, gate: GatePolicy | None = None, heal: bool = False):
+        """`gate`: hand off through the quality gate's policy (adaptive ρ, fallback) instead of `cfg`'s ρ.
+        `heal`: after each answer, the model that gave it makes its rows its own again (`heal`; timed
+        apart from the turn, as a server would run it while it waits for the next)."""
         self.models, self.maps, self.cfg, self.sampling, self.gate = models, maps, cfg, sampling, gate
+        self.heal = heal
         check_maps(models, maps, "the conversation")
         self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
         self.state = {name: Held() for name in models}
@@ -215,8 +250,15 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": text})
         self.last = model
         turn = Turn(model, text, gen.tokens, len(ids), keep, started.handoff, seconds, started.gate)
+        self._heal(turn)
         self.turns.append(turn)
         return turn
+
+    def _heal(self, turn: Turn) -> None:
+        if self.heal:
+            t = time.perf_counter()
+            turn.healed = heal(self.models[turn.model].runner, self.state[turn.model])
+            turn.seconds["heal"] = time.perf_counter() - t
 
     @torch.inference_mode()
     def score(self, content: str, answer: str, model: str) -> Turn:
@@ -251,5 +293,6 @@ class Conversation:
         bpb = -lp / (math.log(2) * len(answer.encode("utf-8")))
         turn = Turn(model, answer, tokens, len(ids), s.keep, s.handoff,
                     {"prefill_or_handoff": s.seconds, "score": time.perf_counter() - t1}, s.gate, bpb)
+        self._heal(turn)
         self.turns.append(turn)
         return turn
