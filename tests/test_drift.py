@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from rarecache.errors import RarecacheError
 from rarecache.eval.drift import parse_arm, report, run_drift
 from rarecache.transfer.conversation import Conversation
 from rarecache.transfer.gate import GatePolicy
@@ -76,6 +77,29 @@ def test_drift_harness_resumes_and_its_exact_arms_show_no_drift(chat, tmp_path):
     assert own and all(r["own_prefill_s"] > 0 and r["own_prefill_tokens"] == r["handed_off"] for r in own)
     assert fig["switch/0.2:rank"]["expected_speedup"] > 0
     assert 0 < fig["switch/0.2:rank"]["mean_recomputed_share"] < 1
+
+
+def test_healing_arms_keep_a_handoffs_error_on_its_own_turn(chat, tmp_path):
+    """`:heal` arms: every handed-off turn is healed after it is scored (its row says how many positions,
+    and the report what that cost against the target's own prefill); the turn itself is scored before
+    healing, so the first handoff scores as without it, and at rho 1 there is nothing to heal."""
+    source, target, maps = _pair(chat)
+    out = tmp_path / "drift.jsonl"
+    arms = ["alone", "0.2:rank", "0.2:rank:heal", "1:rank:heal"]
+    run_drift([("s1", TURNS)], source, target, maps, arms, None, out, progress=False)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    by = {(r["arm"], r["turn"]): r for r in rows if r["arm"] != "alone"}
+    healed = [r for r in rows if r["arm"] == "switch/0.2:rank:heal" and "handed_off" in r]
+    assert healed and all(r["healed"] > 0 and r["seconds"]["heal"] > 0 for r in healed)
+    assert all(r["healed"] == 0 for r in rows if r["arm"] == "switch/1:rank:heal")
+    assert all("healed" not in r for r in rows if r["arm"] == "switch/0.2:rank")
+    assert by[("switch/0.2:rank:heal", 2)]["bpb"] == pytest.approx(by[("switch/0.2:rank", 2)]["bpb"], abs=1e-6)
+    _, fig = report(out)
+    assert fig["switch/0.2:rank:heal"]["heal_over_own_prefill"] > 0 and fig["switch/0.2:rank"]["heal_over_own_prefill"] is None
+    assert fig["switch/1:rank:heal"]["delta"] == pytest.approx(0.0, abs=1e-4)
+    with pytest.raises(RarecacheError, match="bad drift arm"):
+        parse_arm("alone:heal")
+    assert parse_arm("gate:heal") == ("switch/gate:heal", None)
 
 
 def test_drift_arms_and_missing_policy_are_refused(chat, tmp_path):
@@ -222,6 +246,8 @@ def test_drift_through_the_server_refuses_what_it_would_not_measure(chat, tmp_pa
         run_drift_server([("s", TURNS)], deaf, ["0.3:rank"], out, progress=False)
     with pytest.raises(RarecacheError, match="l2-oracle is an oracle"):
         run_drift_server([("s", TURNS)], _server(chat), ["0.2:l2-oracle"], out, progress=False)
+    with pytest.raises(RarecacheError, match="healing runs in process only"):
+        run_drift_server([("s", TURNS)], _server(chat), ["alone", "0.2:rank:heal"], out, progress=False)
     closed = _server(chat, request_budget=False)  # hands off at its own 0.2 / rank only
     with pytest.raises(RarecacheError, match="takes no request's budget"):
         run_drift_server([("s", TURNS)], closed, ["alone", "0.3:rank"], out, progress=False)

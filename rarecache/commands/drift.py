@@ -26,7 +26,9 @@ def register(ev) -> None:
     r.add_argument("--reverse-map", type=Path, default=None,
                    help="map fitted target -> source (without it the source re-reads what it missed)")
     r.add_argument("--arms", nargs="+", default=["alone", "0.2:attn-source", "gate"],
-                   help="alone, RHO:SELECTOR, gate (default: alone 0.2:attn-source gate)")
+                   help="alone, RHO:SELECTOR, gate; a switching arm ending :heal (0.2:suffix:heal, gate:heal) makes "
+                        "the answering model's rows its own again after each answer (default: alone 0.2:attn-source "
+                        "gate)")
     r.add_argument("--gate-policy", type=Path, default=None, help="policy file for the gate arm (eval gate fit)")
     r.add_argument("--stories", type=int, default=200, help="evaluated CoQA stories (default: 200)")
     r.add_argument("--out", type=Path, required=True, help="results JSONL (appended to)")

@@ -8,7 +8,9 @@ the model came by its rows. Every switch hands off only what the model has not s
 last spoke, and it keeps the rows it computed, mapped or recomputed before: any error that
 accumulates over a conversation shows up turn by turn. Arms: `alone` (each model its own
 conversation, every turn scored by both), `switch/RHO:SELECTOR` (a fixed budget) and
-`switch/gate` (the quality gate's policy). One JSON line per (story, turn, arm), written a story
+`switch/gate` (the quality gate's policy); either with `:heal` (`RHO:SELECTOR:heal`, `gate:heal`)
+heals after every answer (`transfer.conversation.heal`: the model prefills itself again from the
+handoff's first position, timed apart as `seconds.heal`), so a handoff's error stays on its own turn. One JSON line per (story, turn, arm), written a story
 and arm at a time; a rerun continues where it stopped. The stories are CoQA's evaluated ones
 (the calibration pool, the last 100, is never read here).
 
@@ -50,16 +52,34 @@ from .results import check_meta, read_done
 from .tasks.coqa import CALIBRATION_STORIES, INSTRUCTION, MAX_TURNS, _stories
 
 
+HEAL = ":heal"
+
+
 def parse_arm(spec: str) -> tuple[str, HandoffConfig | None]:
-    """"alone", "gate" or "RHO:SELECTOR" -> (arm name, config)."""
-    if spec in ("alone", "gate"):
-        return (spec if spec == "alone" else "switch/gate"), None
-    rho, _, sel = spec.partition(":")
+    """"alone", "gate" or "RHO:SELECTOR", the switching ones optionally ending ":heal" -> (arm name,
+    config; None: alone or the gate)."""
+    base = spec[: -len(HEAL)] if spec.endswith(HEAL) else spec
+    tail = spec[len(base):]
+    if spec == "alone":
+        return spec, None
+    if base == "gate":
+        return "switch/gate" + tail, None
+    rho, _, sel = base.partition(":")
     try:
         cfg = HandoffConfig(float(rho), sel or "rank")
     except ValueError:
-        raise RarecacheError(f"bad drift arm {spec!r}: use alone, gate or RHO:SELECTOR (e.g. 0.2:attn-source)") from None
-    return f"switch/{cfg.rho:g}:{cfg.name}", cfg
+        raise RarecacheError(f"bad drift arm {spec!r}: use alone, gate or RHO:SELECTOR (e.g. 0.2:attn-source), "
+                             "a switching one optionally ending :heal") from None
+    return f"switch/{cfg.rho:g}:{cfg.name}{tail}", cfg
+
+
+def is_gate(arm: str) -> bool:
+    """The arm hands off through the gate's policy (healing or not)."""
+    return arm in ("switch/gate", "switch/gate" + HEAL)
+
+
+def heals(arm: str) -> bool:
+    return arm.endswith(HEAL)
 
 
 def conversations(cache_dir: Path | None, stories: int) -> list[tuple[str, list[tuple[str, str]]]]:
@@ -101,7 +121,7 @@ class _Local:
         own = self._own_prefill(user, who)
         turn = self.conv.score(user, answer, who)
         row = {"model": who, "bpb": turn.bpb, "prompt_tokens": turn.prompt_tokens, "reused": turn.reused,
-               "seconds": turn.seconds}
+               "seconds": turn.seconds, **({"healed": turn.healed} if self.conv.heal else {})}
         if turn.handoff is not None:
             start, end = turn.handoff.handed_off[0]
             row.update(handed_off=end - start, recomputed=len(turn.handoff.positions[0]),
@@ -161,7 +181,7 @@ DRIFT_KEYS = ("task", "source", "target", "dtype", "seed", "reverse")  # what a 
 def drift_meta(meta: dict, reverse: bool, arms: list[str], gate: GatePolicy | None) -> dict:
     """A drift run's record (`results.models_meta`, checked on resume like an evaluation's): whether
     the target hands back through a map of its own, and the gate's rule when the gate arm runs."""
-    runs = gate is not None and any(parse_arm(a)[0] == "switch/gate" for a in arms)
+    runs = gate is not None and any(is_gate(parse_arm(a)[0]) for a in arms)
     return {"task": "coqa_drift", **meta, "reverse": reverse, "gate": gate_rule(gate) if runs else None}
 
 
@@ -171,7 +191,7 @@ def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mappe
     ("source", "target") and, if given, ("target", "source"). `meta` (`drift_meta`): resuming a file
     made with other models, maps, dtype or gate rule is refused."""
     parsed = [parse_arm(a) for a in arms]
-    if any(name == "switch/gate" for name, _ in parsed) and gate is None:
+    if any(is_gate(name) for name, _ in parsed) and gate is None:
         raise RarecacheError("the gate arm needs a policy (--gate-policy)")
     if meta is not None:
         if read_done(out, key=("story", "arm")) and not out.with_suffix(".meta.json").is_file():
@@ -181,7 +201,7 @@ def run_drift(convs, source: LLM, target: LLM, maps: dict[tuple[str, str], Mappe
     models = {"source": source, "target": target}
     return _run(convs, parsed, out, progress, None,
                 lambda arm, cfg: _Local(Conversation(models, maps, cfg or HandoffConfig(),
-                                                     gate=gate if cfg is None else None)),
+                                                     gate=gate if cfg is None else None, heal=heals(arm))),
                 lambda who: _Local(Conversation({who: models[who]}, {})))
 
 
@@ -322,6 +342,9 @@ def run_drift_server(convs, server: DriftServer, arms: list[str], out: Path, pro
                              "a switching arm has nothing to hand off")
     own = server.budget()
     for name, cfg in parsed:  # what the server would refuse, before any row is written
+        if heals(name):
+            raise RarecacheError(f"{name}: healing runs in process only (`eval drift run` without --server); a "
+                                 "server does not heal held rows")
         if cfg is not None and cfg.scorer is not None and cfg.scorer.oracle:
             raise RarecacheError(f"{name}: {cfg.name} is an oracle; a server does not hand off with it")
         if name == "switch/gate" and not own.get("gate"):
@@ -351,13 +374,14 @@ def report(path: Path) -> tuple[str, dict]:
     alone = {(r["story"], r["turn"], r["model"]): r["bpb"] for r in rows if r["arm"] == "alone"}
     arms = sorted({r["arm"] for r in rows if r["arm"] != "alone"})
     lines = ["| arm | stories | target turns | Δ bpb vs target alone (95% CI over stories) | by turn (2, 4, 6, 8, 10) "
-             "| fell back | recomputed share | expected speed-up |", "|---|---|---|---|---|---|---|---|"]
+             "| fell back | recomputed share | expected speed-up | healing, × own prefill |",
+             "|---|---|---|---|---|---|---|---|---|"]
     out = {}
     for arm in arms:
         per_story: dict[str, list[float]] = {}
         own_bpb: dict[str, list[float]] = {}  # the target alone on the same turns
         by_turn: dict[int, list[float]] = {}
-        shares, fell, own, spent = [], 0, [], []
+        shares, fell, own, spent, healed = [], 0, [], [], []
         for r in rows:
             key = (r["story"], r["turn"], r["model"])
             if r["arm"] != arm or r["model"] != "target" or "handed_off" not in r or key not in alone:
@@ -371,18 +395,24 @@ def report(path: Path) -> tuple[str, dict]:
             shares.append(1.0 if g and g["decision"] == "fallback" else r["recomputed"] / r["handed_off"])
             own.append(r.get("own_prefill_s"))
             spent.append(r["seconds"]["prefill_or_handoff"])
+            healed.append(r["seconds"].get("heal"))
         if not per_story:
             continue
         m, lo, hi = mean_ci([float(np.mean(v)) for v in per_story.values()])
         n = len(shares)
         turns = " ".join(f"{np.mean(by_turn[t]):+.4f}" if t in by_turn else "—" for t in (2, 4, 6, 8, 10))
         speedup = sum(own) / sum(spent) if own and None not in own and sum(spent) > 0 else None
+        # what healing the handed-off turns costs after they are answered, against the target's own prefill
+        heal = (sum(healed) / sum(own) if heals(arm) and own and None not in own and None not in healed
+                and sum(own) > 0 else None)
         lines.append(f"| {arm} | {len(per_story)} | {n} | {m:+.4f} ({lo:+.4f}, {hi:+.4f}) | {turns} | "
-                     f"{fell / n:.1%} | {np.mean(shares):.3f} | {'—' if speedup is None else f'{speedup:.2f}×'} |")
+                     f"{fell / n:.1%} | {np.mean(shares):.3f} | {'—' if speedup is None else f'{speedup:.2f}×'} | "
+                     f"{'—' if heal is None else f'{heal:.2f}'} |")
         target = float(np.mean([np.mean(v) for v in own_bpb.values()]))
         out[arm] = {"unit": "bpb", "delta": m, "ci": [lo, hi], "n": n, "stories": len(per_story),
                     "target": target, "gated": target + m, "expected_speedup": speedup,
                     "fallback_share": fell / n, "mean_recomputed_share": float(np.mean(shares)),
+                    "heal_over_own_prefill": heal,
                     "by_turn": {t: float(np.mean(v)) for t, v in sorted(by_turn.items())}}
     return "\n".join(lines), out
 
