@@ -98,6 +98,7 @@ reports() {  # selector stories items (called as `reports ... || echo`, where er
   rarecache eval gate fit $(gen_paths ridge-held) --arm "ladder/$1@served" --out $A/gate-policy.json \
       > $A/gate-fit.txt || return 1  # (what it prints: each task's outcome and the signal's held-apart AUC)
   if [ "$2" != 0 ]; then
+    seed "$E/drift-coqa-$1-n$3.jsonl"  # (a committed drift run continues: its rows are not recomputed)
     if rarecache eval drift run --source $S --target $T --map $SERVED --arms alone "0.2:$1" gate \
         --gate-policy $A/gate-policy.json --stories "$2" "${DT[@]}" --out "$E/drift-coqa-$1-n$3.jsonl" > $A/drift-report.md
     then drift=(--drift "$E/drift-coqa-$1-n$3.jsonl")

@@ -505,6 +505,12 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
         assert again["handed_off_from"] is None and again["reused_tokens"] > 0
         mapped = first["handed_off_tokens"] - first["recomputed_tokens"]
         assert again["reused_approximate_tokens"] == (again["reused_tokens"] if approximate else 0)
+        # a branch of the same conversation (another second question) copies the shared rows: still labelled
+        branch = messages[:-1] + [{"role": "user", "content": "tokens and spaces"}]
+        other = client.post("/v1/chat/completions", json={"model": "large", "messages": branch,
+                                                          "max_tokens": 3}).json()["rarecache"]
+        assert other["handed_off_from"] is None and 0 < other["reused_tokens"]
+        assert other["reused_approximate_tokens"] == (other["reused_tokens"] if approximate else 0)
         assert (mapped > 0) == approximate
 
 

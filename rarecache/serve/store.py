@@ -67,6 +67,8 @@ class PrefixStore:
             held.reserve(runner, shared).copy_prefix(entry.held.cache, shared)
             held.ids = entry.held.ids[:shared]
             held.approximate = [q for q in entry.held.approximate if q < shared]
+            src = entry.held.inexact_from
+            held.inexact_from = src if src is not None and src < shared else None
         new = Entry(held, salt, busy=True)
         self.entries[model].append(new)
         return new
