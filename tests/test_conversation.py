@@ -111,3 +111,37 @@ def test_heal_makes_every_row_the_models_own_prefill(chat, how, monkeypatch):
         # the next turn of the same model reuses only its own rows when healed
         nxt = conv.say(TURNS[3], "large")
         assert nxt.handoff is None and nxt.reused > 0
+
+
+def test_healing_in_steps_ends_at_the_models_own_prefill(chat):
+    """`heal(..., limit)` (the server's idle steps): after each step the rows before the new `inexact_from`
+    are the model's own prefill and the rest wait for the next step; the last step leaves every row the
+    model's own, as one whole heal does."""
+    import torch
+
+    from rarecache.transfer.conversation import heal
+
+    models, maps = chat
+    conv = Conversation(models, maps, HandoffConfig(rho=0.3, selector="rank"), SAMPLING)
+    conv.say(TURNS[0], "small")
+    conv.say(TURNS[1] + " " + TURNS[2], "large")
+    st = conv.state["large"]
+    start, n = st.inexact_from, len(st.ids)
+    assert start is not None and n - start > 6
+    k, v = _own_rows(models["large"], st.ids)
+
+    def exact(upto):
+        return torch.allclose(st.cache.k[:, :, :, :upto], k[:, :, :, :upto], atol=1e-5, rtol=0) and torch.allclose(
+            st.cache.v[:, :, :, :upto], v[:, :, :, :upto], atol=1e-5, rtol=0)
+
+    assert exact(start) and not exact(n)
+    steps = []
+    while st.inexact_from is not None:
+        done = heal(models["large"].runner, st, limit=3)
+        steps.append(done)
+        if st.inexact_from is not None:
+            assert st.inexact_from == start + sum(steps) and exact(st.inexact_from) and not exact(n)
+            assert all(p >= st.inexact_from for p in st.approximate)
+    assert steps[:-1] == [3] * (len(steps) - 1) and sum(steps) == n - start
+    assert exact(n) and st.approximate == []
+    assert heal(models["large"].runner, st, limit=3) == 0

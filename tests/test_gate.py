@@ -454,6 +454,8 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
     assert "our own engine only" in capsys.readouterr().err
+    assert main([*args, "--heal", "--engine", "vllm"]) == 2
+    assert "--heal runs in our own engine only" in capsys.readouterr().err
     assert main([*args, "--max-loss", "0.01"]) == 2
     assert "go with --rho auto" in capsys.readouterr().err
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--max-loss", "0.01"]) == 2
@@ -512,6 +514,59 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
         assert other["handed_off_from"] is None and 0 < other["reused_tokens"]
         assert other["reused_approximate_tokens"] == (other["reused_tokens"] if approximate else 0)
         assert (mapped > 0) == approximate
+
+
+def test_an_idle_healing_server_serves_later_turns_from_the_models_own_rows(chat):
+    """`serve --heal`: once idle, the server re-prefills the rows a handoff left (in steps), so the entry is
+    the model's own prefill row for row and the next turn says it reused no approximate row; /health
+    counts what was healed. Without heal the same turn reuses approximate rows (the test above)."""
+    import time
+
+    import torch
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from rarecache.engine.runner import spans
+    from rarecache.serve import service as service_mod
+    from rarecache.serve.app import create_app
+    from rarecache.serve.service import ChatService, ServiceConfig
+
+    models, maps = chat
+    service = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3), heal=True))
+    client = TestClient(create_app(service))
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog, then def add return"}]
+    client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3})
+    step, service_mod.HEAL_STEP = service_mod.HEAL_STEP, 4  # several idle steps for one entry
+    try:
+        r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 3})
+        first = r.json()["rarecache"]
+        assert first["handed_off_from"] == "small" and first["handed_off_tokens"] > first["recomputed_tokens"]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with service.lock:
+                if service._to_heal() is None:
+                    break
+            time.sleep(0.05)
+    finally:
+        service_mod.HEAL_STEP = step
+    health = client.get("/health").json()
+    (entry,) = service.store.entries["large"]
+    held, n = entry.held, len(entry.held.ids)
+    assert health["heal"] and health["healed_positions"] == n - first["reused_tokens"] > 4
+    assert held.inexact_from is None and held.approximate == []
+    llm = models["large"]
+    cache = llm.runner.new_cache(1, n)
+    toks, pos = spans([held.ids], [0], llm.runner.device)
+    llm.runner.forward(toks, pos, cache, logits_at=None)
+    assert torch.allclose(held.cache.k[:, :, :, :n], cache.k[:, :, :, :n], atol=1e-5, rtol=0)
+    assert torch.allclose(held.cache.v[:, :, :, :n], cache.v[:, :, :, :n], atol=1e-5, rtol=0)
+    messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "tokens and spaces"}]
+    again = client.post("/v1/chat/completions", json={"model": "large", "messages": messages,
+                                                      "max_tokens": 3}).json()["rarecache"]
+    assert again["handed_off_from"] is None and again["reused_tokens"] > 0 and again["reused_approximate_tokens"] == 0
+    service.close()
 
 
 def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):

@@ -67,6 +67,9 @@ def register(sub) -> None:
                    help="refuse a request naming a budget other than the server's (its body's rarecache.rho and "
                         "selector); by default a request may name its own, e.g. {\"rho\": 1} for the model's own "
                         "rows (README: threat model)")
+    p.add_argument("--heal", action="store_true",
+                   help="when idle, re-prefill the rows a handoff left (256 positions a step), so a conversation's "
+                        "later turns reuse the model's own rows and a handoff costs accuracy on its own turn only")
     p.add_argument("--host", default="127.0.0.1", help="default: 127.0.0.1 (local only)")
     p.add_argument("--api-key", default=None,
                    help="clients must send Authorization: Bearer KEY (every route but /health; default: "
@@ -159,6 +162,8 @@ def cmd_serve(args) -> int:
     if args.engine == "vllm":
         if gate is not None:
             raise RarecacheError("--rho auto (the quality gate) runs in our own engine only, not --engine vllm")
+        if args.heal:
+            raise RarecacheError("--heal runs in our own engine only, not --engine vllm")
         from ..adapters.vllm.launch import serve_vllm
 
         return serve_vllm(args, names, api_key)
@@ -170,7 +175,8 @@ def cmd_serve(args) -> int:
         raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
     cfg = ServiceConfig(HandoffConfig.named(rho if gate is None else 0.3, args.selector),
                         cache_bytes=int(args.cache_gib * (1 << 30)), max_new_tokens=args.max_tokens_limit,
-                        max_batch=args.max_batch, gate=gate, request_budget=args.request_budget)
+                        max_batch=args.max_batch, gate=gate, request_budget=args.request_budget,
+                        heal=args.heal)
     maps = {}  # map files load (and fail) before the models, which take much longer
     if args.map is not None:
         maps[(names[0], names[1])] = Mapper.load(args.map)

@@ -27,10 +27,18 @@ and repeats. An answer joins and leaves the batch at any step; each samples with
 its own generator, so it is the answer it would have been alone. All store
 operations happen on the worker, so entries need no locks; an entry a running
 answer is still writing is copied from, never extended by another request.
+
+With `heal` (serve --heal) the worker spends idle time making handed-off rows exact: when no answer
+runs and no request waits, it re-prefills the most recently used entry that holds rows a handoff left
+(`transfer.conversation.heal`), `HEAL_STEP` positions at a time so that a request arriving meanwhile
+waits for one step at most. The next turn of that conversation then reuses only the model's own rows
+(its response says so: `reused_approximate_tokens` 0), and a handoff costs accuracy on the turn it
+served, not on every turn after (docs/RESULTS.md 9).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -42,7 +50,7 @@ import torch
 from ..engine.generate import Row, SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
-from ..transfer.conversation import Started, check_maps, prefill_or_handoff
+from ..transfer.conversation import Started, check_maps, heal, prefill_or_handoff
 from ..transfer.gate import GatePolicy
 from ..transfer.handoff import HandoffConfig, check_rho
 from ..transfer.mapper import Mapper
@@ -53,6 +61,8 @@ Role = Literal["system", "user", "assistant"]  # what a message's role may be (t
 ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
 MAX_SALT = 1024  # characters of a cache salt
+log = logging.getLogger(__name__)
+HEAL_STEP = 256  # positions one idle healing step re-prefills (what a request arriving meanwhile waits for)
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,7 @@ class ServiceConfig:
     max_prompt_chars: int = 200_000  # checked before tokenising
     max_batch: int = 8  # answers decoded together; past it, requests wait for a place
     request_budget: bool = True  # a request may name its own budget (False: only the server's own)
+    heal: bool = False  # when idle, re-prefill the rows handoffs left, so later turns reuse exact rows
 
     def __post_init__(self):
         if self.max_batch < 1 or self.cache_bytes <= 0 or self.max_new_tokens < 1:
@@ -232,6 +243,7 @@ class ChatService:
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
+        self.healed = 0  # positions re-prefilled by idle healing (ServiceConfig.heal)
 
     def held_bytes(self) -> int:
         return self.store.nbytes()
@@ -348,7 +360,7 @@ class ChatService:
     def _work(self) -> None:
         while True:
             with self._wake:
-                while not self._running and not (self._waiting or self._closed):
+                while not self._running and not (self._waiting or self._closed) and self._to_heal() is None:
                     self._wake.wait()
                 if self._closed and not self._running:
                     for job in self._waiting:
@@ -360,6 +372,8 @@ class ChatService:
                     job = self._waiting.popleft()
             with self.lock:
                 try:
+                    if job is None and not self._running and not self._closed:  # idle: one healing step
+                        self._heal_step()
                     if job is not None:
                         self._admit(job)
                     by_model: dict[str, list[_Job]] = {}
@@ -370,6 +384,27 @@ class ChatService:
                 except Exception as e:  # noqa: BLE001  (a bug of ours: fail what runs, keep serving)
                     for j in [*self._running, *([job] if job is not None and not job.done.is_set() else [])]:
                         self._fail(j, e)
+
+    def _to_heal(self) -> tuple[str, Entry] | None:
+        """The most recently used entry no answer is writing that holds rows a handoff left (with heal)."""
+        if not self.cfg.heal:
+            return None
+        pending = [(e.used, name, e) for name, es in self.store.entries.items() for e in list(es)
+                   if not e.busy and e.held.inexact_from is not None]
+        return max(pending, key=lambda t: t[0])[1:] if pending else None
+
+    def _heal_step(self) -> None:
+        """Re-prefill up to HEAL_STEP of the chosen entry's inexact rows (the worker's, under the lock);
+        an entry that cannot be healed is dropped rather than left, its rows untrusted."""
+        found = self._to_heal()
+        if found is None:
+            return
+        name, entry = found
+        try:
+            self.healed += heal(self.models[name].runner, entry.held, HEAL_STEP)
+        except Exception:  # noqa: BLE001  (a bug of ours: forget the entry, keep serving)
+            log.exception("healing an entry of %s failed; the entry is dropped", name)
+            self.store.drop(name, entry)
 
     def _fail(self, job: _Job, error: BaseException) -> None:
         for name, e in job.held.items():  # its rows cannot be trusted: drop its entries

@@ -64,19 +64,23 @@ class Held:
 
 
 @torch.inference_mode()
-def heal(runner: Runner, st: Held) -> int:
+def heal(runner: Runner, st: Held, limit: int | None = None) -> int:
     """Make `st`'s rows the model's own again: every row from the first one that may not be
     (`Held.inexact_from`) to the end of what it holds is prefilled afresh over the rows before it (the
-    model's own), which is exactly the model's prefill of `st.ids`. Returns the positions recomputed
-    (0: all were its own)."""
+    model's own), which is exactly the model's prefill of `st.ids`. `limit`: at most that many positions
+    now (the server heals between requests in such steps); the rows after them stay inexact, and the next
+    call goes on from there. Returns the positions recomputed (0: all were its own)."""
     start = st.inexact_from
     if start is None or start >= len(st.ids):
         st.inexact_from, st.approximate = None, []
         return 0
-    toks, pos = spans([st.ids], [start], runner.device)
+    end = len(st.ids) if limit is None else min(len(st.ids), start + max(1, limit))
+    toks, pos = spans([st.ids[:end]], [start], runner.device)
     runner.forward(toks, pos, st.cache, logits_at=None)
-    st.inexact_from, st.approximate = None, []
-    return len(st.ids) - start
+    done = end == len(st.ids)
+    st.inexact_from = None if done else end
+    st.approximate = [] if done else [p for p in st.approximate if p >= end]
+    return end - start
 
 
 @dataclass
