@@ -17,7 +17,8 @@ import numpy as np
 from rarecache.eval.gate import _answer_key, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
-FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source"]
+FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin"]
+NEGATED = {"margin", "choice_margin"}  # a wide margin means a settled answer
 LOGGED = {"js", "js_plain", "row_error", "js_source"}  # those the ladders record are read
 
 
@@ -29,6 +30,11 @@ def ladders(path: str, arm: str | None):
             and r["item"] in target]
     if len({r["arm"] for r in lads}) != 1:
         sys.exit(f"need exactly one ladder arm with target rows, found {sorted({r['arm'] for r in lads})}")
+    for r in lads:  # the answer's own margin: the best choice's log-likelihood over the second's (unnormalised)
+        for rung in r["ladder"]:
+            if len(rung.get("logprobs", ())) >= 2:
+                top = sorted(rung["logprobs"], reverse=True)
+                rung["choice_margin"] = top[0] - top[1]
     # those every rung of every record has (row_error, js_source: ladders from 2026-12-03 on)
     FEATURES[:] = [f for f in FEATURES if all(f in g for r in lads for g in r["ladder"])]
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
@@ -67,7 +73,7 @@ def main() -> None:
     pairs = sum(len(cs) for _, cs in per_item)
     print(f"{arm}: {len(per_item)} items, {pairs} (item, rung) pairs, {changed} with a changed answer")
     for k, name in enumerate(FEATURES):
-        sign = -1 if name == "margin" else 1  # a wide margin means a settled answer
+        sign = -1 if name in NEGATED else 1
         a, lo, hi = auc_ci([([sign * x[k] for x in xs], cs) for xs, cs in per_item])
         print(f"  {'-' if sign < 0 else ' '}{name:9s} AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
     print(f"  logistic of all, {5}-fold over items: AUC {logistic_cv(per_item):.3f}")
