@@ -372,7 +372,8 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         return {"status": "ok", "models": list(service.models), "requests_in_flight": in_flight[0],
                 "answers_running": running, "requests_waiting": waiting, "max_batch": service.cfg.max_batch,
                 "held_cache_bytes": service.held_bytes(), "handoff": _budget_info(service),
-                "heal": service.cfg.heal, "healed_positions": service.healed}
+                "heal": getattr(service.cfg, "heal", False),  # (the vLLM service does not heal)
+                "healed_positions": getattr(service, "healed", 0)}
 
     @app.get("/v1/models")
     def models():
