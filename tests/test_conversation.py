@@ -145,3 +145,27 @@ def test_healing_in_steps_ends_at_the_models_own_prefill(chat):
     assert steps[:-1] == [3] * (len(steps) - 1) and sum(steps) == n - start
     assert exact(n) and st.approximate == []
     assert heal(models["large"].runner, st, limit=3) == 0
+
+
+def test_a_gate_handoff_that_recomputed_every_position_is_still_inexact(chat, monkeypatch):
+    """A gate's top rung (0.99 of a short span) may cover every handed-off position, but the rows its lower rung recomputed attended
+    to mapped rows and are kept: the cache is not the model's own, so it stays marked (and heal fixes it)."""
+    import torch
+
+    from rarecache.transfer import gate as gate_mod
+    from rarecache.transfer.gate import GatePolicy
+
+    models, maps = chat
+    seen = []
+    monkeypatch.setattr(gate_mod, "_accepts", lambda *a: seen.append(1) or len(seen) % 2 == 0)
+    conv = Conversation(models, maps, HandoffConfig(rho=0.3, selector="rank"), SAMPLING,
+                        gate=GatePolicy("rank", (0.3, 0.99), threshold=1.0))
+    conv.say(TURNS[0], "small")
+    turn = conv.say(TURNS[1] + " " + TURNS[2], "large")
+    st = conv.state["large"]
+    start, end = turn.handoff.handed_off[0]
+    assert turn.gate.decision == "accept" and turn.gate.rho == 0.99 and st.approximate == []
+    assert st.inexact_from == start
+    k, v = _own_rows(models["large"], st.ids)
+    n = len(st.ids)
+    assert not torch.allclose(st.cache.k[:, :, :, :n], k, atol=1e-5, rtol=0)  # the mark is needed

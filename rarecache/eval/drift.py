@@ -374,7 +374,7 @@ def report(path: Path) -> tuple[str, dict]:
     alone = {(r["story"], r["turn"], r["model"]): r["bpb"] for r in rows if r["arm"] == "alone"}
     arms = sorted({r["arm"] for r in rows if r["arm"] != "alone"})
     lines = ["| arm | stories | target turns | Δ bpb vs target alone (95% CI over stories) | by turn (2, 4, 6, 8, 10) "
-             "| fell back | recomputed share | expected speed-up | healing, × own prefill |",
+             "| fell back | recomputed share | expected speed-up | healing (span + answer), × own prefill of the span |",
              "|---|---|---|---|---|---|---|---|---|"]
     out = {}
     for arm in arms:

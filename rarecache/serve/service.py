@@ -387,6 +387,8 @@ class ChatService:
 
     def _to_heal(self) -> tuple[str, Entry] | None:
         """The most recently used entry no answer is writing that holds rows a handoff left (with heal)."""
+        # (also read in _work's wait, outside the lock, where forget() may drop an entry meanwhile: a stale
+        # answer there only wakes the worker, and _heal_step looks again under the lock)
         if not self.cfg.heal:
             return None
         pending = [(e.used, name, e) for name, es in self.store.entries.items() for e in list(es)

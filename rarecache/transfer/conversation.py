@@ -30,7 +30,7 @@ from ..engine.llm import LLM
 from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
 from .gate import GatePolicy, GateResult, gated_handoff
-from .handoff import HandoffConfig, HandoffResult, handoff
+from .handoff import HandoffConfig, HandoffResult, _now, handoff
 from .mapper import Mapper
 from .selectors import SELECTORS
 
@@ -186,7 +186,9 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
             chosen = set(result.positions[0])
             mapped = [p for p in range(keep, len(ids)) if p not in chosen]
             st.approximate += mapped
-            if mapped:  # (rho 1 recomputes every position in one pass: the model's own rows)
+            # rho 1 recomputes every position in one pass: the model's own rows. A gate's higher rungs keep rows
+            # recomputed below them over mapped rows, so an accepted gate handoff is inexact even if it covers all
+            if mapped or gated is not None:
                 st.inexact_from = keep if st.inexact_from is None else min(st.inexact_from, keep)
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
@@ -260,9 +262,10 @@ class Conversation:
 
     def _heal(self, turn: Turn) -> None:
         if self.heal:
-            t = time.perf_counter()
-            turn.healed = heal(self.models[turn.model].runner, self.state[turn.model])
-            turn.seconds["heal"] = time.perf_counter() - t
+            runner = self.models[turn.model].runner
+            t = _now(runner)
+            turn.healed = heal(runner, self.state[turn.model])
+            turn.seconds["heal"] = _now(runner) - t
 
     @torch.inference_mode()
     def score(self, content: str, answer: str, model: str) -> Turn:
