@@ -16,7 +16,9 @@ source is refused. The summary file records both means per candidate, so the cho
 Arms may have run on different numbers of items (a queue grows the arms the acceptance reads first).
 The candidates are compared on the items every one of them, the target and the source share in each
 task (`pick_n`); each headline figure is read over the items its own arms share, paired, and records
-that n (`n`: the default at ρ 0.2 against the target and plain transfer; `n_plain_minus_source`).
+that n (`n`: the default at ρ 0.2 against the target and plain transfer; `n_plain_minus_source`) and
+its paired bootstrap 95% interval (`gap_closed_ci`, `plain_minus_source_ci`): at n = 100 HellaSwag's
+gap closed read 73%, at n = 300 112%.
 
 A map file serves plain transfer through its plain view (`Mapper.plain`) and handoffs through its
 fit. Results may have measured the two through two files (`--plain-label`: the sharpened fit's
@@ -30,6 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import RarecacheError
+from .metrics import gap_closed_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
 from .results import load_results, map_sha256
 
@@ -76,10 +79,13 @@ def _pick_items(vals: dict[str, dict[str, float]], label: str | None) -> set[str
     return set.intersection(*items) if items else set()
 
 
-def _paired(a: dict[str, float], b: dict[str, float]) -> tuple[float | None, int]:
-    """Mean of a - b over the items both hold, and how many."""
+def _paired(a: dict[str, float], b: dict[str, float]) -> tuple[float | None, list[float] | None, int]:
+    """Mean of a - b over the items both hold, its paired bootstrap 95% interval, and how many."""
     both = sorted(set(a) & set(b))
-    return (sum(a[i] - b[i] for i in both) / len(both) if both else None), len(both)
+    if not both:
+        return None, None, 0
+    m, lo, hi, _ = paired_diff_ci([a[i] for i in both], [b[i] for i in both])
+    return m, [lo, hi], len(both)
 
 
 def general_summary(paths: list[Path], label: str | None = None, plain_label: str | None = None,
@@ -135,14 +141,19 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
     for _, name, metric, _, vals, pick_n in tasks:
         bpb = metric == "bpb"
         plain, source = vals.get(arm_name(0, "rank", plain_label), {}), vals.get("source", {})
-        d, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
+        d, d_ci, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
         if d is not None and not bpb:
-            d *= 100
+            d, d_ci = d * 100, [x * 100 for x in d_ci]
         target, arm = vals.get("target", {}), vals.get(arm_name(0.2, default, label), {})
         both = sorted(set(target) & set(plain) & set(arm))  # the default at 0.2, paired with both ends of its gap
         t, p0, a = (sum(v[i] for i in both) / len(both) if both else None for v in (target, plain, arm))
         closed = (a - p0) / (t - p0) + 0.0 if both and t != p0 else None
-        out["tasks"][name] = {"gap_closed_default_rho0.2": closed, "plain_minus_source": d,
+        closed_ci = None
+        if closed is not None:
+            _, lo, hi = gap_closed_ci(*([v[i] for i in both] for v in (target, plain, arm)))
+            closed_ci = [lo, hi]
+        out["tasks"][name] = {"gap_closed_default_rho0.2": closed, "gap_closed_ci": closed_ci,
+                              "plain_minus_source": d, "plain_minus_source_ci": d_ci,
                               "unit": "bpb" if bpb else "pp", "metric": metric, "n": len(both),
                               "n_plain_minus_source": n_d, "pick_n": pick_n}
     return out
@@ -220,12 +231,14 @@ def markdown(summary: dict) -> str:
              + ", ".join(f"{k} {v:.1%} [" + ("—" if closed.get(k) is None else f"{closed[k]:.1%}") + "]"
                          for k, v in sorted(summary["selector_mean_model_gap_kept"].items(), key=lambda kv: -kv[1]))
              + ")",
-             "", "| task | gap closed, default at ρ = 0.2 (n) | plain transfer − source alone (n) | selectors "
-             "compared on (n) |", "|---|---|---|---|"]
+             "", "| task | gap closed, default at ρ = 0.2 (95% CI; n) | plain transfer − source alone (95% CI; n) | "
+             "selectors compared on (n) |", "|---|---|---|---|"]
     for name, t in summary["tasks"].items():
-        g = "—" if t["gap_closed_default_rho0.2"] is None else f"{t['gap_closed_default_rho0.2']:.1%}"
-        d = "—" if t["plain_minus_source"] is None else (
-            f"{t['plain_minus_source']:+.1f} pp" if t["unit"] == "pp" else f"{t['plain_minus_source']:+.4f} bpb")
-        lines.append(f"| {name} | {g} ({t['n']}) | {d} ({t.get('n_plain_minus_source', t['n'])}) | "
+        g, gci, d, dci = (t["gap_closed_default_rho0.2"], t.get("gap_closed_ci"), t["plain_minus_source"],
+                          t.get("plain_minus_source_ci"))
+        num = "{:+.1f}".format if t["unit"] == "pp" else "{:+.4f}".format
+        g = "—" if g is None else f"{g:.1%} (" + (f"{gci[0]:.0%} to {gci[1]:.0%}; " if gci else "")
+        d = "—" if d is None else f"{num(d)} {t['unit']} (" + (f"{num(dci[0])}, {num(dci[1])}; " if dci else "")
+        lines.append(f"| {name} | {g}{t['n']}) | {d}{t.get('n_plain_minus_source', t['n'])}) | "
                      f"{t.get('pick_n', t['n'])} |")
     return "\n".join(lines)
