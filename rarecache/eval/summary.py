@@ -29,6 +29,7 @@ handoff map's tensors bit for bit and its plain view the plain map's to float32 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..errors import RarecacheError
@@ -146,12 +147,11 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
             d, d_ci = d * 100, [x * 100 for x in d_ci]
         target, arm = vals.get("target", {}), vals.get(arm_name(0.2, default, label), {})
         both = sorted(set(target) & set(plain) & set(arm))  # the default at 0.2, paired with both ends of its gap
-        t, p0, a = (sum(v[i] for i in both) / len(both) if both else None for v in (target, plain, arm))
-        closed = (a - p0) / (t - p0) + 0.0 if both and t != p0 else None
-        closed_ci = None
-        if closed is not None:
-            _, lo, hi = gap_closed_ci(*([v[i] for i in both] for v in (target, plain, arm)))
-            closed_ci = [lo, hi]
+        closed = closed_ci = None
+        if both:
+            g, lo, hi = gap_closed_ci(*([v[i] for i in both] for v in (target, plain, arm)))
+            if not math.isnan(g):  # (nan: the target and plain transfer level, no gap to close)
+                closed, closed_ci = g + 0.0, [lo, hi]
         out["tasks"][name] = {"gap_closed_default_rho0.2": closed, "gap_closed_ci": closed_ci,
                               "plain_minus_source": d, "plain_minus_source_ci": d_ci,
                               "unit": "bpb" if bpb else "pp", "metric": metric, "n": len(both),

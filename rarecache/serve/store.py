@@ -65,10 +65,9 @@ class PrefixStore:
         held = Held()
         if entry is not None and shared > 0:
             held.reserve(runner, shared).copy_prefix(entry.held.cache, shared)
-            held.ids = entry.held.ids[:shared]
-            held.approximate = [q for q in entry.held.approximate if q < shared]
-            src = entry.held.inexact_from
-            held.inexact_from = src if src is not None and src < shared else None
+            held.ids, held.approximate = entry.held.ids, list(entry.held.approximate)
+            held.inexact_from = entry.held.inexact_from
+            held.keep(shared)  # its bookkeeping of the first `shared` positions (Held.keep's rule)
         new = Entry(held, salt, busy=True)
         self.entries[model].append(new)
         return new
