@@ -597,3 +597,134 @@ def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
     assert res.rungs[-1].row_error == pytest.approx((e0 + e1) / (r0 + r1), rel=1e-4)
     _, _, online = gated_handoff(source, target, mapper, ids, pol)  # serving does not measure it
     assert all(r.row_error == 0.0 for r in online.rungs)
+
+
+# -- the two views' signal (js_views) --------------------------------------------------------
+
+def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
+    """js_views, the long way: rung k's logits against the last position run over a cache whose rows still
+    mapped come from the map's plain-transfer view and whose recomputed rows are rung k's (suffix: rung k
+    recomputes the newest budget(ρ, n) positions). Rung 0 compares plain transfer through the two fits."""
+    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.handoff import subset
+
+    source, target, mapper, prompts = fitted
+    two = with_plain(mapper, (1.0, 0.5))
+    assert two.has_plain_view
+    ids = prompts[0]
+    n = len(ids)
+    rungs = (0.2, 0.5)
+    snaps = target.new_cache(len(rungs), n)
+    _, per_rung, rec = gated_handoff(source, target, two, ids, GatePolicy("suffix", rungs, NEVER), climb_all=True,
+                                     snapshots=snaps)
+    assert all(r.js_views > 0 and r.views_seconds > 0 for r in rec.rungs)
+    assert rec.handoff.timings["views"] >= sum(r.views_seconds for r in rec.rungs)
+    src_cache, _ = source.prefill([ids])
+    whole = torch.tensor([ids])
+    for k, rho in enumerate(rungs):
+        other = target.new_cache(1, n)
+        two.plain().apply(source, src_cache, target, other, torch.arange(n)[None])
+        new = list(range(n - budget(rho, n), n))
+        other.k[:, 0, :, new] = snaps.k[:, k, :, new]
+        other.v[:, 0, :, new] = snaps.v[:, k, :, new]
+        logits = target.forward(*subset(whole, [torch.tensor([n - 1])]), other).logits[0]
+        assert rec.rungs[k + 1].js_views == pytest.approx(js_bits(per_rung[k], logits), rel=1e-3, abs=1e-7)
+    _, ridge_plain, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0))
+    _, sharp_plain, _ = handoff(source, target, two, [ids], HandoffConfig(0.0))
+    assert rec.rungs[0].js_views == pytest.approx(js_bits(ridge_plain[0], sharp_plain[0]), rel=1e-3, abs=1e-7)
+    # a map with one view measures nothing, and a policy on js_views refuses it with a clear error
+    _, _, one = gated_handoff(source, target, mapper, ids, GatePolicy("suffix", rungs, NEVER), climb_all=True)
+    assert all(r.js_views == 0 for r in one.rungs) and "views" not in one.handoff.timings
+    with pytest.raises(RarecacheError, match="two views"):
+        gated_handoff(source, target, mapper, ids, GatePolicy("suffix", rungs, 0.1, signal="js_views"))
+    # serving on js runs no second view
+    _, _, online = gated_handoff(source, target, two, ids, GatePolicy("suffix", rungs, ALWAYS))
+    assert all(r.js_views == 0 for r in online.rungs) and "views" not in online.handoff.timings
+
+
+def test_a_policy_on_js_views_decides_as_the_recorded_ladder_says(fitted):
+    from rarecache.transfer.calibrate import with_plain
+
+    source, target, mapper, prompts = fitted
+    two = with_plain(mapper, (1.0, 0.5))
+    ids = prompts[1]
+    n = len(ids)
+    rungs = (0.1, 0.3, 0.5)
+    snaps = target.new_cache(len(rungs), n)
+    _, per_rung, rec = gated_handoff(source, target, two, ids, GatePolicy("rank", rungs, NEVER), climb_all=True,
+                                     snapshots=snaps)
+    views = [r.js_views for r in rec.rungs[1:]]
+    for th in sorted(set(views)):
+        k = decide(views, th)
+        _, logits, res = gated_handoff(source, target, two, ids, GatePolicy("rank", rungs, th, signal="js_views"))
+        assert res.decision == "accept" and res.rho == rungs[k] and res.reason.startswith("js_views")
+        torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
+    _, logits, res = gated_handoff(source, target, two, ids, GatePolicy("rank", rungs, min(views) / 2,
+                                                                         signal="js_views"))
+    own, out = target.prefill([ids], max_len=n)
+    assert res.decision == "fallback" and "no rung had js_views" in res.reason
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+
+
+def test_policy_signal_round_trip():
+    from rarecache.commands.gate import SIGNALS as CLI_SIGNALS
+    from rarecache.transfer.gate import SIGNALS, gate_rule
+
+    assert CLI_SIGNALS == SIGNALS
+    pol = GatePolicy("suffix", (0.1, 0.3), 0.02, signal="js_views")
+    data = json.loads(pol.to_json())
+    assert data["signal"] == "js_views" and gate_rule(pol)["signal"] == "js_views"
+    assert "signal" not in json.loads(GatePolicy("suffix").to_json())  # js: files as before
+    with pytest.raises(RarecacheError, match="gate signal must be one of"):
+        GatePolicy("suffix", signal="margin")
+
+
+def test_policy_signal_file(tmp_path):
+    f = tmp_path / "p.json"
+    pol = GatePolicy("suffix", (0.1, 0.3), 0.02, fitted={"levels": [{"max_changed": 0.01, "max_bpb": 0.0025,
+                                                                      "threshold": 0.5}]}, signal="js_views")
+    f.write_text(pol.to_json())
+    back = GatePolicy.load(f)
+    assert back == pol and back.signal == "js_views" and back.at_loss(0.5).signal == "js_views"
+    old = json.loads(GatePolicy("suffix", (0.1, 0.3), 0.02).to_json())  # a file written before the field
+    f.write_text(json.dumps(old))
+    assert GatePolicy.load(f).signal == "js"
+    f.write_text(json.dumps({**old, "signal": "vibes"}))
+    with pytest.raises(RarecacheError, match="gate signal must be one of"):
+        GatePolicy.load(f)
+
+
+def test_gate_fit_and_report_on_js_views(models, tmp_path):
+    """Ladders through a map with two views record js_views and what it cost; `eval gate fit --signal js_views`
+    thresholds it, the report reads it and counts its cost; ladders without it are refused clearly."""
+    from rarecache.cli import main
+    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.results import load_results
+    from rarecache.transfer.calibrate import with_plain
+
+    source, target, mapper = models
+    two = (source, target, with_plain(mapper, (1.0, 0.5)))
+    held = _ladder_run(two, tmp_path, slice(0, 3), "held.jsonl")
+    ev = _ladder_run(two, tmp_path, slice(3, 5), "ev.jsonl")
+    rows = [r for r in load_results(ev) if r["arm"] == "ladder/rank"]
+    assert rows and all(g["js_views"] > 0 for r in rows for g in r["ladder"])
+    phases = [t["phases"] for t in load_results(ev.with_suffix(".timings.jsonl")) if t["arm"] == "ladder/rank"]
+    assert all(p["views_map"] > 0 and len(p["views_rungs"]) == 5 for p in phases)
+    lad = read_ladders(ev, signal="js_views")
+    assert lad.js == [[g["js_views"] for g in r["ladder"]] for r in rows]
+    pol = tmp_path / "policy.json"
+    assert main(["eval", "gate", "fit", str(held), "--signal", "js_views", "--max-changed", "0.5",
+                 "--out", str(pol)]) == 0
+    policy = GatePolicy.load(pol)
+    assert policy.signal == "js_views"
+    assert main(["eval", "gate", "report", str(ev), "--policy", str(pol)]) == 0
+    # the same decisions priced with and without the second view: accepting at rung 1 always costs more with it
+    always = GatePolicy("rank", (0.1, 0.2, 0.3, 0.5), math.inf)
+    with_views = evaluate(lad, GatePolicy("rank", (0.1, 0.2, 0.3, 0.5), math.inf, signal="js_views"))
+    assert with_views["expected_speedup"] < evaluate(read_ladders(ev), always)["expected_speedup"]
+    with pytest.raises(RarecacheError, match="read for signal js_views"):
+        evaluate(lad, always)
+    plain = _ladder_run(models, tmp_path, slice(0, 2), "one-view.jsonl")  # a map with one view: not recorded
+    with pytest.raises(RarecacheError, match="does not record js_views"):
+        read_ladders(plain, signal="js_views")
+    assert main(["eval", "gate", "fit", str(plain), "--signal", "js_views", "--out", str(pol)]) == 2

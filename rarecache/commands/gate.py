@@ -9,6 +9,8 @@ from pathlib import Path
 
 from ..errors import RarecacheError
 
+SIGNALS = ("js", "js_views")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
+
 
 def register(ev) -> None:
     p = ev.add_parser("gate", help="the quality gate: fit a policy on held-apart items, report it on evaluated ones",
@@ -30,6 +32,11 @@ def register(ev) -> None:
                         "(default), or the mean accuracy lost against the target (a change between two wrong "
                         "answers costs nothing; right to wrong and wrong to right offset)")
     f.add_argument("--arm", default=None, help="the ladder arm, if a file has several (e.g. ladder/rank@general)")
+    f.add_argument("--signal", choices=SIGNALS, default="js",
+                   help="what the policy thresholds: js, the divergence of each rung from the one below "
+                        "(default), or js_views, of each rung from the same rung with the rows still mapped "
+                        "taken from the map's plain-transfer view (maps with one; recorded by ladders since "
+                        "2026-12-04)")
     f.add_argument("--out", type=Path, required=True, help="policy file to write (JSON)")
     f.set_defaults(func=cmd_gate_fit)
     r = g.add_parser("report", help="what a policy does on evaluated results files")
@@ -44,10 +51,10 @@ def register(ev) -> None:
     r.set_defaults(func=cmd_gate_report)
 
 
-def _ladders(paths: list[Path], arm: str | None, loss: str = "changed"):
+def _ladders(paths: list[Path], arm: str | None, loss: str = "changed", signal: str = "js"):
     from ..eval.gate import read_ladders
 
-    return [read_ladders(p, arm, loss) for p in paths]
+    return [read_ladders(p, arm, loss, signal) for p in paths]
 
 
 def cmd_gate_fit(args) -> int:
@@ -55,13 +62,13 @@ def cmd_gate_fit(args) -> int:
 
     if not 0 <= args.max_changed <= 1 or args.max_bpb < 0:
         raise RarecacheError("--max-changed must be in [0, 1] and --max-bpb >= 0")
-    policy = fit(_ladders(args.results, args.arm, args.loss), args.max_changed, args.max_bpb)
+    policy = fit(_ladders(args.results, args.arm, args.loss, args.signal), args.max_changed, args.max_bpb)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
     most = "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s) before falling back"
     does = "always falls back" if policy.always_falls_back else "accepts"
-    print(f"threshold {policy.threshold:.4g} bits{floor}{most} ({does})")
+    print(f"{policy.signal} threshold {policy.threshold:.4g} bits{floor}{most} ({does})")
     ci = lambda a, c: f"{a:.3f} ({c[0]:.3f}-{c[1]:.3f})"  # noqa: E731
     for task, o in policy.fitted["tasks"].items():
         print(f"  {task}: n={o['n']} loss {o['loss']:.4f} mean recomputed {o['cost']:.3f} (fallback = 1; with the "
@@ -89,7 +96,7 @@ def cmd_gate_report(args) -> int:
     if not args.policy.is_file():
         raise RarecacheError(f"no policy file {args.policy}")
     policy = GatePolicy.load(args.policy)
-    ladders = _ladders(args.results, args.arm)
+    ladders = _ladders(args.results, args.arm, signal=policy.signal)
     results = {lad.task: evaluate(lad, policy) for lad in ladders}
     shas = {lad.map_sha256 for lad in ladders}
     if len(shas) > 1:

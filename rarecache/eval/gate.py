@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RarecacheError
-from ..transfer.gate import GatePolicy, decide, fit_thresholds, rungs_climbed
+from ..transfer.gate import SIGNALS, GatePolicy, decide, fit_thresholds, rungs_climbed
 from .metrics import N_BOOT, paired_diff_ci
 from .results import load_results, map_sha256
 
@@ -45,7 +45,8 @@ class Ladders:
     rungs: list[float]
     items: list[str]
     map_sha256: str | None
-    js: list[list[float]] = field(default_factory=list)  # per item, per rung
+    signal: str = "js"  # which recorded signal `js` holds (transfer.gate.SIGNALS)
+    js: list[list[float]] = field(default_factory=list)  # per item, per rung: the signal
     margin: list[list[float]] | None = field(default_factory=list)  # per item, per rung: top-2 margin (None: the
     # records predate it)
     loss: list[list[float]] = field(default_factory=list)
@@ -61,13 +62,15 @@ def _answer_key(metric: str) -> str:
     return "prediction_norm" if metric == "correct_norm" else "prediction"
 
 
-def read_ladders(path: Path, arm: str | None = None, loss: str = "changed") -> Ladders:
+def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", signal: str = "js") -> Ladders:
     """The ladder arm (the only one, or `arm`) and the target arm of a results file; `loss` (`LOSSES`):
-    what a multiple-choice rung's loss counts."""
+    what a multiple-choice rung's loss counts; `signal` (`SIGNALS`): which recorded signal a policy reads."""
     from .tasks import TASKS
 
     if loss not in LOSSES:
         raise RarecacheError(f"unknown gate loss {loss!r}: {', '.join(LOSSES)}")
+    if signal not in SIGNALS:
+        raise RarecacheError(f"unknown gate signal {signal!r}: {', '.join(SIGNALS)}")
     if not path.is_file():
         raise RarecacheError(f"no results file {path}")
     rows = load_results(path)
@@ -89,10 +92,14 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed") -> L
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
     key = _answer_key(metric)
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
-                  [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]))
+                  [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]),
+                  signal)
+    if any(signal not in g for i in items for g in ladder[i]["ladder"]):
+        raise RarecacheError(f"{path}: {arm} does not record {signal} on every item (it is recorded through maps "
+                             "with a plain-transfer view, by ladders run since it was added): run the ladder again")
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
-        out.js.append([g["js"] for g in rungs])
+        out.js.append([g[signal] for g in rungs])
         out.margin.append([g.get("margin") for g in rungs])
         out.cost.append([g["recomputed"] / ladder[i]["prompt_tokens"] for g in rungs])
         out.value.append([float(g[metric]) for g in rungs])
@@ -161,6 +168,9 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     kinds = {lad.loss_kind for lad in ladders}
     if len(kinds) > 1:
         raise RarecacheError(f"the ladders were read with different losses ({', '.join(sorted(kinds))})")
+    signals = {lad.signal for lad in ladders}
+    if len(signals) > 1:
+        raise RarecacheError(f"the ladders were read with different signals ({', '.join(sorted(signals))})")
     margins = all(lad.margin is not None for lad in ladders)
     groups = {lad.task: (list(zip(lad.js, lad.loss, lad.cost, lad.margin)) if margins
                          else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
@@ -180,7 +190,7 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
                                    **outcome[lad.task], "auc": aucs[lad.task][0], "auc_ci": list(aucs[lad.task][1:])}
                         for lad in ladders},
               "auc_pooled": {"auc": pooled[0], "ci": list(pooled[1:])}}  # every task's (item, rung) pairs together
-    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most)
+    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most, signals.pop())
 
 
 def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
@@ -194,6 +204,9 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     if fitted_maps and fitted_maps != {lad.map_sha256}:
         raise RarecacheError(f"{lad.task}: the policy was fitted through another map than these ladders "
                              f"({', '.join(str(s)[:12] for s in fitted_maps)} vs {str(lad.map_sha256)[:12]})")
+    if lad.signal != policy.signal:
+        raise RarecacheError(f"{lad.task}: the ladders were read for signal {lad.signal}, the policy thresholds "
+                             f"{policy.signal}")
     if lad.selector != policy.selector or tuple(lad.rungs) != policy.rungs:
         raise RarecacheError(f"{lad.task}: the ladder ({lad.selector}, rungs {lad.rungs}) is not the policy's "
                              f"({policy.selector}, rungs {list(policy.rungs)})")
@@ -206,6 +219,9 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
         tm = lad.seconds[k_item]
         fixed = tm.get("map", 0.0) + tm.get("score", 0.0)
         climbed = tm.get("rung_recompute", [])
+        if policy.signal == "js_views":  # the second view: its map, and one more last-position pass per rung
+            fixed += tm.get("views_map", 0.0)
+            climbed = [a + b for a, b in zip(climbed, tm.get("views_rungs", [0.0] * len(climbed)))]
         if k is None:
             fell += 1
             gated.append(lad.target[k_item])
@@ -236,7 +252,7 @@ def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     held = sum(len(t.get("items", [])) for t in policy.fitted.get("tasks", {}).values())
     loss = "accuracy lost" if policy.fitted.get("loss") == "accuracy" else "changed answers"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
-             f"threshold {policy.threshold:.4g} bits{floor} (fitted on {held} held-apart items, "
+             f"{policy.signal} threshold {policy.threshold:.4g} bits{floor} (fitted on {held} held-apart items, "
              f"multiple-choice loss: {loss})",
              "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
              "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]

@@ -252,14 +252,19 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
     lps = continuation_logprobs(target.runner, snaps, firsts, n, conts)
     score_s = time.perf_counter() - t
     v = min(firsts.shape[-1], src.logits.shape[-1])  # (a family shares its tokenizer; vocab rows may be padded)
+    views = "views" in res.handoff.timings
     rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
               "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain, "row_error": r.row_error,
+              **({"js_views": r.js_views} if views else {}),  # (a map with a plain-transfer view only)
               "js_source": js_bits(lg[:v], src.logits[:v]),  # candidate signal: against the source's own next token
               **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp, lg in zip(res.rungs[1:], lps, firsts)]
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings
     phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
               "target_prefill": tgt.seconds, "target_shared_prefix": tgt.shared}
+    if views:  # what the js_views signal costs: mapping the other view, one more last-position pass per rung
+        rung_s = [r.views_seconds for r in res.rungs]
+        phases |= {"views_map": tm["views"] - sum(rung_s), "views_rungs": rung_s}
     return record, {"item": item.id, "arm": arm.name, "phases": phases, "batch_continuations_s": score_s,
                     "batch": len(RUNGS)}
 

@@ -10,7 +10,11 @@ position only) through the map's stored fit, not its plain-transfer view (`Mappe
 the cache every rung builds on by recomputing positions, which the stored fit serves better.
 After each rung the target's next-token distribution at the last position is compared with the
 rung below; their Jensen–Shannon divergence (bits) says whether the answer is
-still moving. The policy accepts the first rung whose divergence is at most its threshold;
+still moving. A map that records a plain-transfer sharpening holds two fits of the same statistics
+(`Mapper.plain`); `signal="js_views"` compares instead the rung's distribution with the same rung's
+when the rows still mapped come from the other fit: where the two views disagree, the answer hangs on
+rows the map is unsure of (an ensemble's disagreement; it costs a second map and one more
+last-position pass per rung). The policy accepts the first rung whose signal is at most its threshold;
 above the top rung the target prefills the handed-off span itself (exact: every row is
 rewritten), reusing the rows it held before the handoff.
 
@@ -44,6 +48,7 @@ from .mapper import Mapper
 
 RUNGS = (0.1, 0.2, 0.3, 0.5)
 POLICY_FORMAT = "rarecache-gate-policy/1"
+SIGNALS = ("js", "js_views")  # what a policy thresholds (GatePolicy.signal; module docstring)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class GatePolicy:
     min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
     max_rungs: int | None = None  # climb at most this many rungs, then fall back (None: all; 0: at once, unmapped)
+    signal: str = "js"  # SIGNALS: the rung-to-rung divergence, or the two views' (needs a map with a plain view)
 
     def __post_init__(self):
         rungs = tuple(self.rungs)
@@ -68,6 +74,8 @@ class GatePolicy:
         m = self.max_rungs
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= len(rungs)):
             raise RarecacheError(f"gate max_rungs must be a whole number from 0 to {len(rungs)} (or null), got {m!r}")
+        if self.signal not in SIGNALS:
+            raise RarecacheError(f"gate signal must be one of {', '.join(SIGNALS)}, got {self.signal!r}")
         object.__setattr__(self, "rungs", rungs)
 
     @property
@@ -103,10 +111,13 @@ class GatePolicy:
         lv = max(ok, key=lambda lv: (lv["max_changed"], lv["max_bpb"]))
         return GatePolicy(self.selector, self.rungs, lv["threshold"], lv.get("min_margin"),
                           {**self.fitted, "bounds": {"max_changed": lv["max_changed"], "max_bpb": lv["max_bpb"]},
-                           "level": lv}, lv.get("max_rungs"))
+                           "level": lv}, lv.get("max_rungs"), self.signal)
 
     def to_json(self) -> str:
-        return json.dumps({"format": POLICY_FORMAT, **asdict(self), "rungs": list(self.rungs)}, indent=1) + "\n"
+        data = {"format": POLICY_FORMAT, **asdict(self), "rungs": list(self.rungs)}
+        if self.signal == "js":  # left out: files (and the gate rules results record) stay as before
+            del data["signal"]
+        return json.dumps(data, indent=1) + "\n"
 
     @classmethod
     def load(cls, path: str | Path) -> GatePolicy:
@@ -118,7 +129,7 @@ class GatePolicy:
             raise RarecacheError(f"{path}: not a readable gate policy ({e})") from None
         if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
             raise RarecacheError(f"{path}: not a gate policy (format {POLICY_FORMAT} expected)")
-        extra = set(data) - {"format", "selector", "rungs", "threshold", "min_margin", "fitted", "max_rungs"}
+        extra = set(data) - {"format", "selector", "rungs", "threshold", "min_margin", "fitted", "max_rungs", "signal"}
         if extra:
             raise RarecacheError(f"{path}: unknown gate policy field(s) {', '.join(sorted(extra))}")
         rungs, sel, fitted = data.get("rungs"), data.get("selector"), data.get("fitted", {})
@@ -126,7 +137,7 @@ class GatePolicy:
                 or not isinstance(sel, str) or not isinstance(fitted, dict)):
             raise RarecacheError(f"{path}: gate policy needs selector (text), rungs (numbers), fitted (object)")
         return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted,
-                   data.get("max_rungs"))
+                   data.get("max_rungs"), data.get("signal", "js"))
 
 
 def gate_rule(policy: GatePolicy) -> dict:
@@ -152,6 +163,13 @@ class Rung:
     entropy: float = 0.0  # bits, of the next-token distribution
     js_plain: float = 0.0  # bits, against plain transfer (rung 0)
     row_error: float = 0.0  # relative squared error of the mapped rows where recomputed so far (recorded ladders only)
+    js_views: float = 0.0  # bits, this rung's last-position distribution against the same with the rows still
+    # mapped taken from the map's other view (its plain-transfer fit); 0 where not measured
+    views_seconds: float = 0.0  # that second last-position pass (and copying the rung's rows into it)
+
+    def signal(self, name: str) -> float:
+        """The value a policy with `signal` name thresholds."""
+        return self.js if name == "js" else self.js_views
 
 
 @dataclass
@@ -222,10 +240,22 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         logits = own_prefill(cache, result.timings)
         return cache, logits, GateResult("fallback", 1.0, "the policy always falls back: the target prefilled "
                                          "the span itself, nothing was mapped", [], result, 1.0, source_prefilled=False)
+    if policy.signal == "js_views" and not mapper.has_plain_view:
+        raise RarecacheError("the gate policy's signal js_views compares the map's two views, and this map has "
+                             "one (no plain-transfer sharpening recorded): serve a map made by `calibrate --preset "
+                             "general` or `refit --plain-sharpen`, or a policy fitted on js")
     cfg = HandoffConfig(policy.rungs[0], policy.selector)
+    source_cache = source_cache if source_cache is not None else source.new_cache(1, n)
     m = map_and_score(source, target, mapper, [ids], cfg, None, source_cache, [source_kept], target_cache,
                       [target_kept], source_attn)
     cache, whole, timings = m.cache, m.whole, m.timings
+    views = None  # the cache with the rows still mapped from the map's other view: a second opinion on them
+    if mapper.has_plain_view and (climb_all or policy.signal == "js_views"):
+        t = _now(target)
+        views = target.new_cache(1, cache.max_len)
+        views.copy_prefix(cache, n)  # (rows the target held before the handoff, too)
+        mapper.plain().apply_scored(source, source_cache, target, views, m.positions, rank=False)
+        views_map_s = _now(target) - t
     t = _now(target)
     w = n - target_kept
     scores = m.scores[0, :w].clone()  # (W,)
@@ -237,7 +267,7 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     err = [0.0, 0.0]  # squared error of the mapped rows recomputed so far, and their squared norm
     measure = climb_all  # row_error is a candidate signal the evaluation records; serving does not pay for it
 
-    def run(new: torch.Tensor) -> tuple[torch.Tensor, float]:  # recompute positions `new` (with the last)
+    def run(new: torch.Tensor) -> tuple[torch.Tensor, float, float, float]:  # recompute `new` (with the last)
         fresh = new  # (the last position's mapped row is measured once, at rung 0)
         mapped = [c[:, 0, :, fresh].double() for c in (cache.k, cache.v)] if measure else []  # (L, H, m, D)
         t = _now(target)
@@ -249,50 +279,61 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
             exact = c[:, 0, :, fresh].double()
             err[0] += (exact - before).pow(2).sum().item()
             err[1] += exact.pow(2).sum().item()
-        return lg, secs
+        if views is None:
+            return lg, secs, 0.0, 0.0
+        t = _now(target)  # the same rung with the rows still mapped from the other view: the last position again
+        for mine, other in ((cache.k, views.k), (cache.v, views.v)):
+            other[:, 0, :, new] = mine[:, 0, :, new]  # (L, Hkv, m, D): the rows this rung recomputed
+        last_tok, last_pos = subset(whole, [order[:1]])
+        other_lg = target.forward(last_tok, last_pos, views).logits[0]
+        return lg, secs, js_bits(lg, other_lg), _now(target) - t
 
     def row_error() -> float:
         return err[0] / err[1] if err[1] > 0 else 0.0
 
-    prev, plain_s = run(order[:1])  # rung 0: plain transfer
+    prev, plain_s, plain_views, plain_views_s = run(order[:1])  # rung 0: plain transfer
     plain = prev
     rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s, *_confidence(prev), 0.0,
-                  row_error())]
+                  row_error(), plain_views, plain_views_s)]
     per_rung, done, accepted = [], 1, None
     for k, rho in enumerate(policy.rungs):
         if not climb_all and policy.max_rungs is not None and k >= policy.max_rungs:
             break  # the policy falls back here rather than climb further
         want = budget(rho, w)
-        lg, secs = run(order[done:want])
+        lg, secs, js_views, views_s = run(order[done:want])
         top = order[:want] - target_kept
         rung = Rung(rho, want, js_bits(lg, prev), bool(lg.argmax() == prev.argmax()), _outside(scores, top), secs,
-                    *_confidence(lg), js_bits(lg, plain), row_error())
+                    *_confidence(lg), js_bits(lg, plain), row_error(), js_views, views_s)
         rungs.append(rung)
         done, prev = want, lg
         if snapshots is not None:
             snapshots.row(k).copy_prefix(cache, n)
         per_rung.append(lg)
-        if accepted is None and _accepts(policy.threshold, policy.min_margin, rung.js, rung.margin):
+        if accepted is None and _accepts(policy.threshold, policy.min_margin, rung.signal(policy.signal), rung.margin):
             accepted = k
             if not climb_all:
                 break
     chosen = order[:done].sort().values.tolist()
     timings["recompute"] = sum(r.seconds for r in rungs)
+    if views is not None:
+        timings["views"] = views_map_s + sum(r.views_seconds for r in rungs)  # mapping the other view, last passes
     result = HandoffResult([chosen], [scores.cpu()], [(target_kept, n)], timings=timings)
     if climb_all:
         return cache, torch.stack(per_rung), GateResult("ladder", policy.rungs[-1], "climbed every rung", rungs,
                                                         result, done / w)
     if accepted is not None:
         r = rungs[accepted + 1]
-        why = f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}" + (
+        why = (f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}" if policy.signal == "js"
+               else f"js_views {r.js_views:.4g} <= {policy.threshold:.4g} bits (the map's two views agree)") + (
             f", margin {r.margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
         return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
     logits = own_prefill(cache, timings)
     climbed = "" if policy.max_rungs is None or policy.max_rungs >= len(policy.rungs) else (
         f" in the first {policy.max_rungs}")
-    why = f"no rung{climbed} had js <= {policy.threshold:.4g} bits" + (
+    sig = policy.signal
+    why = f"no rung{climbed} had {sig} <= {policy.threshold:.4g} bits" + (
         f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "") + (
-        f" (last: js {rungs[-1].js:.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
+        f" (last: {sig} {rungs[-1].signal(sig):.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
     result.positions = [list(range(target_kept, n))]
     return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
 
