@@ -17,9 +17,9 @@ import numpy as np
 from rarecache.eval.gate import _answer_key, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
-FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin"]
+FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views"]
 NEGATED = {"margin", "choice_margin"}  # a wide margin means a settled answer
-LOGGED = {"js", "js_plain", "row_error", "js_source"}  # those the ladders record are read
+LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views"}  # those the ladders record are read
 
 
 def ladders(path: str, arm: str | None):
@@ -35,7 +35,8 @@ def ladders(path: str, arm: str | None):
             if len(rung.get("logprobs", ())) >= 2:
                 top = sorted(rung["logprobs"], reverse=True)
                 rung["choice_margin"] = top[0] - top[1]
-    # those every rung of every record has (row_error, js_source: ladders from 2026-12-03 on)
+    # those every rung of every record has (row_error, js_source: ladders from 2026-12-03 on; js_views: from
+    # 2026-12-04, through maps with two views)
     FEATURES[:] = [f for f in FEATURES if all(f in g for r in lads for g in r["ladder"])]
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
              [rung[key] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
