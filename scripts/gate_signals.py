@@ -14,17 +14,17 @@ import sys
 
 import numpy as np
 
-from rarecache.eval.gate import _answer_key, auc, auc_ci
+from rarecache.eval.gate import answer_key, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
-FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views"]
+FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views", "answer_views"]
 NEGATED = {"margin", "choice_margin"}  # a wide margin means a settled answer
-LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views"}  # those the ladders record are read
+LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views", "answer_views"}  # those the ladders record are read
 
 
 def ladders(path: str, arm: str | None):
     rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
-    key = _answer_key(TASKS[rows[0]["task"]].metric)  # the answer the task scores (acc_norm: prediction_norm)
+    key = answer_key(TASKS[rows[0]["task"]].metric)  # the answer the task scores (acc_norm: prediction_norm)
     target = {r["item"]: r[key] for r in rows if r["arm"] == "target"}
     lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
             and r["item"] in target]

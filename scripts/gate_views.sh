@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The gate's second signal, js_views (RESULTS.md 9), on held-apart items 300-349 of every task: ladders through
+# The gate's two-view signals, js_views and answer_views (RESULTS.md 9), on held-apart items 300-349 of every task: ladders through
 # the served file (it holds both views: handoffs through its ridge fit, plain transfer through its sharpened one).
 # Resumable like general.sh; run beside it from a frozen copy:
 #   nohup bash scripts/frozen.sh scripts/gate_views.sh >> ~/.cache/rarecache/runs/views.log 2>&1 &

@@ -728,3 +728,54 @@ def test_gate_fit_and_report_on_js_views(models, tmp_path):
     with pytest.raises(RarecacheError, match="does not record js_views"):
         read_ladders(plain, signal="js_views")
     assert main(["eval", "gate", "fit", str(plain), "--signal", "js_views", "--out", str(pol)]) == 2
+
+
+def test_answer_views_scores_the_answer_under_both_views(models, tmp_path):
+    """The candidate signal answer_views, the long way: each rung's answer scored again over a cache whose rows
+    still mapped come from the map's other view (suffix: rung k recomputed the newest budget(ρ, n) positions)."""
+    from rarecache.eval.results import load_results
+    from rarecache.eval.run import answer_shift
+    from rarecache.eval.scoring import continuation_logprobs
+    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.handoff import subset
+
+    from .test_eval import ToyChoice
+
+    source, target, mapper = models
+    two = with_plain(mapper, (1.0, 0.5))
+    ev = _ladder_run((source, target, two), tmp_path, slice(0, 2), "ev.jsonl", sel="suffix")
+    rows = {(r["item"], r["arm"]): r for r in load_results(ev)}
+    task = ToyChoice()
+    for item in task.items()[0:2]:
+        ids = source.encode(item.prompt)
+        n = len(ids)
+        conts = [source.tokenizer.encode(c, add_special_tokens=False) for c in item.continuations]
+        lad = rows[(item.id, "ladder/suffix")]["ladder"]
+        src_cache, _ = source.runner.prefill([ids])
+        snaps = target.runner.new_cache(4, n)
+        gated_handoff(source.runner, target.runner, two, ids, GatePolicy("suffix", (0.1, 0.2, 0.3, 0.5), NEVER),
+                      climb_all=True, snapshots=snaps)
+        for k, g in enumerate(lad):
+            other = target.runner.new_cache(1, n)
+            two.plain().apply(source.runner, src_cache, target.runner, other, torch.arange(n)[None])
+            new = list(range(n - budget(g["rho"], n), n))
+            other.k[:, 0, :, new] = snaps.k[:, k, :, new]
+            other.v[:, 0, :, new] = snaps.v[:, k, :, new]
+            last = target.runner.forward(*subset(torch.tensor([ids]), [torch.tensor([n - 1])]), other).logits
+            lp = continuation_logprobs(target.runner, other, last, n, conts)[0]
+            b = task.score_likelihood(item, [sum(x) for x in lp])
+            assert g["answer_views"] == pytest.approx(answer_shift(task.metric, g, b), abs=1e-4)
+    assert any(g["answer_views"] > 0 for r in rows.values() if r["arm"] == "ladder/suffix" for g in r["ladder"])
+
+
+def test_answer_shift():
+    from rarecache.eval.run import answer_shift
+
+    assert answer_shift("bpb", {"bpb": 0.5}, {"bpb": 0.75}) == 0.25
+    a = {"logprobs": [0.0, -1.0], "prediction": 0, "prediction_norm": 1}
+    same = {"logprobs": [0.0, -1.0], "prediction": 0, "prediction_norm": 1}
+    moved = {"logprobs": [-1.0, 0.0], "prediction": 1, "prediction_norm": 1}
+    assert answer_shift("correct", a, same) == 0
+    tv = abs(1 / (1 + math.exp(-1)) - 1 / (1 + math.exp(1)))
+    assert answer_shift("correct", a, moved) == pytest.approx(tv + 1)
+    assert answer_shift("correct_norm", a, moved) == pytest.approx(tv)  # the normalised answer did not move

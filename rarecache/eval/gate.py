@@ -58,7 +58,7 @@ class Ladders:
     # target_prefill
 
 
-def _answer_key(metric: str) -> str:
+def answer_key(metric: str) -> str:
     return "prediction_norm" if metric == "correct_norm" else "prediction"
 
 
@@ -90,7 +90,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
     items = [i for i in ladder if i in target]
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
-    key = _answer_key(metric)
+    key = answer_key(metric)
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
                   [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]),
                   signal)

@@ -36,6 +36,7 @@ from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..transfer.gate import RUNGS, GatePolicy, gated_handoff, js_bits
+from .gate import answer_key
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
@@ -236,6 +237,18 @@ def _likelihood_item(task: Task, item: Item, arms: list[Arm], st: _ItemState, co
     return [results[a.name] for a in arms]
 
 
+def answer_shift(metric: str, a: dict, b: dict) -> float:
+    """How far an answer moves between two scorings of the same item (`answer_views`: the rung's cache against
+    the same with the rows still mapped from the map's other view). Bits per byte: the absolute difference.
+    Multiple choice: the total variation between the choices' softmax distributions, plus 1 when the
+    scored answer differs (so a changed answer ranks above any agreeing pair)."""
+    if metric == "bpb":
+        return abs(a["bpb"] - b["bpb"])
+    pa, pb = (torch.tensor(x["logprobs"], dtype=torch.float64).softmax(-1) for x in (a, b))
+    key = answer_key(metric)
+    return 0.5 * (pa - pb).abs().sum().item() + float(a[key] != b[key])
+
+
 def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[int]], source: LLM, target: LLM,
             mapper: Mapper) -> tuple[dict, dict]:
     """The gate's ladder for one item: every rung climbed from the source's own prefill, each rung's
@@ -245,26 +258,33 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
     src, _ = st.prefill("source", source.runner)
     tgt, _ = st.prefill("target", target.runner)
     snaps = target.runner.new_cache(len(RUNGS), n)
+    view_snaps = target.runner.new_cache(len(RUNGS), n) if mapper.has_plain_view else None
     _, firsts, res = gated_handoff(source.runner, target.runner, mapper, st.ids, GatePolicy(arm.method, RUNGS, -1.0),
                                    source_cache=src.cache, source_kept=n, source_attn=src.attn, climb_all=True,
-                                   snapshots=snaps)
+                                   snapshots=snaps, view_snapshots=view_snaps)
     t = time.perf_counter()
     lps = continuation_logprobs(target.runner, snaps, firsts, n, conts)
     score_s = time.perf_counter() - t
+    answers = [task.score_likelihood(item, [sum(x) for x in lp]) for lp in lps]
+    views = res.views_logits is not None
+    if views:  # the answers under the other view too: how far they move (candidate signal `answer_views`)
+        t = time.perf_counter()
+        other = [task.score_likelihood(item, [sum(x) for x in lp])
+                 for lp in continuation_logprobs(target.runner, view_snaps, res.views_logits, n, conts)]
+        views_answer_s = time.perf_counter() - t
     v = min(firsts.shape[-1], src.logits.shape[-1])  # (a family shares its tokenizer; vocab rows may be padded)
-    views = "views" in res.handoff.timings
     rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
               "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain, "row_error": r.row_error,
-              **({"js_views": r.js_views} if views else {}),  # (a map with a plain-transfer view only)
+              **({"js_views": r.js_views, "answer_views": answer_shift(task.metric, a, other[k])} if views else {}),
               "js_source": js_bits(lg[:v], src.logits[:v]),  # candidate signal: against the source's own next token
-              **task.score_likelihood(item, [sum(x) for x in lp])} for r, lp, lg in zip(res.rungs[1:], lps, firsts)]
+              **a} for k, (r, a, lg) in enumerate(zip(res.rungs[1:], answers, firsts))]
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings
     phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
               "target_prefill": tgt.seconds, "target_shared_prefix": tgt.shared}
     if views:  # what the js_views signal costs: mapping the other view, one more last-position pass per rung
         rung_s = [r.views_seconds for r in res.rungs]
-        phases |= {"views_map": tm["views"] - sum(rung_s), "views_rungs": rung_s}
+        phases |= {"views_map": tm["views"] - sum(rung_s), "views_rungs": rung_s, "views_answer": views_answer_s}
     return record, {"item": item.id, "arm": arm.name, "phases": phases, "batch_continuations_s": score_s,
                     "batch": len(RUNGS)}
 

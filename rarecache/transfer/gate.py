@@ -181,6 +181,8 @@ class GateResult:
     handoff: HandoffResult  # positions recomputed by the rungs, scores, phase timings
     recomputed_share: float  # of the handed-off span, 1.0 on fallback
     source_prefilled: bool = True  # the source read the prompt (False: a policy that decided before the handoff)
+    views_logits: torch.Tensor | None = None  # (R, V): the other view's last-position logits per rung
+    # (climb_all with view_snapshots only)
 
     def record(self) -> dict:
         """JSON-ready: what the response's `rarecache` object and result files show."""
@@ -217,13 +219,16 @@ def _outside(scores: torch.Tensor, chosen: torch.Tensor) -> float:
 def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int], policy: GatePolicy,
                   source_cache: KVCache | None = None, source_kept: int = 0, target_cache: KVCache | None = None,
                   target_kept: int = 0, source_attn: torch.Tensor | None = None, climb_all: bool = False,
-                  snapshots: KVCache | None = None) -> tuple[KVCache, torch.Tensor, GateResult]:
+                  snapshots: KVCache | None = None, view_snapshots: KVCache | None = None
+                  ) -> tuple[KVCache, torch.Tensor, GateResult]:
     """Hand one prompt from source to target through the ladder of `policy`.
 
     Arguments as `handoff` for a batch of one. Returns the target cache, its logits at the last
     position (1, V) and the record. `climb_all` (evaluation) climbs every rung whatever the policy
     decides and never falls back; `snapshots`, a cache with one row per rung, then receives each
-    rung's cache, and the logits returned are per rung (R, V).
+    rung's cache, and the logits returned are per rung (R, V); `view_snapshots` (a map with two views)
+    receives each rung's cache with the rows still mapped from the other view, whose last-position logits
+    the record's `views_logits` holds (the evaluation scores answers under both: a candidate signal).
     """
     n = len(ids)
 
@@ -286,11 +291,14 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
             other[:, 0, :, new] = mine[:, 0, :, new]  # (L, Hkv, m, D): the rows this rung recomputed
         last_tok, last_pos = subset(whole, [order[:1]])
         other_lg = target.forward(last_tok, last_pos, views).logits[0]
-        return lg, secs, js_bits(lg, other_lg), _now(target) - t
+        secs_views = _now(target) - t
+        other_logits.append(other_lg)
+        return lg, secs, js_bits(lg, other_lg), secs_views
 
     def row_error() -> float:
         return err[0] / err[1] if err[1] > 0 else 0.0
 
+    other_logits: list[torch.Tensor] = []  # the other view's last-position logits, rung 0 first
     prev, plain_s, plain_views, plain_views_s = run(order[:1])  # rung 0: plain transfer
     plain = prev
     rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, order[:1] - target_kept), plain_s, *_confidence(prev), 0.0,
@@ -308,6 +316,8 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         done, prev = want, lg
         if snapshots is not None:
             snapshots.row(k).copy_prefix(cache, n)
+        if view_snapshots is not None and views is not None:
+            view_snapshots.row(k).copy_prefix(views, n)
         per_rung.append(lg)
         if accepted is None and _accepts(policy.threshold, policy.min_margin, rung.signal(policy.signal), rung.margin):
             accepted = k
@@ -319,8 +329,9 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         timings["views"] = views_map_s + sum(r.views_seconds for r in rungs)  # mapping the other view, last passes
     result = HandoffResult([chosen], [scores.cpu()], [(target_kept, n)], timings=timings)
     if climb_all:
-        return cache, torch.stack(per_rung), GateResult("ladder", policy.rungs[-1], "climbed every rung", rungs,
-                                                        result, done / w)
+        return cache, torch.stack(per_rung), GateResult(
+            "ladder", policy.rungs[-1], "climbed every rung", rungs, result, done / w,
+            views_logits=torch.stack(other_logits[1:]) if views is not None else None)
     if accepted is not None:
         r = rungs[accepted + 1]
         why = (f"js {r.js:.4g} <= {policy.threshold:.4g} bits against rho={rungs[accepted].rho:g}" if policy.signal == "js"
