@@ -1,7 +1,8 @@
 """How well each feature a ladder records separates a changed answer (the rung's prediction differs
-from the target's), as ROC AUC over (item, rung) pairs with a bootstrap CI over items, plus a
-logistic model of all of them cross-validated over items. Exploration of which signal the gate
-should read (docs/RESULTS.md 9); multiple-choice results files only.
+from the target's; for bits per byte, the rung's bpb moved more than eval.gate.CHANGED_BPB from the
+target's, as `eval gate` counts it), as ROC AUC over (item, rung) pairs with a bootstrap CI over items,
+plus a logistic model of all of them cross-validated over items. Exploration of which signal the gate
+should read (docs/RESULTS.md 9).
 
     python scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM]
 """
@@ -14,7 +15,7 @@ import sys
 
 import numpy as np
 
-from rarecache.eval.gate import answer_key, auc, auc_ci
+from rarecache.eval.gate import CHANGED_BPB, answer_key, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
 FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views", "answer_views"]
@@ -24,8 +25,10 @@ LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views", "answer_views"
 
 def ladders(path: str, arm: str | None):
     rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
-    key = answer_key(TASKS[rows[0]["task"]].metric)  # the answer the task scores (acc_norm: prediction_norm)
+    bpb = TASKS[rows[0]["task"]].metric == "bpb"
+    key = "bpb" if bpb else answer_key(TASKS[rows[0]["task"]].metric)  # the scored answer (acc_norm: prediction_norm)
     target = {r["item"]: r[key] for r in rows if r["arm"] == "target"}
+    changed = (lambda a, t: abs(a - t) > CHANGED_BPB) if bpb else (lambda a, t: a != t)
     lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
             and r["item"] in target]
     if len({r["arm"] for r in lads}) != 1:
@@ -39,7 +42,7 @@ def ladders(path: str, arm: str | None):
     # 2026-12-04, through maps with two views)
     FEATURES[:] = [f for f in FEATURES if all(f in g for r in lads for g in r["ladder"])]
     return [([[rung[f] for f in FEATURES] + [rung["rho"]] for rung in r["ladder"]],
-             [rung[key] != target[r["item"]] for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
+             [changed(rung[key], target[r["item"]]) for rung in r["ladder"]]) for r in lads], lads[0]["arm"]
 
 
 def logistic_cv(per_item, folds: int = 5, lam: float = 1.0, seed: int = 0) -> float:
