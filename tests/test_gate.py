@@ -601,12 +601,24 @@ def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
 
 # -- the two views' signal (js_views) --------------------------------------------------------
 
+def _other_view_rung(two, source, target, src_cache, snaps, k: int, n: int, rho: float, ids: list[int]):
+    """The long way to rung k's cache with the rows still mapped from the map's other view: every row mapped
+    through `two.plain()`, then the rows a suffix ladder's rung k recomputed (the newest budget(ρ, n)) copied
+    from its snapshot. Returns that cache and its last-position logits (1, V)."""
+    from rarecache.transfer.handoff import subset
+
+    other = target.new_cache(1, n)
+    two.plain().apply(source, src_cache, target, other, torch.arange(n)[None])
+    new = list(range(n - budget(rho, n), n))
+    other.k[:, 0, :, new] = snaps.k[:, k, :, new]
+    other.v[:, 0, :, new] = snaps.v[:, k, :, new]
+    return other, target.forward(*subset(torch.tensor([ids]), [torch.tensor([n - 1])]), other).logits
+
 def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
     """js_views, the long way: rung k's logits against the last position run over a cache whose rows still
     mapped come from the map's plain-transfer view and whose recomputed rows are rung k's (suffix: rung k
     recomputes the newest budget(ρ, n) positions). Rung 0 compares plain transfer through the two fits."""
     from rarecache.transfer.calibrate import with_plain
-    from rarecache.transfer.handoff import subset
 
     source, target, mapper, prompts = fitted
     two = with_plain(mapper, (1.0, 0.5))
@@ -620,15 +632,9 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
     assert all(r.js_views > 0 and r.views_seconds > 0 for r in rec.rungs)
     assert rec.handoff.timings["views"] >= sum(r.views_seconds for r in rec.rungs)
     src_cache, _ = source.prefill([ids])
-    whole = torch.tensor([ids])
     for k, rho in enumerate(rungs):
-        other = target.new_cache(1, n)
-        two.plain().apply(source, src_cache, target, other, torch.arange(n)[None])
-        new = list(range(n - budget(rho, n), n))
-        other.k[:, 0, :, new] = snaps.k[:, k, :, new]
-        other.v[:, 0, :, new] = snaps.v[:, k, :, new]
-        logits = target.forward(*subset(whole, [torch.tensor([n - 1])]), other).logits[0]
-        assert rec.rungs[k + 1].js_views == pytest.approx(js_bits(per_rung[k], logits), rel=1e-3, abs=1e-7)
+        _, logits = _other_view_rung(two, source, target, src_cache, snaps, k, n, rho, ids)
+        assert rec.rungs[k + 1].js_views == pytest.approx(js_bits(per_rung[k], logits[0]), rel=1e-3, abs=1e-7)
     _, ridge_plain, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0))
     _, sharp_plain, _ = handoff(source, target, two, [ids], HandoffConfig(0.0))
     assert rec.rungs[0].js_views == pytest.approx(js_bits(ridge_plain[0], sharp_plain[0]), rel=1e-3, abs=1e-7)
@@ -737,7 +743,6 @@ def test_answer_views_scores_the_answer_under_both_views(models, tmp_path):
     from rarecache.eval.run import answer_shift
     from rarecache.eval.scoring import continuation_logprobs
     from rarecache.transfer.calibrate import with_plain
-    from rarecache.transfer.handoff import subset
 
     from .test_eval import ToyChoice
 
@@ -756,12 +761,7 @@ def test_answer_views_scores_the_answer_under_both_views(models, tmp_path):
         gated_handoff(source.runner, target.runner, two, ids, GatePolicy("suffix", (0.1, 0.2, 0.3, 0.5), NEVER),
                       climb_all=True, snapshots=snaps)
         for k, g in enumerate(lad):
-            other = target.runner.new_cache(1, n)
-            two.plain().apply(source.runner, src_cache, target.runner, other, torch.arange(n)[None])
-            new = list(range(n - budget(g["rho"], n), n))
-            other.k[:, 0, :, new] = snaps.k[:, k, :, new]
-            other.v[:, 0, :, new] = snaps.v[:, k, :, new]
-            last = target.runner.forward(*subset(torch.tensor([ids]), [torch.tensor([n - 1])]), other).logits
+            other, last = _other_view_rung(two, source.runner, target.runner, src_cache, snaps, k, n, g["rho"], ids)
             lp = continuation_logprobs(target.runner, other, last, n, conts)[0]
             b = task.score_likelihood(item, [sum(x) for x in lp])
             assert g["answer_views"] == pytest.approx(answer_shift(task.metric, g, b), abs=1e-4)

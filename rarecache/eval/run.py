@@ -36,11 +36,11 @@ from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..transfer.gate import RUNGS, GatePolicy, gated_handoff, js_bits
-from .gate import answer_key
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
 from .arms import Arm
+from .gate import answer_key
 from .results import check_meta, read_done
 from .scoring import common_prefix, continuation_logprobs, template_mask
 from .tasks.base import Item, Task
