@@ -232,3 +232,31 @@ def test_summary_keeps_earlier_cells_of_the_same_setup():
     assert [(c["T"], c["rho"]) for c in other["rows"]] == [(4096, 0.1)]
     broken = summary([cell(4096, 0.1, 0.8)], {**head, "rows": [{"T": 1}]}, **head)  # a malformed cell is dropped
     assert [(c["T"], c["rho"]) for c in broken["rows"]] == [(4096, 0.1)]
+
+
+def test_bench_handoff_times_the_selector_it_names_and_refuses_bad_ones(fitted, pair_dir, tmp_path, capsys,
+                                                                          monkeypatch):
+    """--selector reaches the handoff it times (the recorded header says which), and a wrong selector or a GPU
+    this machine lacks is a clear error, not a traceback."""
+    import rarecache.bench.handoff as bench_handoff
+    from rarecache.cli import main
+
+    _, _, mapper, _ = fitted
+    mapper.save(tmp_path / "m.safetensors")
+    pair = ["--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"),
+            "--map", str(tmp_path / "m.safetensors")]
+    seen = []
+    real = bench_handoff.handoff
+    monkeypatch.setattr(bench_handoff, "handoff", lambda *a, **kw: seen.append(a[4].selector) or real(*a, **kw))
+    out = tmp_path / "summary.json"
+    assert main(["bench", "handoff", *pair, "--lengths", "24", "--rhos", "0.3", "--batches", "1", "--repeats", "1",
+                 "--dtype", "float32", "--selector", "suffix", "--summary", str(out)]) == 0
+    assert seen and set(seen) == {"suffix"}
+    assert json.loads(out.read_text())["selector"] == "suffix"
+    capsys.readouterr()
+    assert main(["bench", "handoff", *pair, "--selector", "newest", "--no-summary"]) == 2
+    assert "unknown selector 'newest'" in capsys.readouterr().err
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    for bench in ("handoff", "ablate"):
+        assert main(["bench", bench, *pair, "--device", "cuda"]) == 2
+        assert "no CUDA GPU" in capsys.readouterr().err

@@ -25,20 +25,23 @@ import time
 
 import torch
 
-from ..engine.attention import attend, attend_reference
+from ..engine.attention import attend, attend_reference, attend_sparse
 from ..engine.runner import Runner, pack_float32
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset
 from ..transfer.mapper import SIDES, Mapper
 from ..transfer.selectors import rank_scores
+from .handoff import synchronize
 
 
-def _median(fn, repeats: int) -> float:
+def median_time(fn, repeats: int, device: torch.device) -> float:
+    """Median wall-clock seconds of `fn` over `repeats` after one warm-up, the device's queue drained each time."""
     times = []
     for i in range(repeats + 1):
         t = time.perf_counter()
         fn()
+        synchronize(device)
         if i:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -60,7 +63,7 @@ def map_unshared(source: Runner, source_cache, target: Runner, cache, positions,
                     x = source.rope.strip(x, positions)
                 blocks.append(x.transpose(1, 2).flatten(2))  # (1, T, Hkv·D)
             x = torch.cat(blocks, -1).to(dtype)
-            ys.append(x @ f.weight[l].to(dtype) + f.bias[l].to(dtype))
+            ys.append(x @ f.weight[l].to(x.device, dtype) + f.bias[l].to(x.device, dtype))
         out[side] = torch.stack(ys)  # (Lt, 1, T, dt)
     write_rows(target, cache, positions, out["k"], out["v"])
 
@@ -70,8 +73,8 @@ def map_rows_flat(mapper: Mapper, side: str, x: torch.Tensor) -> torch.Tensor:
     (the previous implementation). x (B, T, Ls·ds) -> ŷ (Lt, B, T, dt)."""
     f = mapper.sides[side]
     width = f.weight.shape[1] // mapper.info.k
-    index = (f.sources[..., None] * width + torch.arange(width)).flatten(1)  # (Lt, K·ds)
-    w, b = f.weight.to(x.dtype), f.bias.to(x.dtype)
+    index = (f.sources[..., None] * width + torch.arange(width)).flatten(1).to(x.device)  # (Lt, K·ds)
+    w, b = f.weight.to(x.device, x.dtype), f.bias.to(x.device, x.dtype)
     return torch.stack([x[..., index[l]] @ w[l] + b[l] for l in range(w.shape[0])])
 
 
@@ -83,10 +86,14 @@ def _row(name: str, before: float, after: float) -> dict:
 def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int,
            pack: bool = False) -> list[dict]:
     """Every row, in the order printed. `pack`: also time float32 packing (packs `target` in place)."""
+
+    def _median(fn, n: int) -> float:
+        return median_time(fn, n, target.device)
+
     g = torch.Generator().manual_seed(0)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
-    prompt = torch.randint(0, vocab, (1, T), generator=g)
-    pos = torch.arange(T)[None]
+    prompt = torch.randint(0, vocab, (1, T), generator=g).to(target.device)
+    pos = torch.arange(T, device=target.device)[None]
     src_cache, _ = source.prefill(prompt.tolist())
     res = []
 
@@ -120,12 +127,14 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
         res += packing_rows(target, None, "float32")
 
     fast = _median(recompute, repeats)
-    target.attention = attend_reference
+    other = attend_reference if target.device.type == "cpu" else attend_sparse  # what `attend` chose against
+    target.attention = other
     try:
-        dense = _median(recompute, repeats)
+        before = _median(recompute, repeats)
     finally:
         target.attention = attend
-    res.append(_row("sparse-causal recompute attention", dense, fast))
+    res.append(_row("sparse-causal recompute attention" if target.device.type == "cpu" else
+                    "recompute attention: one dense-mask kernel instead of query blocks (GPU)", before, fast))
     res.append(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
 
     if target.packed and target.path is not None and target.dtype != torch.float32:  # a plain copy to compare

@@ -81,7 +81,7 @@ class Cell:
 
 @torch.inference_mode()
 def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,
-              repeats: int, seed: int = 0) -> Cell:
+              repeats: int, seed: int = 0, selector: str = "rank") -> Cell:
     g = torch.Generator().manual_seed(seed)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     prompts = torch.randint(0, vocab, (batch, T), generator=g).tolist()
@@ -89,7 +89,7 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
     cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []}, {})
-    cfg = HandoffConfig(rho=rho, selector="rank")
+    cfg = HandoffConfig(rho=rho, selector=selector)
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
         mapper.tensors(side, mapper.dtype_for(target), target.device)
     target.forward(tokens[:, :1], pos[:, :1], target.new_cache(batch, 1))  # every weight paged in before measuring
@@ -97,12 +97,12 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
         with (nullcontext(Peak()) if i else measure(target.device)) as pre_mem:
             t = time.perf_counter()
             target.forward(tokens, pos, target.new_cache(batch, T))
-            _sync(target)
+            synchronize(target.device)
             prefill = time.perf_counter() - t
         with (nullcontext(Peak()) if i else measure(target.device)) as hand_mem:
             _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache,
                                 source_kept=[T] * batch)
-            _sync(target)
+            synchronize(target.device)
         if not i:
             sizes = footprint(source, target, mapper, T, batch)
             held = sizes["source_cache_mib"] + sizes["map_mib"]
@@ -145,6 +145,7 @@ def read_summary(path: Path) -> dict | None:
     return got if isinstance(got, dict) else None
 
 
-def _sync(runner: Runner) -> None:
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize()
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so a wall-clock interval covers them (a no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -56,17 +56,14 @@ def _add_handoff(bench) -> None:
                          description="Time map, score and recompute against the target's own prefill of the same "
                                      "prompts in the same run, for every length x batch x rho; print a table, then "
                                      "one JSON line.")
-    add_pair_options(b, required=False)
-    b.add_argument("--shapes", default=None,
-                   help="random weights at real shapes instead: qwen3-0.6b:qwen3-14b or llama-3.1-8b:llama-3.3-70b "
-                        "(needs a GPU's memory at full depth)")
-    b.add_argument("--max-layers", type=int, default=None, help="with --shapes: cut both models to N layers")
-    b.add_argument("--rank", type=int, default=128, help="with --shapes: probe rank (default: 128)")
+    add_bench_pair_options(b)
     b.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
     b.add_argument("--rhos", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    b.add_argument("--selector", default="rank",
+                   help="which positions the target recomputes (default: rank, the seed paper's; suffix scores "
+                        "nothing)")
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--device", default="cpu")
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     b.add_argument("--summary", type=Path, default=SUMMARY,
                    help=f"write the per-cell summary (share of the sparse ceiling, map + score share, peak memory) "
@@ -75,6 +72,41 @@ def _add_handoff(bench) -> None:
     add_pack_option(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_handoff)
+
+
+def add_bench_pair_options(b) -> None:
+    """The pair a bench times: a real one (--source/--target/--map) or random weights at real shapes."""
+    add_pair_options(b, required=False)
+    b.add_argument("--shapes", default=None,
+                   help="random weights at real shapes instead: qwen3-0.6b:qwen3-14b or llama-3.1-8b:llama-3.3-70b "
+                        "(needs a GPU's memory at full depth)")
+    b.add_argument("--max-layers", type=int, default=None, help="with --shapes: cut both models to N layers")
+    b.add_argument("--rank", type=int, default=128, help="with --shapes: probe rank (default: 128)")
+    b.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def bench_pair(args):
+    """(source, target, mapper, a name for the pair) from add_bench_pair_options' flags."""
+    import torch
+
+    from ..engine.llm import DTYPES
+
+    if args.device.split(":")[0] == "cuda" and not torch.cuda.is_available():
+        raise RarecacheError(f"--device {args.device}: this machine has no CUDA GPU")
+    if args.shapes:
+        from ..bench.shapes import random_mapper, random_runner
+
+        names = args.shapes.split(":")
+        if len(names) != 2:
+            raise RarecacheError("--shapes takes SOURCE:TARGET, e.g. qwen3-0.6b:qwen3-14b")
+        source, target = (random_runner(n, DTYPES[args.dtype], args.device, args.max_layers) for n in names)
+        mapper = with_map_dtype(random_mapper(source, target, rank=args.rank), args)
+        return source, target, mapper, (f"{args.shapes} (random weights"
+                                        f"{f', {args.max_layers} layers' if args.max_layers else ''})")
+    if not (args.source and args.target and args.map):
+        raise RarecacheError("give --source, --target and --map, or --shapes SOURCE:TARGET")
+    source, target, mapper, _ = load_pair(args)
+    return source, target, mapper, f"{source.path.name} -> {target.path.name}"
 
 
 def add_pack_option(b) -> None:
@@ -90,20 +122,11 @@ def cmd_bench_handoff(args) -> int:
     from ..bench.memory import formula, memory_kind
     from ..engine.llm import DTYPES
 
-    if args.shapes:
-        from ..bench.shapes import random_mapper, random_runner
+    from ..transfer.selectors import SELECTORS
 
-        names = args.shapes.split(":")
-        if len(names) != 2:
-            raise RarecacheError("--shapes takes SOURCE:TARGET, e.g. qwen3-0.6b:qwen3-14b")
-        source, target = (random_runner(n, DTYPES[args.dtype], args.device, args.max_layers) for n in names)
-        mapper = with_map_dtype(random_mapper(source, target, rank=args.rank), args)
-        pair = f"{args.shapes} (random weights{f', {args.max_layers} layers' if args.max_layers else ''})"
-    else:
-        if not (args.source and args.target and args.map):
-            raise RarecacheError("give --source, --target and --map, or --shapes SOURCE:TARGET")
-        source, target, mapper, _ = load_pair(args)
-        pair = f"{source.path.name} -> {target.path.name}"
+    if args.selector not in SELECTORS:
+        raise RarecacheError(f"unknown selector {args.selector!r}; known: {', '.join(SELECTORS)}")
+    source, target, mapper, pair = bench_pair(args)
     if args.pack:
         _pack(target)
     torch.manual_seed(0)
@@ -111,8 +134,9 @@ def cmd_bench_handoff(args) -> int:
     map_dtype = str(mapper.dtype_for(target)).removeprefix("torch.")
     cpu = torch.backends.cpu.get_cpu_capability() if args.device == "cpu" else None  # which kernels ran
     print(f"handoff vs target prefill: {pair}, {args.dtype}{', packed' if target.packed else ''}, map in {map_dtype}, "
-          f"{args.device}{f' ({cpu})' if cpu else ''}, threads {threads}, median of {args.repeats} after a warm-up; "
-          f"source prefill not counted; the rank score runs inside the map phase")
+          f"{args.device}{f' ({cpu})' if cpu else ''}, threads {threads}, selector {args.selector}, "
+          f"median of {args.repeats} after a warm-up; source prefill not counted; the rank score runs inside the "
+          f"map phase")
     print(f"memory ({memory_kind(args.device)}, MiB above the weights): {formula(source, target, mapper)}")
     head = (f"{'T':>5} {'rho':>4} {'B':>3} {'prefill ms':>10} {'map':>7} {'score':>6} {'recomp':>8} "
             f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9} "
@@ -122,7 +146,8 @@ def cmd_bench_handoff(args) -> int:
     for T in args.lengths:
         for batch in args.batches:
             for rho in args.rhos:
-                r = time_cell(source, target, mapper, T, rho, batch, args.repeats).row(target, mapper)
+                r = time_cell(source, target, mapper, T, rho, batch, args.repeats,
+                              selector=args.selector).row(target, mapper)
                 rows.append(r)
                 print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
                       f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
@@ -130,8 +155,9 @@ def cmd_bench_handoff(args) -> int:
                       f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
                       f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
                       f"{r['map_mib']:>5.0f}", flush=True)
-    header = {"bench": "handoff", "pair": pair, "dtype": args.dtype, "map_dtype": map_dtype, "packed": target.packed,
-              "device": args.device, "cpu": cpu, "threads": threads, "memory": memory_kind(args.device)}
+    header = {"bench": "handoff", "pair": pair, "selector": args.selector, "dtype": args.dtype, "map_dtype": map_dtype,
+              "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
+              "memory": memory_kind(args.device)}
     if not args.no_summary:
         written = summary(rows, read_summary(args.summary), **header)
         write_out(args.summary, json.dumps(written, indent=1) + "\n")
@@ -267,7 +293,7 @@ def cmd_bench_load(args) -> int:
 
 def _add_ablate(bench) -> None:
     b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
-    add_pair_options(b)
+    add_bench_pair_options(b)
     b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")
     b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
     b.add_argument("--batch", type=int, default=4, help="requests in the batching comparison (default: 4)")
@@ -280,19 +306,20 @@ def _add_ablate(bench) -> None:
 def cmd_bench_ablate(args) -> int:
     from ..bench.ablate import ablate
 
-    source, target, mapper, _ = load_pair(args)
+    source, target, mapper, pair = bench_pair(args)
     if args.pack and not target.packed:
         from ..engine.runner import pack_float32
 
         if not pack_float32(target.dtype, target.device):
             _pack(target)  # refused with the reason (the float32 rows pack it in place after timing it plain)
-    print(f"optimisations vs their references: {source.path.name} -> {target.path.name}, T={args.length}, "
-          f"rho={args.rho}, {args.dtype}, median of {args.repeats} after a warm-up")
+    print(f"optimisations vs their references: {pair}, T={args.length}, rho={args.rho}, {args.dtype}, "
+          f"{args.device}, median of {args.repeats} after a warm-up")
     rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack)
     print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
     for r in rows:
         print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
-    print_json({"bench": "ablate", "T": args.length, "rho": args.rho, "dtype": args.dtype, "packed": target.packed,
+    print_json({"bench": "ablate", "pair": pair, "device": args.device, "T": args.length, "rho": args.rho,
+                "dtype": args.dtype, "packed": target.packed,
                 "rows": rows})
     return 0
 

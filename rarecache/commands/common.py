@@ -43,7 +43,8 @@ def load_models(args):
     from ..models.tokenizer import Tokenizer
 
     paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
-    source, target = (Runner.load(p, dtype=DTYPES[args.dtype]) for p in paths)
+    device = getattr(args, "device", "cpu")  # (the benches take --device)
+    source, target = (Runner.load(p, dtype=DTYPES[args.dtype], device=device) for p in paths)
     return source, target, Tokenizer.from_dir(paths[0])
 
 

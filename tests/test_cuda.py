@@ -1,0 +1,158 @@
+"""The exactness checks again on a GPU: the runner against transformers, the fast attention paths against
+the dense reference, and the handoff's ρ = 1 against the target's own prefill, all on CUDA, at tiny shapes
+and at the papers' widths (random weights, a few layers).
+
+Every fast path is tested on the CPU elsewhere; the CUDA kernels (causal and masked SDPA, index_copy into
+the cache, the map's batched products) are other code, so they get their own run. Skipped where there is
+no GPU (CI); `scripts/gpu.sh` runs them on one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rarecache.engine import attention
+from rarecache.engine.runner import Runner
+from rarecache.transfer.handoff import HandoffConfig, handoff
+
+CUDA = os.environ.get("RARECACHE_TEST_DEVICE", "cuda")  # =cpu: a smoke run of this file where there is no GPU
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(),
+                                                   reason="needs a CUDA GPU")]
+ATOL = 1e-4
+
+
+def _full(runner: Runner, tokens: torch.Tensor):
+    cache = runner.new_cache(tokens.shape[0], tokens.shape[1])
+    out = runner.forward(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), cache, logits_at="all")
+    return cache, out.logits
+
+
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    """TF32 off: the comparisons below are against float32 references."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_runner_matches_transformers_on_cuda(tiny):
+    _, path, hf = tiny
+    hf = hf.to(CUDA)
+    runner = Runner.load(path, device=CUDA)
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens.to(CUDA), use_cache=True)
+    cache, logits = _full(runner, tokens)
+    assert logits.device.type == torch.device(CUDA).type
+    torch.testing.assert_close(logits, ref.logits, atol=ATOL, rtol=0)
+    for i, layer in enumerate(ref.past_key_values.layers):
+        k, v = cache.layer(i, 40)
+        torch.testing.assert_close(k, layer.keys, atol=ATOL, rtol=0)
+        torch.testing.assert_close(v, layer.values, atol=ATOL, rtol=0)
+
+
+def test_scattered_recompute_over_a_cuda_cache_equals_full_forward(tiny):
+    _, path, _ = tiny
+    runner = Runner.load(path, device=CUDA)
+    T = 80
+    tokens = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(4))
+    own, full = _full(runner, tokens)
+    subset = torch.tensor([[0, 5, 6, 13, 20, 21, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
+                            49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 70, 79]])  # > one query block
+    cache = runner.new_cache(1, T)
+    for name in ("k", "v", "filled"):
+        getattr(cache, name).copy_(getattr(own, name))
+    cache.k[:, :, :, subset[0]] = 1e3  # garbage the pass must overwrite before anyone reads it
+    cache.v[:, :, :, subset[0]] = -1e3
+    out = runner.forward(tokens[:, subset[0]], subset, cache, logits_at="all")
+    torch.testing.assert_close(out.logits, full[:, subset[0]], atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.k, own.k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.v, own.v, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fast_attention_paths_equal_the_dense_reference_on_cuda(dtype, atol):
+    """The causal kernel, the dense mask `attend` takes on a GPU and the CPU's query blocks against the dense
+    reference, CUDA kernels."""
+    g = torch.Generator().manual_seed(9)
+    B, H, Hkv, S, D = 2, 8, 2, 700, 128
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(CUDA, dtype)
+
+    k, v, q = rand(B, Hkv, S, D), rand(B, Hkv, S, D), rand(B, H, S, D)
+    filled = torch.ones(B, S, dtype=torch.bool, device=CUDA)
+    pos = torch.arange(S, device=CUDA).expand(B, S)
+    out, _ = attention.attend(q, pos, k, v, filled)
+    torch.testing.assert_close(out, attention.attend_dense(q, pos, k, v, filled), atol=atol, rtol=0)
+    for n in ([300, 260], [40, 700]):
+        q_pos = torch.full((B, max(n)), -1)
+        for b in range(B):
+            q_pos[b, : n[b]] = torch.randperm(S, generator=g)[: n[b]].sort().values
+        f = filled & (torch.rand(B, S, generator=g) >= 0.1).to(CUDA)  # some slots never filled
+        q_pos = q_pos.to(CUDA)
+        f[torch.arange(B, device=CUDA)[:, None], q_pos.clamp(min=0)] = True
+        qq = rand(B, H, max(n), D)
+        ref = attention.attend_dense(qq, q_pos, k, v, f)
+        valid = (q_pos >= 0)[:, None, :, None]
+        for path in (attention.attend, attention.attend_sparse):  # the GPU's choice and the CPU's blocks
+            fast, _ = path(qq, q_pos, k, v, f)
+            torch.testing.assert_close(fast * valid, ref * valid, atol=atol, rtol=0)
+
+
+def test_rho_one_equals_the_targets_prefill_on_cuda(fitted):
+    _, _, mapper, prompts = fitted
+    source, target = (Runner(r.model.to(CUDA), r.path) for r in fitted[:2])
+    try:
+        cache, logits, res = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0))
+        own, out = target.prefill(prompts, max_len=37)
+        assert logits.device.type == torch.device(CUDA).type
+        torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+        for b, n in enumerate((37, 23)):
+            torch.testing.assert_close(cache.k[:, b, :, :n], own.k[:, b, :, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(cache.v[:, b, :, :n], own.v[:, b, :, :n], atol=1e-5, rtol=0)
+        # plain transfer on the GPU maps the same rows as on the CPU
+        cpu_cache, _, _ = handoff(*(Runner(r.model.to("cpu"), r.path) for r in (source, target)), mapper, prompts,
+                                  HandoffConfig(rho=0.0))
+        source, target = (Runner(r.model.to(CUDA), r.path) for r in (source, target))
+        gpu_cache, _, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0))
+        for b, n in enumerate((37, 23)):  # (the spare slot past the last position holds padding's rows)
+            torch.testing.assert_close(gpu_cache.k[:, b, :, :n].cpu(), cpu_cache.k[:, b, :, :n], atol=1e-4, rtol=0)
+            torch.testing.assert_close(gpu_cache.v[:, b, :, :n].cpu(), cpu_cache.v[:, b, :, :n], atol=1e-4, rtol=0)
+    finally:
+        for r in fitted[:2]:
+            r.model.to("cpu")
+
+
+@pytest.mark.parametrize("selector", ["rank", "suffix"])
+def test_paper_widths_on_cuda(selector):
+    """Qwen3-0.6B -> 14B widths (two layers each, random weights and map): ρ = 1 is the target's own prefill,
+    and at ρ 0.3 the recompute through `attend` and through the query blocks equals the dense-mask one."""
+    from rarecache.bench.shapes import random_mapper, random_runner
+
+    torch.manual_seed(0)
+    source, target = (random_runner(n, torch.float32, CUDA, max_layers=2) for n in ("qwen3-0.6b", "qwen3-14b"))
+    mapper = random_mapper(source, target, rank=32)
+    prompts = torch.randint(0, 151936, (2, 300), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts[1] = prompts[1][:211]
+    cache, logits, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=1.0, selector=selector))
+    own, out = target.prefill(prompts, max_len=300)
+    torch.testing.assert_close(logits, out.logits, atol=1e-4, rtol=0)
+    for b, n in enumerate((300, 211)):
+        torch.testing.assert_close(cache.k[:, b, :, :n], own.k[:, b, :, :n], atol=1e-4, rtol=0)
+    cfg = HandoffConfig(rho=0.3, selector=selector)
+    fast_cache, fast, fast_res = handoff(source, target, mapper, prompts, cfg)
+    for other in (attention.attend_reference, attention.attend_sparse):
+        target.attention = other
+        try:
+            ref_cache, ref, ref_res = handoff(source, target, mapper, prompts, cfg)
+        finally:
+            target.attention = attention.attend
+        assert fast_res.positions == ref_res.positions
+        torch.testing.assert_close(fast, ref, atol=1e-4, rtol=0)
+        for b, n in enumerate((300, 211)):
+            torch.testing.assert_close(fast_cache.k[:, b, :, :n], ref_cache.k[:, b, :, :n], atol=1e-4, rtol=0)
