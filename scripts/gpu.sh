@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, as one short run (docs/PERFORMANCE.md, "On a GPU"): the exactness tests on CUDA
+# The checks that need a GPU, as one short run (docs/PERFORMANCE.md, "On an H200"): the exactness tests on CUDA
 # (tests/test_cuda.py), then the handoff against the target's own prefill at the seed paper's shapes (Qwen3-0.6B ->
 # 14B, random weights: nothing is downloaded), our prefill against transformers' (so the baseline is known to be a
 # fair one), and each optimisation against its reference there. Every speed figure is a ratio to a baseline timed
@@ -14,9 +14,11 @@ RC=(python3 -c "import sys; from rarecache.cli import main; sys.exit(main())")  
 S=qwen3-0.6b:qwen3-14b
 if [ -n "${SMOKE:-}" ]; then
   DEV=cpu; CUT=(--max-layers 1); SHORT=(--lengths 64 --batches 1 2); LONG=(--lengths 128 --batches 1); ABL=(128)
+  SUFFIX=("${SHORT[@]}")
   TESTS=(-k "tiny_shapes_do_not_exist"); export RARECACHE_TEST_DEVICE=cpu
 else
   DEV=cuda; CUT=(); SHORT=(--lengths 149 512 2048 --batches 1 4 16); LONG=(--lengths 8192 --batches 1); ABL=(2048)
+  SUFFIX=(--lengths 149 2048 --batches 1 4 16)
   TESTS=()
 fi
 G=(--shapes $S --device $DEV --dtype bfloat16 "${CUT[@]}")
@@ -34,7 +36,7 @@ baseline() {
 handoff rank "${SHORT[@]}"
 baseline "${SHORT[@]}"
 handoff rank "${LONG[@]}"
-handoff suffix "${SHORT[@]:0:2}" 2048 "${SHORT[@]:4}"  # (149 and 2048 only)
+handoff suffix "${SUFFIX[@]}"
 handoff suffix "${LONG[@]}"
 for T in "${ABL[@]}"; do
   timeout 150 "${RC[@]}" bench ablate "${G[@]}" --length $T --rho 0.3 --batch 4 --repeats 3 2>&1 | tee -a "$OUT/ablate.txt"

@@ -277,3 +277,41 @@ def test_decode_step_over_separate_caches_equals_each_row_alone(tiny):
         pos += 1
     assert row.tokens == generate(runner, [prompts[1]], cfg)[0].tokens and row.finish_reason == "length"
     assert row.fed == row.tokens[:-1]  # the last sampled token was never fed
+
+
+def test_a_pass_reads_its_positions_on_the_host_once(tiny, monkeypatch):
+    """A forward pass (and a decode step) reads what its layers need about the positions once, on the host
+    (`Step`), instead of asking the device at every layer (a GPU waits for its queue there): the per-layer
+    device check is never called, and prefill, a scattered recompute and a decode step give what they gave."""
+    from rarecache.engine import attention
+    from rarecache.engine.runner import Step
+
+    _, path, _ = tiny
+    runner = Runner.load(path)
+    runner.attention = lambda *a, plain=None, **kw: attention.attend(*a, **kw)  # the references: checked per layer
+    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(11))
+    own, full = full_forward(runner, tokens)
+    subset = torch.tensor([[3, 4, 9, 20, 39], [0, 1, 2, 33, 38]])
+    cache = runner.new_cache(2, 40)
+    for name in ("k", "v", "filled"):
+        getattr(cache, name).copy_(getattr(own, name))
+    before = runner.forward(tokens.gather(1, subset), subset, cache, logits_at="all").logits
+    step_logits = runner.decode_step(tokens[:, 39], torch.tensor([39, 39]), [own.row(0), own.row(1)])
+
+    def device_check(*_):
+        raise AssertionError("the plain-prefill check ran on the device inside a pass")
+
+    runner.attention = attention.attend
+    monkeypatch.setattr(attention, "_is_plain_prefill", device_check)
+    _, again = full_forward(runner, tokens)
+    torch.testing.assert_close(again, full, atol=0, rtol=0)
+    cache = runner.new_cache(2, 40)
+    for name in ("k", "v", "filled"):
+        getattr(cache, name).copy_(getattr(own, name))
+    torch.testing.assert_close(runner.forward(tokens.gather(1, subset), subset, cache, logits_at="all").logits,
+                               before, atol=0, rtol=0)
+    torch.testing.assert_close(runner.decode_step(tokens[:, 39], torch.tensor([39, 39]), [own.row(0), own.row(1)]),
+                               step_logits, atol=0, rtol=0)
+    assert Step.of(torch.arange(5).expand(2, 5)) == Step(4, True)
+    assert Step.of(torch.tensor([[0, 1, 2], [0, 1, -1]])) == Step(2, False)  # a padded row is no plain prefill
+    assert Step.of(torch.tensor([[1, 2, 3]])) == Step(3, False)  # nor a span after kept rows

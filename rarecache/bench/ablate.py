@@ -134,7 +134,7 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     finally:
         target.attention = attend
     res.append(_row("sparse-causal recompute attention" if target.device.type == "cpu" else
-                    "recompute attention: one dense-mask kernel instead of query blocks (GPU)", before, fast))
+                    "recompute attention: dense-mask kernel, not query blocks (GPU)", before, fast))
     res.append(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
 
     if target.packed and target.path is not None and target.dtype != torch.float32:  # a plain copy to compare

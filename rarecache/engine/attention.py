@@ -35,7 +35,7 @@ def attend_dense(q, q_pos, k, v, filled):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
-def attend_reference(q, q_pos, k, v, filled, capture_rows=None):
+def attend_reference(q, q_pos, k, v, filled, capture_rows=None, plain=None):
     """`attend` with the dense-mask path only (the seed paper's implementation), for comparisons."""
     out = attend_dense(q, q_pos, k, v, filled)
     return out, (attention_probs(q, q_pos, k, filled, capture_rows) if capture_rows is not None else None)
@@ -56,14 +56,17 @@ def attend(
     v: torch.Tensor,
     filled: torch.Tensor,
     capture_rows: torch.Tensor | None = None,
+    plain: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q (B, H, T, D) at q_pos (B, T) over k, v (B, Hkv, S, D) with slots filled (B, S).
 
     Returns the output (B, H, T, D) and, if `capture_rows` (B, R) indexes query rows,
-    their attention probabilities (B, H, R, S) in float32.
+    their attention probabilities (B, H, R, S) in float32. `plain`: whether this is a plain
+    prefill (queries 0..T-1 in every row over exactly T filled slots), when the caller knows
+    (the runner reads it on the host once per pass); None: checked here, on the device.
     """
     T = q.shape[2]
-    if _is_plain_prefill(q_pos, filled):
+    if _is_plain_prefill(q_pos, filled) if plain is None else plain:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     elif T <= QUERY_BLOCK or q.device.type != "cpu":
         out = attend_dense(q, q_pos, k, v, filled)
@@ -86,10 +89,10 @@ def attend_blocks(q, q_pos, k, v, filled):
     return torch.cat(blocks, dim=2)
 
 
-def attend_sparse(q, q_pos, k, v, filled, capture_rows=None):
+def attend_sparse(q, q_pos, k, v, filled, capture_rows=None, plain=None):
     """`attend` with the query blocks on every device (the CPU's path), for comparisons on a GPU."""
-    if _is_plain_prefill(q_pos, filled) or q.shape[2] <= QUERY_BLOCK:
-        return attend(q, q_pos, k, v, filled, capture_rows)
+    if (_is_plain_prefill(q_pos, filled) if plain is None else plain) or q.shape[2] <= QUERY_BLOCK:
+        return attend(q, q_pos, k, v, filled, capture_rows, plain)
     out = attend_blocks(q, q_pos, k, v, filled)
     return out, (attention_probs(q, q_pos, k, filled, capture_rows) if capture_rows is not None else None)
 

@@ -40,24 +40,26 @@ class KVCache:
     def batch(self) -> int:
         return self.filled.shape[0]
 
-    def slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (B, T), -1 for padding -> slot indices (padding -> the spare slot)."""
-        if positions.numel() and int(positions.max()) >= self.max_len:
-            raise RarecacheError(
-                f"position {int(positions.max())} does not fit a cache of {self.max_len} positions"
-            )
+    def slots(self, positions: torch.Tensor, top: int | None = None) -> torch.Tensor:
+        """positions (B, T), -1 for padding -> slot indices (padding -> the spare slot). `top`: the highest
+        position when the caller knows it (read on the host once per pass: on a GPU, reading it here would
+        wait for the device at every layer)."""
+        top = (int(positions.max()) if positions.numel() else -1) if top is None else top
+        if top >= self.max_len:
+            raise RarecacheError(f"position {top} does not fit a cache of {self.max_len} positions")
         return torch.where(positions >= 0, positions, self.max_len)
 
-    def mark(self, positions: torch.Tensor) -> None:
+    def mark(self, positions: torch.Tensor, top: int | None = None) -> None:
         """Declare the slots at `positions` (B, T) filled."""
         rows = torch.arange(self.batch, device=positions.device)[:, None].expand_as(positions)
-        self.filled[rows, self.slots(positions)] = True
+        self.filled[rows, self.slots(positions, top)] = True
         self.filled[:, self.max_len] = False
 
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              top: int | None = None) -> None:
         """Store k, v (B, Hkv, T, D) of `layer` at positions (B, T)."""
         rows = torch.arange(self.batch, device=positions.device)[:, None].expand_as(positions)
-        slots = self.slots(positions)
+        slots = self.slots(positions, top)
         # (B, S, Hkv, D) views write through to the (B, Hkv, S, D) storage
         self.k[layer].transpose(1, 2)[rows, slots] = k.transpose(1, 2).to(self.k.dtype)
         self.v[layer].transpose(1, 2)[rows, slots] = v.transpose(1, 2).to(self.v.dtype)

@@ -37,6 +37,24 @@ class AttnCapture:
     rows: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Step:
+    """What a pass's layers need to know about its positions (B, T), read on the host once per pass: the
+    highest position (the cache's visible length) and whether the pass is a plain prefill (every row is
+    positions 0..T-1, so the causal kernel applies). On a GPU, reading either from the device at every
+    layer would wait for the device's queue each time."""
+
+    top: int
+    plain: bool
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> "Step":
+        host = positions.cpu()  # (one read per pass for positions on the device; none for those on the host)
+        if not host.numel():
+            return cls(-1, False)
+        return cls(int(host.max()), bool((host == torch.arange(host.shape[1])).all()))
+
+
 class Runner:
     def __init__(self, model: CausalLM, path: Path | None = None, pack: bool | None = None):
         """`pack`: prepack the decoder layers' linear weights and the LM head for oneDNN (in place; see
@@ -88,11 +106,15 @@ class Runner:
         """Layer i's rotated q (B, H, T, D), k and v (B, Hkv, T, D) for residual h (B, T, C)."""
         return self.model.layers[i].qkv(h, *cos_sin)
 
-    def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture_rows=None):
-        """q of layer i at positions (B, T) over the cache's filled slots -> (B, H, T, D), probs."""
-        length = int(positions.max()) + 1  # no query sees a slot past its own position
+    def attend(self, i: int, q: torch.Tensor, positions: torch.Tensor, cache: KVCache, capture_rows=None,
+               step: Step | None = None):
+        """q of layer i at positions (B, T) over the cache's filled slots -> (B, H, T, D), probs. `step`:
+        what the pass already read on the host about the positions (None: read here; a pass gives it after
+        marking the positions filled, which is what makes its `plain` hold for the keys too)."""
+        length = (step or Step.of(positions)).top + 1  # no query sees a slot past its own position
         k, v = cache.layer(i, length)
-        return self.attention(q, positions, k, v, cache.filled[:, :length], capture_rows)
+        return self.attention(q, positions, k, v, cache.filled[:, :length], capture_rows,
+                              plain=step.plain if step is not None else None)
 
     def finish(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         return self.model.layers[i].finish(h, attn)
@@ -105,11 +127,12 @@ class Runner:
         cache: KVCache,
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
         capture_rows: torch.Tensor | None = None,
+        step: Step | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decoder layer: write this layer's k, v at `positions`, attend, MLP."""
         q, k, v = self.qkv(i, h, cos_sin or self.cos_sin(positions))
-        cache.write(i, positions, k, v)
-        out, probs = self.attend(i, q, positions, cache, capture_rows)
+        cache.write(i, positions, k, v, step.top if step is not None else None)
+        out, probs = self.attend(i, q, positions, cache, capture_rows, step)
         return self.finish(i, h, out), probs
 
     def logits(self, h: torch.Tensor, positions: torch.Tensor, at: str | torch.Tensor = "last"):
@@ -143,14 +166,15 @@ class Runner:
         Each layer's k, v are written into `cache` at their positions; queries attend
         to every filled slot at a position <= their own.
         """
+        step = Step.of(positions)  # on the host, once: what every layer asks of the positions
         positions = positions.to(self.device)
-        cache.mark(positions)
+        cache.mark(positions, step.top)
         h = self.embed(tokens)
         cos_sin = self.cos_sin(positions)
         attn: dict[int, torch.Tensor] = {}
         for i in range(self.num_layers):
             rows = capture.rows if capture is not None and i in capture.layers else None
-            h, probs = self.layer(i, h, positions, cache, cos_sin, rows)
+            h, probs = self.layer(i, h, positions, cache, cos_sin, rows, step)
             if probs is not None:
                 attn[i] = probs
         return ForwardOutput(self.logits(h, positions, logits_at), attn)
@@ -165,17 +189,18 @@ class Runner:
         """
         if tokens.shape[0] != len(caches) or positions.shape[0] != len(caches):
             raise ValueError("decode_step needs one token, one position and one cache per sequence")
+        steps = [Step(p, p == 0) for p in positions.tolist()]  # (one read of the positions for the whole step)
         pos = positions.to(self.device)[:, None]  # (B, 1)
         for b, c in enumerate(caches):
-            c.mark(pos[b : b + 1])
+            c.mark(pos[b : b + 1], steps[b].top)
         h = self.embed(tokens[:, None])  # (B, 1, C)
         cos_sin = self.cos_sin(pos)
         for i in range(self.num_layers):
             q, k, v = self.qkv(i, h, cos_sin)  # q (B, H, 1, D), k, v (B, Hkv, 1, D)
             outs = []
             for b, c in enumerate(caches):
-                c.write(i, pos[b : b + 1], k[b : b + 1], v[b : b + 1])
-                outs.append(self.attend(i, q[b : b + 1], pos[b : b + 1], c)[0])
+                c.write(i, pos[b : b + 1], k[b : b + 1], v[b : b + 1], steps[b].top)
+                outs.append(self.attend(i, q[b : b + 1], pos[b : b + 1], c, step=steps[b])[0])
             h = self.finish(i, h, torch.cat(outs))
         return self.logits(h, pos)
 
