@@ -4,7 +4,13 @@ target's, as `eval gate` counts it), as ROC AUC over (item, rung) pairs with a b
 plus a logistic model of all of them cross-validated over items. Exploration of which signal the gate
 should read (docs/RESULTS.md 9).
 
-    python scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM]
+    python scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM] [--only-with FEATURE] [--per-rung]
+
+`--only-with js_views`: only the items whose every rung records FEATURE (a file continued by a later
+version of the ladder, e.g. held items 350-399 recorded with js_views after 300-349 without).
+`--per-rung`: each feature's AUC within each rung too. Pooled over rungs, a feature that only tracks ρ
+(lower rungs change more answers and leave more score mass outside) scores above chance without telling
+one request from another; within a rung it cannot.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ NEGATED = {"margin", "choice_margin"}  # a wide margin means a settled answer
 LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views", "answer_views"}  # those the ladders record are read
 
 
-def ladders(path: str, arm: str | None):
+def ladders(path: str, arm: str | None, only_with: str | None = None):
     rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
     bpb = TASKS[rows[0]["task"]].metric == "bpb"
     key = "bpb" if bpb else answer_key(TASKS[rows[0]["task"]].metric)  # the scored answer (acc_norm: prediction_norm)
     target = {r["item"]: r[key] for r in rows if r["arm"] == "target"}
     changed = (lambda a, t: abs(a - t) > CHANGED_BPB) if bpb else (lambda a, t: a != t)
     lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
-            and r["item"] in target]
+            and r["item"] in target and (only_with is None or all(only_with in g for g in r["ladder"]))]
     if len({r["arm"] for r in lads}) != 1:
         sys.exit(f"need exactly one ladder arm with target rows, found {sorted({r['arm'] for r in lads})}")
     for r in lads:  # the answer's own margin: the best choice's log-likelihood over the second's (unnormalised)
@@ -70,9 +76,18 @@ def logistic_cv(per_item, folds: int = 5, lam: float = 1.0, seed: int = 0) -> fl
 
 
 def main() -> None:
-    if len(sys.argv) not in (2, 3):
+    argv, only_with = sys.argv[1:], None
+    per_rung = "--per-rung" in argv
+    argv = [a for a in argv if a != "--per-rung"]
+    if "--only-with" in argv:
+        k = argv.index("--only-with")
+        if k + 1 >= len(argv):
+            sys.exit(__doc__)
+        only_with = argv[k + 1]
+        del argv[k : k + 2]
+    if len(argv) not in (1, 2):
         sys.exit(__doc__)
-    per_item, arm = ladders(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None)
+    per_item, arm = ladders(argv[0], argv[1] if len(argv) == 2 else None, only_with)
     changed = sum(c for _, cs in per_item for c in cs)
     pairs = sum(len(cs) for _, cs in per_item)
     print(f"{arm}: {len(per_item)} items, {pairs} (item, rung) pairs, {changed} with a changed answer")
@@ -80,6 +95,11 @@ def main() -> None:
         sign = -1 if name in NEGATED else 1
         a, lo, hi = auc_ci([([sign * x[k] for x in xs], cs) for xs, cs in per_item])
         print(f"  {'-' if sign < 0 else ' '}{name:9s} AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
+        if per_rung:
+            for r in range(min(len(xs) for xs, _ in per_item)):
+                a, lo, hi = auc_ci([([sign * xs[r][k]], [cs[r]]) for xs, cs in per_item])
+                print(f"      rung {r + 1} (rho {per_item[0][0][r][-1]:g}, {sum(cs[r] for _, cs in per_item)} changed): "
+                      f"AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
     print(f"  logistic of all, {5}-fold over items: AUC {logistic_cv(per_item):.3f}")
 
 
