@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.runner import Runner, spans
+from ..engine.runner import Runner, Step, spans
 from ..errors import RarecacheError
 from .mapper import Mapper
 from .selectors import SELECTORS, SelectionContext, Selector, attention_capture, received
@@ -239,17 +239,18 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_k
     t = _now(target)
     lengths = [len(p) for p in prompts]
     m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(target_kept, lengths))
-    cache.mark(positions)
+    step = Step.of(positions)  # (read on the host once, as a forward pass does)
+    cache.mark(positions, step.top)
     h = target.embed(toks)
     cos_sin = target.cos_sin(positions)
     for i in range(m):
-        h, _ = target.layer(i, h, positions, cache, cos_sin)
+        h, _ = target.layer(i, h, positions, cache, cos_sin, step=step)
     last = (positions >= 0).sum(1) - 1  # (B,)
     h = h[torch.arange(len(prompts)), last][:, None]  # (B, 1, C)
     pos = positions[torch.arange(len(prompts)), last][:, None]  # (B, 1)
-    cos_sin = target.cos_sin(pos)
+    cos_sin, step = target.cos_sin(pos), Step.of(pos)
     for i in range(m, target.num_layers):
-        h, _ = target.layer(i, h, pos, cache, cos_sin)
+        h, _ = target.layer(i, h, pos, cache, cos_sin, step=step)
     logits = target.logits(h, pos)
     timings["score"] = 0.0
     timings["recompute"] = _now(target) - t
