@@ -85,7 +85,7 @@ def main() -> None:
             sys.exit(__doc__)
         only_with = argv[k + 1]
         del argv[k : k + 2]
-    if len(argv) not in (1, 2):
+    if len(argv) not in (1, 2) or any(a.startswith("--") for a in argv):
         sys.exit(__doc__)
     per_item, arm = ladders(argv[0], argv[1] if len(argv) == 2 else None, only_with)
     changed = sum(c for _, cs in per_item for c in cs)
@@ -96,10 +96,14 @@ def main() -> None:
         a, lo, hi = auc_ci([([sign * x[k] for x in xs], cs) for xs, cs in per_item])
         print(f"  {'-' if sign < 0 else ' '}{name:9s} AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
         if per_rung:
-            for r in range(min(len(xs) for xs, _ in per_item)):
+            if len({tuple(x[-1] for x in xs) for xs, _ in per_item}) != 1:
+                sys.exit("--per-rung needs every item's ladder on the same rungs")
+            for r in range(len(per_item[0][0])):
                 a, lo, hi = auc_ci([([sign * xs[r][k]], [cs[r]]) for xs, cs in per_item])
                 print(f"      rung {r + 1} (rho {per_item[0][0][r][-1]:g}, {sum(cs[r] for _, cs in per_item)} changed): "
                       f"AUC {a:.3f} ({lo:.3f}-{hi:.3f})")
+    a, lo, hi = auc_ci([([-x[-1] for x in xs], cs) for xs, cs in per_item])  # the baseline a pooled AUC must beat
+    print(f"  -rho       AUC {a:.3f} ({lo:.3f}-{hi:.3f})  (the rung alone: lower rungs change more answers)")
     print(f"  logistic of all, {5}-fold over items: AUC {logistic_cv(per_item):.3f}")
 
 
