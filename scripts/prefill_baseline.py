@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+
 import torch
 
 from rarecache.bench.ablate import median_time
-from rarecache.bench.shapes import CONFIGS, random_runner
+from rarecache.bench.shapes import CONFIGS, random_runner, random_weights
 
 
 def hf_model(name: str, dtype: torch.dtype, device: str, max_layers: int | None):
@@ -29,13 +30,10 @@ def hf_model(name: str, dtype: torch.dtype, device: str, max_layers: int | None)
     config = config_cls(**cfg, attn_implementation="sdpa")
     with torch.device("meta"):
         model = model_cls(config)
-    model = model.to_empty(device=device).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    model = random_weights(model, dtype, device)
     with torch.device(device):  # its inverse frequencies were left empty on meta
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    return model.eval().requires_grad_(False)
+    return model
 
 
 def median_ms(fn, repeats: int, device: torch.device) -> float:

@@ -18,16 +18,11 @@ from rarecache.engine import attention
 from rarecache.engine.runner import Runner
 from rarecache.transfer.handoff import HandoffConfig, handoff
 
+from .test_runner import ATOL, assert_matches_transformers, full_forward
+
 CUDA = os.environ.get("RARECACHE_TEST_DEVICE", "cuda")  # =cpu: a smoke run of this file where there is no GPU
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(CUDA == "cuda" and not torch.cuda.is_available(),
                                                    reason="needs a CUDA GPU")]
-ATOL = 1e-4
-
-
-def _full(runner: Runner, tokens: torch.Tensor):
-    cache = runner.new_cache(tokens.shape[0], tokens.shape[1])
-    out = runner.forward(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), cache, logits_at="all")
-    return cache, out.logits
 
 
 @pytest.fixture(autouse=True)
@@ -41,18 +36,9 @@ def _fp32_matmuls():
 
 def test_runner_matches_transformers_on_cuda(tiny):
     _, path, hf = tiny
-    hf = hf.to(CUDA)
     runner = Runner.load(path, device=CUDA)
-    tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = hf(tokens.to(CUDA), use_cache=True)
-    cache, logits = _full(runner, tokens)
-    assert logits.device.type == torch.device(CUDA).type
-    torch.testing.assert_close(logits, ref.logits, atol=ATOL, rtol=0)
-    for i, layer in enumerate(ref.past_key_values.layers):
-        k, v = cache.layer(i, 40)
-        torch.testing.assert_close(k, layer.keys, atol=ATOL, rtol=0)
-        torch.testing.assert_close(v, layer.values, atol=ATOL, rtol=0)
+    assert runner.device.type == torch.device(CUDA).type
+    assert_matches_transformers(runner, hf.to(CUDA))
 
 
 def test_scattered_recompute_over_a_cuda_cache_equals_full_forward(tiny):
@@ -60,7 +46,7 @@ def test_scattered_recompute_over_a_cuda_cache_equals_full_forward(tiny):
     runner = Runner.load(path, device=CUDA)
     T = 80
     tokens = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(4))
-    own, full = _full(runner, tokens)
+    own, full = full_forward(runner, tokens)
     subset = torch.tensor([[0, 5, 6, 13, 20, 21, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
                             49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 70, 79]])  # > one query block
     cache = runner.new_cache(1, T)

@@ -19,18 +19,23 @@ def full_forward(runner: Runner, tokens: torch.Tensor):
     return cache, out.logits
 
 
-def test_logits_and_kv_match_transformers(tiny):
-    _, path, hf = tiny
-    runner = Runner.load(path)
+def assert_matches_transformers(runner: Runner, hf) -> None:
+    """The runner's logits and every layer's K and V against transformers' model on the runner's device."""
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = hf(tokens, use_cache=True)
+        ref = hf(tokens.to(runner.device), use_cache=True)
     cache, logits = full_forward(runner, tokens)
+    assert logits.device == runner.device
     torch.testing.assert_close(logits, ref.logits, atol=ATOL, rtol=0)
     for i, layer in enumerate(ref.past_key_values.layers):
         k, v = cache.layer(i, 40)
         torch.testing.assert_close(k, layer.keys, atol=ATOL, rtol=0)
         torch.testing.assert_close(v, layer.values, atol=ATOL, rtol=0)
+
+
+def test_logits_and_kv_match_transformers(tiny):
+    _, path, hf = tiny
+    assert_matches_transformers(Runner.load(path), hf)
 
 
 def test_attention_capture_matches_transformers(tiny):

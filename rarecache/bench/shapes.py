@@ -43,14 +43,20 @@ def random_runner(name: str, dtype: torch.dtype, device: str, max_layers: int | 
         cfg = replace(cfg, num_layers=min(cfg.num_layers, max_layers))
     with torch.device("meta"):
         model = build_model(cfg)
+    return Runner(random_weights(model, dtype, device))
+
+
+def random_weights(model: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """A model built on the meta device, given memory on `device` in `dtype` and random weights (N(0, 0.02),
+    norms 1): frozen, in eval mode. Buffers that `to_empty` leaves empty are the caller's to rebuild."""
     model = model.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-        for name_, p in model.named_parameters():
-            if "norm" in name_:
+        for name, p in model.named_parameters():
+            if "norm" in name:
                 p.fill_(1.0)
-    return Runner(model.eval().requires_grad_(False))
+    return model.eval().requires_grad_(False)
 
 
 def random_mapper(source: Runner, target: Runner, k: int = 8, rank: int = 128) -> Mapper:

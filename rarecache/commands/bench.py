@@ -120,8 +120,6 @@ def cmd_bench_handoff(args) -> int:
 
     from ..bench.handoff import read_summary, summary, time_cell
     from ..bench.memory import formula, memory_kind
-    from ..engine.llm import DTYPES
-
     from ..transfer.selectors import SELECTORS
 
     if args.selector not in SELECTORS:
