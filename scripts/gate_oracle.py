@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rarecache.eval.gate import CHANGED_BPB, read_ladders
-from rarecache.eval.metrics import paired_diff_ci
+from rarecache.eval.gate import oracle, read_ladders
 
 
 def main() -> None:
@@ -34,32 +33,13 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for path in args.files:
         lad = read_ladders(path, args.arm)
-        bpb = lad.metric == "bpb"
-
-        def keeps(k: int, r: int) -> bool:
-            if args.loss == "changed":
-                return not lad.changed[k][r]
-            worse = lad.value[k][r] - lad.target[k]  # bpb: higher is worse; accuracy: lower is worse
-            return worse <= CHANGED_BPB if bpb else worse >= 0
-
         for cap in args.caps:
-            got, cost, fell, where = [], [], 0, []
-            for k in range(len(lad.items)):
-                rung = next((r for r, rho in enumerate(lad.rungs) if rho <= cap + 1e-9 and keeps(k, r)), None)
-                if rung is None:
-                    got.append(lad.target[k])
-                    cost.append(1.0)
-                    fell += 1
-                else:
-                    got.append(lad.value[k][rung])
-                    cost.append(lad.cost[k][rung])
-                    where.append(lad.rungs[rung])
-            d, lo, hi = paired_diff_ci(got, lad.target)[:3]
-            scale, unit, fmt = (1, "bpb", "{:+.4f}") if bpb else (100, "pp", "{:+.1f}")
-            delta = f"{fmt.format(d * scale)} ({fmt.format(lo * scale)}, {fmt.format(hi * scale)}) {unit}"
-            hist = " ".join(f"{rho:g}: {where.count(rho)}" for rho in lad.rungs if rho <= cap + 1e-9)
-            print(f"| {path.name} | {len(lad.items)} | {cap:g} | {delta} | {fell / len(lad.items):.0%} | "
-                  f"{sum(cost) / len(cost):.3f} | {hist} |")
+            o = oracle(lad, cap, args.loss)
+            fmt = "{:+.4f}" if o["unit"] == "bpb" else "{:+.1f}"
+            delta = f"{fmt.format(o['delta'])} ({fmt.format(o['ci'][0])}, {fmt.format(o['ci'][1])}) {o['unit']}"
+            hist = " ".join(f"{rho:g}: {k}" for rho, k in o["accepted"].items())
+            print(f"| {path.name} | {o['n']} | {cap:g} | {delta} | {o['fallback_share']:.0%} | "
+                  f"{o['mean_recomputed_share']:.3f} | {hist} |")
 
 
 if __name__ == "__main__":

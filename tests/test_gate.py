@@ -126,6 +126,55 @@ def test_fit_recovers_the_planted_threshold():
     assert th3 < 0 and out3["bad"]["fallback"] == 1.0 and out3["t"]["cost"] == 1.0
 
 
+def _planted_ladders(metric: str, target: list[float], value: list[list[float]], changed: list[list[bool]],
+                     prompt: int = 100) -> "Ladders":
+    from rarecache.eval.gate import Ladders
+
+    rungs = [0.1, 0.2, 0.3, 0.5]
+    n = len(target)
+    return Ladders("t", metric, "changed", "ladder/suffix@m", "suffix", rungs, [f"i{k}" for k in range(n)], None,
+                   js=[[0.0] * 4] * n, margin=None, loss=[[float(c) for c in ch] for ch in changed],
+                   cost=[[(r * prompt + 1) / prompt for r in rungs]] * n, value=value, target=target,
+                   changed=changed, seconds=[{}] * n)
+
+
+def test_oracle_is_the_cheapest_choice_that_keeps_every_answer():
+    """Brute force over every per-item choice (a rung up to the cap, or fallback at cost 1): among those that
+    change no answer, none costs less than the oracle's, and the oracle's changes none."""
+    import itertools
+
+    from rarecache.eval.gate import oracle
+
+    g = torch.Generator().manual_seed(1)
+    n = 6
+    changed = (torch.rand(n, 4, generator=g) < 0.5).tolist()
+    target = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    value = [[t if not c else 1.0 - t for c in ch] for t, ch in zip(target, changed)]  # a change flips right/wrong
+    lad = _planted_ladders("correct", target, value, changed)
+    for cap in (0.2, 0.5):
+        o = oracle(lad, cap)
+        allowed = [r for r, rho in enumerate(lad.rungs) if rho <= cap]
+        best = min(sum(1.0 if r is None else lad.cost[k][r] for k, r in enumerate(choice))
+                   for choice in itertools.product(allowed + [None], repeat=n)
+                   if all(r is None or not changed[k][r] for k, r in enumerate(choice)))
+        assert o["mean_recomputed_share"] == pytest.approx(best / n)
+        assert o["delta"] == 0.0
+        keeps = sum(any(not changed[k][r] for r in allowed) for k in range(n))
+        assert o["fallback_share"] == pytest.approx(1 - keeps / n) and sum(o["accepted"].values()) == keeps
+    # the accuracy oracle may take a change that costs nothing: wrong to another wrong answer, or an improvement
+    lad = _planted_ladders("correct", [0.0, 1.0], [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]],
+                           [[True, True, True, True], [True, True, True, False]])
+    assert oracle(lad, 0.5)["fallback_share"] == 0.5 and oracle(lad, 0.5, "accuracy")["fallback_share"] == 0.0
+    assert oracle(lad, 0.5, "accuracy")["accepted"] == {0.1: 1, 0.2: 0, 0.3: 0, 0.5: 1}
+    # bits per byte: "no worse" is at most CHANGED_BPB above the target; lower is better
+    lad = _planted_ladders("bpb", [0.50, 0.50], [[0.60, 0.45, 0.45, 0.45], [0.60, 0.60, 0.505, 0.50]],
+                           [[True, True, True, True], [True, True, False, False]])
+    o = oracle(lad, 0.5, "accuracy")
+    assert o["accepted"] == {0.1: 0, 0.2: 1, 0.3: 1, 0.5: 0} and o["delta"] == pytest.approx((-0.05 + 0.005) / 2)
+    with pytest.raises(RarecacheError, match="unknown gate loss"):
+        oracle(lad, 0.5, "bpb")
+
+
 def test_fit_falls_back_early_when_climbing_is_wasted():
     """Planted: half the items keep their answer from rung 1 on (tiny js), the other half lose it at
     every rung whatever the signal says. Climbing all three rungs before falling back on those wastes

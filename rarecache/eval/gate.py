@@ -246,6 +246,36 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
             "auc": a, "auc_ci": [alo, ahi]}
 
 
+def oracle(lad: Ladders, cap: float, loss: str = "changed") -> dict:
+    """The best any signal could do on these ladders: per item, the lowest rung up to ρ `cap` whose answer the
+    target gives anyway (`loss` "changed": the same answer, bpb within CHANGED_BPB) or, with "accuracy", any rung
+    no worse than the target (a change between two wrong answers, or an improvement, is free); fallback (cost
+    1.0) where none is. A policy reading a signal accepts a subset of these rungs or a costlier one, so its
+    recomputed share at the same loss is at least the oracle's."""
+    if loss not in LOSSES:
+        raise RarecacheError(f"unknown gate loss {loss!r}: {', '.join(LOSSES)}")
+    bpb = lad.metric == "bpb"
+
+    def keeps(k: int, r: int) -> bool:
+        if loss == "changed":
+            return not lad.changed[k][r]
+        worse = lad.value[k][r] - lad.target[k]  # bpb: higher is worse; accuracy: lower is worse
+        return worse <= CHANGED_BPB if bpb else worse >= 0
+
+    got, cost, accepted = [], [], dict.fromkeys((r for r in lad.rungs if r <= cap + 1e-9), 0)
+    for k in range(len(lad.items)):
+        rung = next((r for r, rho in enumerate(lad.rungs) if rho <= cap + 1e-9 and keeps(k, r)), None)
+        got.append(lad.target[k] if rung is None else lad.value[k][rung])
+        cost.append(1.0 if rung is None else lad.cost[k][rung])
+        if rung is not None:
+            accepted[lad.rungs[rung]] += 1
+    scale = 1.0 if bpb else 100.0
+    d, lo, hi, _ = paired_diff_ci(got, lad.target)
+    return {"unit": "bpb" if bpb else "pp", "delta": d * scale, "ci": [lo * scale, hi * scale], "n": len(got),
+            "fallback_share": 1 - sum(accepted.values()) / len(got), "mean_recomputed_share": float(np.mean(cost)),
+            "accepted": accepted}
+
+
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
     floor += "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s), then fallback"
