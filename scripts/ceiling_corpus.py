@@ -9,6 +9,8 @@ distribution and layout and none of its evaluated text. Disjointness from every 
 checked line by line, as the general mix is (`eval.mix.check_disjoint_from_tasks`).
 
     python scripts/ceiling_corpus.py OUT.jsonl     # then: calibrate --corpus OUT.jsonl:text --chat --seq-len 1024
+
+(The prompts are `eval.mix.word_chain_prompt`'s, the general-v3 mix's `word` component without the replies.)
 """
 
 from __future__ import annotations
@@ -18,15 +20,11 @@ import json
 import random
 from pathlib import Path
 
-from rarecache.eval.mix import check_disjoint_from_tasks
-from rarecache.eval.tasks import TASKS, open_task
+from rarecache.eval.mix import check_disjoint_from_tasks, word_chain_prompt, word_problems
+from rarecache.eval.tasks import TASKS
 from rarecache.models.store import resolve_model
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.corpus import Corpus
-
-SHOTS = 8
-# GSM8K's instruction is in every evaluated prompt, so it is evaluated text too: the same request in other words
-ASK = "Work out the final question step by step, the way the examples do, and finish with \"So the answer is N.\"\n\n"
 
 
 def main() -> None:
@@ -36,17 +34,10 @@ def main() -> None:
     ap.add_argument("--source", default="qwen2.5-coder-0.5b-instruct", help="the tokenizer tasks cut text with")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(resolve_model(args.source))
-    pool = open_task("gsm8k").calibration_items()
-    problems = []
-    for it in pool:  # the pool item's own question is the last "Question: …" of its prompt
-        question = it.messages[0]["content"].rsplit("\n\nQuestion: ", 1)[1].removesuffix("\nAnswer:")
-        problems.append((question, it.extra["solution"]))
+    problems = word_problems()
     rng = random.Random(args.seed)
-    texts = []
-    for j, (question, _) in enumerate(problems):
-        shots = rng.sample([i for i in range(len(problems)) if i != j], SHOTS)
-        worked = "\n\n".join(f"Question: {problems[i][0]}\nAnswer: {problems[i][1]}" for i in shots)
-        texts.append(f"{ASK}{worked}\n\nQuestion: {question}\nAnswer:")
+    texts = [word_chain_prompt(problems, rng.sample([i for i in range(len(problems)) if i != j], 8), j)
+             for j in range(len(problems))]
     checked = check_disjoint_from_tasks(Corpus("gsm8k-reshot", tuple(texts), chat=True),
                                         {n: T(tokenizer=tok) for n, T in TASKS.items()})
     with open(args.out, "w") as f:

@@ -193,3 +193,27 @@ def test_the_general_preset_sharpens_plain_transfer_only_and_a_head_matched_map_
     assert _sharpening(args(sharpen=[0.5, 0.5]), True) == {"sharpen": (0.5, 0.5), "plain_sharpen": None}
     assert _sharpening(args(plain_sharpen=[2.0, 1.0]), True) == {"sharpen": (0.0, 0.0), "plain_sharpen": (2.0, 1.0)}
     assert _sharpening(args(), False) == {"sharpen": (0.0, 0.0), "plain_sharpen": None}
+
+
+def test_word_chains_are_gsm8k_shaped_prompts_of_other_problems_answered_by_their_own_solution(monkeypatch):
+    problems = [(f"gsm8k-{1000 + i}", f"Sam has {i} pens and buys 2 more. How many pens does Sam have?",
+                 f"Sam has {i} + 2 = {i + 2} pens. So the answer is {i + 2}.") for i in range(20)]
+    monkeypatch.setattr(mix, "word_problems", lambda cache_dir=None: problems)
+    chains = mix._word_chains(None)
+    assert len(chains) == 20 and len({k for k, _ in chains}) == 20
+    for (key, (user, reply)), (pid, question, solution) in zip(chains, problems):
+        assert key == f"word:{pid}" and reply == {"role": "assistant", "content": solution}
+        text = user["content"]
+        assert text.startswith(mix.WORD_ASK) and text.endswith(f"\n\nQuestion: {question}\nAnswer:")
+        shots = text.count("\nAnswer: ")
+        assert shots == mix.WORD_SHOTS and text.count(question) == 1  # eight others, never its own
+    assert mix._word_chains(None) == chains  # deterministic
+
+
+def test_the_candidate_mix_is_the_served_mix_and_word_chains():
+    assert [c.name for c in mix.components("general")] == [c.name for c in mix.COMPONENTS]
+    assert "word" not in [c.name for c in mix.components("general")]  # the served map's mix is unchanged
+    assert mix.components("general-v3") == mix.COMPONENTS + (mix.components("general-v3")[-1],)
+    assert mix.components("general-v3")[-1].name == "word"
+    with pytest.raises(RarecacheError, match="unknown preset"):
+        mix.components("general-v9")

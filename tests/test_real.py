@@ -96,6 +96,19 @@ def test_every_task_reads_its_real_data_with_a_disjoint_calibration_pool(name, o
         assert set(corpus.ids).isdisjoint(ids)
 
 
+def test_the_word_chains_share_no_line_with_any_evaluated_item(ours):
+    """general-v3's word component reads GSM8K's held-apart pool; its prompts and replies share no line with
+    any evaluated item of any task (GSM8K's instruction and eight exemplars are in every evaluated prompt)."""
+    from rarecache.eval import mix
+    from rarecache.eval.tasks import TASKS
+
+    docs = mix._word_chains(None)
+    assert len(docs) == 319 and all(k.startswith("word:gsm8k-") and int(k.rsplit("-", 1)[1]) >= 1000 for k, _ in docs)
+    corpus = mix.Corpus("word", tuple(d for _, d in docs), chat=True)
+    checked = mix.check_disjoint_from_tasks(corpus, {n: T(tokenizer=ours.tokenizer) for n, T in TASKS.items()})
+    assert checked["gsm8k"] == 1000
+
+
 def test_the_conversion_reproduces_the_pair_the_shipped_map_was_fitted_on(ours):
     """The bundled pair as this environment converts it is the pair the committed general map (and
     every published run through it) was fitted on: same config and weight fingerprints. A dependency

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
+from ..eval.mix import MIXES
 from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
 
 
@@ -35,10 +36,12 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="with --task FILE.jsonl: the map's data, lines of the task's forms or {\"text\": ...} "
                         "(a user turn); refused if any prompt is one of FILE's (by sha256)")
-    p.add_argument("--preset", choices=["general"], default=None,
+    p.add_argument("--preset", choices=list(MIXES), default=None,
                    help="general: the chat-formatted mix meant to serve all traffic (multi-turn reading "
                         "conversations, unevaluated few-shot tasks, math, code, prose; see docs/RESULTS.md), "
-                        "checked disjoint from every task's evaluated items, instead of --corpus")
+                        "checked disjoint from every task's evaluated items, instead of --corpus; general-v3: "
+                        "the same and few-shot chains of GSM8K's held-apart word problems (a candidate, "
+                        "docs/RESULTS.md 8.3)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
@@ -155,7 +158,7 @@ def _corpus(args, tokenizer):
         from ..eval.tasks import TASKS
 
         corpus, dropped = general_corpus({n: T(args.cache_dir, tokenizer=tokenizer) for n, T in TASKS.items()},
-                                         args.cache_dir)
+                                         args.cache_dir, args.preset)
         print(f"{corpus.name} mix: {len(corpus.documents)} documents ({dropped} dropped for sharing a line with "
               f"an evaluated item of {len(TASKS)} tasks)", file=sys.stderr)
         return corpus
@@ -184,7 +187,7 @@ def cmd_calibrate(args) -> int:
 
     from ..eval import mix
 
-    general = args.preset == "general"
+    general = args.preset is not None  # every preset is a general mix: its sequence length and sharpening
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens,
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
@@ -225,7 +228,7 @@ def _add_mlp(sub) -> None:
     p.add_argument("--task", default=None, help="the map's calibration task")
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="the map's --calibration file (with a task file as --task)")
-    p.add_argument("--preset", choices=["general"], default=None, help="the map's calibration preset")
+    p.add_argument("--preset", choices=list(MIXES), default=None, help="the map's calibration preset")
     p.add_argument("--tokens", type=int, default=16384, help="training positions (default: 16384)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out positions (default: 4096)")
     p.add_argument("--hidden", type=int, default=256, help="hidden units (default: 256)")

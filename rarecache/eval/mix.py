@@ -224,6 +224,41 @@ def _math_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     return docs
 
 
+WORD_SHOTS = 8
+# GSM8K's own instruction is in every evaluated prompt, so it is evaluated text: the same request in other words
+WORD_ASK = "Work out the final question step by step, the way the examples do, and finish with \"So the answer is N.\"\n\n"
+
+
+def word_problems(cache_dir: Path | None = None) -> list[tuple[str, str, str]]:
+    """(id, question, worked solution) of GSM8K's held-apart pool (test items 1000-1318, which its tasks keep
+    for calibration and never evaluate)."""
+    from .tasks.gsm8k import GSM8K
+
+    return [(i.id, i.messages[0]["content"].rsplit("\n\nQuestion: ", 1)[1].removesuffix("\nAnswer:"),
+             i.extra["solution"]) for i in GSM8K(cache_dir).calibration_items()]
+
+
+def word_chain_prompt(problems: list[tuple[str, str, str]], shots: list[int], last: int) -> str:
+    """GSM8K's layout (eight "Question: … Answer: … So the answer is N." exemplars, then a question) with
+    other problems as the exemplars and the instruction in other words."""
+    worked = "\n\n".join(f"Question: {problems[i][1]}\nAnswer: {problems[i][2]}" for i in shots)
+    return f"{WORD_ASK}{worked}\n\nQuestion: {problems[last][1]}\nAnswer:"
+
+
+def _word_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
+    """Few-shot chains of grade-school word problems in GSM8K's own layout, from its held-apart pool: what
+    a map needs to have read to map such prompts (RESULTS.md 8.3: MATH chains are not enough). The evaluated
+    prompts' eight exemplars and instruction are not in the pool; the disjointness check keeps it so."""
+    problems = word_problems(cache_dir)
+    rng = random.Random(f"{SEED}:word")
+    docs = []
+    for j in range(len(problems)):
+        shots = rng.sample([i for i in range(len(problems)) if i != j], WORD_SHOTS)
+        docs.append((f"word:{problems[j][0]}", (_user(word_chain_prompt(problems, shots, j)),
+                                                _assistant(problems[j][2]))))
+    return docs
+
+
 CODE_LANGUAGES = ("python", "javascript", "java", "cpp", "go", "rust", "typescript", "csharp", "php", "ruby")
 
 
@@ -308,6 +343,21 @@ COMPONENTS = (
 )
 
 
+# A candidate for the next general map: v2 and grade-school word-problem chains (RESULTS.md 8.3). `--preset
+# general` stays the mix of the served map until a candidate has been measured against it.
+COMPONENTS_V3 = COMPONENTS + (
+    Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
+              _word_chains),
+)
+MIXES = {"general": "COMPONENTS", "general-v3": "COMPONENTS_V3"}  # preset: the module attribute holding its mix
+
+
+def components(preset: str = NAME) -> tuple[Component, ...]:
+    if preset not in MIXES:
+        raise RarecacheError(f"unknown preset {preset!r}: {', '.join(MIXES)}")
+    return globals()[MIXES[preset]]
+
+
 def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[str, object]]:
     """Merge lists so that every prefix holds them in proportion to `weights` (smooth weighted
     round robin); a list that runs out drops out."""
@@ -322,26 +372,29 @@ def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[st
         taken[k] += 1
 
 
-def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None) -> tuple[Corpus, int]:
-    """The general mix as a chat corpus, documents in their fixed interleaved order, without any
-    document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
+def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
+                   preset: str = NAME) -> tuple[Corpus, int]:
+    """The general mix (`preset`: one of MIXES) as a chat corpus, documents in their fixed interleaved order,
+    without any document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
     holds MATH problems, for one). Returns the corpus and how many documents were dropped."""
     evaluated = _evaluated_lines(tasks)
     pools, dropped = {}, 0
-    for c in COMPONENTS:
+    mix = components(preset)
+    for c in mix:
         docs = c.build(cache_dir)
         kept = [(i, d) for i, d in docs if not _lines(_doc_texts(d)) & evaluated]
         dropped += len(docs) - len(kept)
         random.Random(f"{SEED}:{c.name}").shuffle(kept)
         pools[c.name] = kept
-    merged = interleave(pools, {c.name: c.weight for c in COMPONENTS})
+    merged = interleave(pools, {c.name: c.weight for c in mix})
     # no second check: every kept document was just tested against every evaluated line
-    return Corpus(NAME, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged)), dropped
+    return Corpus(preset, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged)), dropped
 
 
-def describe_mix() -> str:
-    total = sum(c.weight for c in COMPONENTS)
-    return "\n".join(f"  {c.name:12s} {c.weight / total:4.0%} of documents: {c.about}" for c in COMPONENTS)
+def describe_mix(preset: str = NAME) -> str:
+    mix = components(preset)
+    total = sum(c.weight for c in mix)
+    return "\n".join(f"  {c.name:12s} {c.weight / total:4.0%} of documents: {c.about}" for c in mix)
 
 
 # -- disjointness ----------------------------------------------------------------------
