@@ -217,3 +217,9 @@ def test_the_candidate_mix_is_the_served_mix_and_word_chains():
     assert mix.components("general-v3")[-1].name == "word"
     with pytest.raises(RarecacheError, match="unknown preset"):
         mix.components("general-v9")
+
+
+def test_the_cli_offers_every_preset_and_only_those():
+    from rarecache.commands.maps import PRESETS
+
+    assert PRESETS == tuple(mix.MIXES)

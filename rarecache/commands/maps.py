@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from ..eval.mix import MIXES
 from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
+
+PRESETS = ("general", "general-v3")  # eval.mix.MIXES' names (--help imports no evaluation code; a test holds them equal)
 
 
 def register(sub) -> None:
@@ -36,7 +37,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="with --task FILE.jsonl: the map's data, lines of the task's forms or {\"text\": ...} "
                         "(a user turn); refused if any prompt is one of FILE's (by sha256)")
-    p.add_argument("--preset", choices=list(MIXES), default=None,
+    p.add_argument("--preset", choices=PRESETS, default=None,
                    help="general: the chat-formatted mix meant to serve all traffic (multi-turn reading "
                         "conversations, unevaluated few-shot tasks, math, code, prose; see docs/RESULTS.md), "
                         "checked disjoint from every task's evaluated items, instead of --corpus; general-v3: "
@@ -228,7 +229,7 @@ def _add_mlp(sub) -> None:
     p.add_argument("--task", default=None, help="the map's calibration task")
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="the map's --calibration file (with a task file as --task)")
-    p.add_argument("--preset", choices=list(MIXES), default=None, help="the map's calibration preset")
+    p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
     p.add_argument("--tokens", type=int, default=16384, help="training positions (default: 16384)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out positions (default: 4096)")
     p.add_argument("--hidden", type=int, default=256, help="hidden units (default: 256)")
