@@ -4,10 +4,10 @@ Criterion 2 of the gate issue (mean recomputed share ≤ 0.3, fallbacks counted 
 requests; criterion 1 asks that they keep the target's answers. A signal can only choose among the rungs the
 ladder offers, so the cheapest policy that keeps every answer is an oracle that knows, per request, the lowest
 rung whose answer the target would have given anyway (multiple choice: the same answer; bits per byte: moved by
-at most the gate's 0.01) and falls back where no rung up to the cap does. `--loss accuracy` lets the oracle
+at most CHANGED_BPB, 0.01) and falls back where no rung up to the cap does. `--loss accuracy` lets the oracle
 accept any rung that is not worse (a change between two wrong answers, or an improvement, is free), the looser
-bound. If even the oracle recomputes more than 0.3 of a task's positions, no signal can meet criterion 2 there
-with this map, selector and ladder; if it does not, what is missing is the signal (criterion 3).
+bound. If even the oracle recomputes more than 0.3 of a task's positions, no signal that keeps every answer can meet
+criterion 2 there with this map, selector and ladder; if it does not, what is missing is the signal (criterion 3).
 
     python scripts/gate_oracle.py ~/.cache/rarecache/runs/eval/ridge-{mmlu,arc_challenge,hellaswag,gsm8k_bpb}.jsonl
 """

@@ -22,10 +22,11 @@ def main(path: str, out: str | None = None) -> None:
     info = Mapper.load(path).info
     ids, seq_len = info.calibration["document_ids"], info.calibration["seq_len"]
     tokenizer = Tokenizer.from_dir(resolve_model(info.source["name"], pull_missing=False))
+    comps = mix.components(info.corpus.get("name", mix.NAME))  # the preset the map was calibrated with
     docs = {}
-    for c in mix.COMPONENTS:
+    for c in comps:
         docs.update({i: (c.name, d) for i, d in c.build(None)})
-    counts = {c.name: [0, 0] for c in mix.COMPONENTS}
+    counts = {c.name: [0, 0] for c in comps}
     for i in ids:
         name, doc = docs[i]
         messages = [{"role": "user", "content": doc}] if isinstance(doc, str) else list(doc)

@@ -146,9 +146,9 @@ def test_oracle_is_the_cheapest_choice_that_keeps_every_answer():
     from rarecache.eval.gate import oracle
 
     g = torch.Generator().manual_seed(1)
-    n = 6
-    changed = (torch.rand(n, 4, generator=g) < 0.5).tolist()
-    target = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0]
+    n = 7
+    changed = (torch.rand(n - 1, 4, generator=g) < 0.5).tolist() + [[True, True, False, False]]  # kept only above 0.2
+    target = [1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     value = [[t if not c else 1.0 - t for c in ch] for t, ch in zip(target, changed)]  # a change flips right/wrong
     lad = _planted_ladders("correct", target, value, changed)
     for cap in (0.2, 0.5):
@@ -161,16 +161,22 @@ def test_oracle_is_the_cheapest_choice_that_keeps_every_answer():
         assert o["delta"] == 0.0
         keeps = sum(any(not changed[k][r] for r in allowed) for k in range(n))
         assert o["fallback_share"] == pytest.approx(1 - keeps / n) and sum(o["accepted"].values()) == keeps
+    assert oracle(lad, 0.2)["fallback_share"] > oracle(lad, 0.5)["fallback_share"]  # the last item: only under 0.5
     # the accuracy oracle may take a change that costs nothing: wrong to another wrong answer, or an improvement
-    lad = _planted_ladders("correct", [0.0, 1.0], [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]],
-                           [[True, True, True, True], [True, True, True, False]])
-    assert oracle(lad, 0.5)["fallback_share"] == 0.5 and oracle(lad, 0.5, "accuracy")["fallback_share"] == 0.0
-    assert oracle(lad, 0.5, "accuracy")["accepted"] == {0.1: 1, 0.2: 0, 0.3: 0, 0.5: 1}
+    lad = _planted_ladders("correct", [0.0, 1.0, 0.0], [[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0],
+                                                         [1.0, 1.0, 1.0, 1.0]],
+                           [[True, True, True, True], [True, True, True, False], [True, True, True, True]])
+    assert oracle(lad, 0.5)["fallback_share"] == pytest.approx(2 / 3)
+    acc = oracle(lad, 0.5, "accuracy")
+    assert acc["fallback_share"] == 0.0 and acc["accepted"] == {0.1: 2, 0.2: 0, 0.3: 0, 0.5: 1}
+    assert acc["delta"] == pytest.approx(100 / 3)  # the improvement on the third item, in pp
     # bits per byte: "no worse" is at most CHANGED_BPB above the target; lower is better
     lad = _planted_ladders("bpb", [0.50, 0.50], [[0.60, 0.45, 0.45, 0.45], [0.60, 0.60, 0.505, 0.50]],
                            [[True, True, True, True], [True, True, False, False]])
     o = oracle(lad, 0.5, "accuracy")
     assert o["accepted"] == {0.1: 0, 0.2: 1, 0.3: 1, 0.5: 0} and o["delta"] == pytest.approx((-0.05 + 0.005) / 2)
+    o = oracle(lad, 0.5)  # "changed": an improvement past CHANGED_BPB is a change too
+    assert o["accepted"] == {0.1: 0, 0.2: 0, 0.3: 1, 0.5: 0} and o["fallback_share"] == 0.5
     with pytest.raises(RarecacheError, match="unknown gate loss"):
         oracle(lad, 0.5, "bpb")
 

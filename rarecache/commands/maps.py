@@ -47,7 +47,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per calibration sequence (default: 512; 1024 with --preset general, whose few-shot "
+                   help="tokens per calibration sequence (default: 512; 1024 with a --preset, whose few-shot "
                         "chains are that long)")
     p.add_argument("--stride", type=int, default=1, help="sample every STRIDE-th position (default: 1)")
     p.add_argument("--skip-first", type=int, default=0, help="leave out the first N positions (default: 0)")

@@ -250,8 +250,8 @@ def oracle(lad: Ladders, cap: float, loss: str = "changed") -> dict:
     """The best any signal could do on these ladders: per item, the lowest rung up to ρ `cap` whose answer the
     target gives anyway (`loss` "changed": the same answer, bpb within CHANGED_BPB) or, with "accuracy", any rung
     no worse than the target (a change between two wrong answers, or an improvement, is free); fallback (cost
-    1.0) where none is. A policy reading a signal accepts a subset of these rungs or a costlier one, so its
-    recomputed share at the same loss is at least the oracle's."""
+    1.0) where none is; bits per byte: "no worse" is at most CHANGED_BPB worse. With "changed" no policy that
+    keeps every answer recomputes less on these rungs; one that accepts changes which offset each other could."""
     if loss not in LOSSES:
         raise RarecacheError(f"unknown gate loss {loss!r}: {', '.join(LOSSES)}")
     bpb = lad.metric == "bpb"

@@ -248,7 +248,9 @@ def word_chain_prompt(problems: list[tuple[str, str, str]], shots: list[int], la
 def _word_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     """Few-shot chains of grade-school word problems in GSM8K's own layout, from its held-apart pool: what
     a map needs to have read to map such prompts (RESULTS.md 8.3: MATH chains are not enough). The evaluated
-    prompts' eight exemplars and instruction are not in the pool; the disjointness check keeps it so."""
+    prompts' eight exemplars and instruction are not in the pool; the disjointness check keeps it so. A chain runs
+    to ~1,450 tokens: a SEQ_LEN sequence holds the instruction and about six exemplars, what the map that showed
+    the need read (RESULTS.md 8.3)."""
     problems = word_problems(cache_dir)
     rng = random.Random(f"{SEED}:word")
     docs = []
