@@ -10,7 +10,7 @@ checked line by line, as the general mix is (`eval.mix.check_disjoint_from_tasks
 
     python scripts/ceiling_corpus.py OUT.jsonl     # then: calibrate --corpus OUT.jsonl:text --chat --seq-len 1024
 
-(The prompts are `eval.mix.word_chain_prompt`'s, as the general-v3 mix's `word` component builds them, with other
+(The prompts are `eval.mix.word_chain_prompts`', as the general-v3 mix's `word` component builds them, with other
 exemplar draws and without the replies. They run to ~1,450 tokens, so a 1,024-token calibration sequence holds the
 instruction and about six exemplars.)
 """
@@ -22,7 +22,7 @@ import json
 import random
 from pathlib import Path
 
-from rarecache.eval.mix import WORD_SHOTS, check_disjoint_from_tasks, word_chain_prompt, word_problems
+from rarecache.eval.mix import check_disjoint_from_tasks, word_chain_prompts, word_problems
 from rarecache.eval.tasks import TASKS
 from rarecache.models.store import resolve_model
 from rarecache.models.tokenizer import Tokenizer
@@ -36,10 +36,7 @@ def main() -> None:
     ap.add_argument("--source", default="qwen2.5-coder-0.5b-instruct", help="the tokenizer tasks cut text with")
     args = ap.parse_args()
     tok = Tokenizer.from_dir(resolve_model(args.source))
-    problems = word_problems()
-    rng = random.Random(args.seed)
-    texts = [word_chain_prompt(problems, rng.sample([i for i in range(len(problems)) if i != j], WORD_SHOTS), j)
-             for j in range(len(problems))]
+    texts = word_chain_prompts(word_problems(), random.Random(args.seed))
     checked = check_disjoint_from_tasks(Corpus("gsm8k-reshot", tuple(texts), chat=True),
                                         {n: T(tokenizer=tok) for n, T in TASKS.items()})
     with open(args.out, "w") as f:

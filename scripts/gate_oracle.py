@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rarecache.eval.gate import oracle, read_ladders
+from rarecache.eval.gate import LOSSES, oracle, read_ladders
 
 
 def main() -> None:
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("files", type=Path, nargs="+", help="results files with a target arm and one ladder arm")
     ap.add_argument("--arm", default=None, help="the ladder arm (default: the file's only one)")
     ap.add_argument("--caps", type=float, nargs="+", default=[0.3, 0.5], help="largest ρ accepted (default: 0.3 0.5)")
-    ap.add_argument("--loss", choices=["changed", "accuracy"], default="changed",
+    ap.add_argument("--loss", choices=LOSSES, default="changed",
                     help="changed: keep the target's answer; accuracy: be no worse than it (default: changed)")
     args = ap.parse_args()
     print(f"oracle: {args.loss}")

@@ -45,7 +45,7 @@ def test_general_corpus_drops_documents_that_share_a_line_with_an_evaluated_item
     docs = [("m:0", ({"role": "user", "content": f"Solve this problem.\n\n{QUESTION}"},
                      {"role": "assistant", "content": "9699690"})),
             ("m:1", "A document about something else entirely, long enough to count as a line.")]
-    monkeypatch.setattr(mix, "COMPONENTS", (mix.Component("only", 1, "toy", lambda cache_dir: list(docs)),))
+    monkeypatch.setitem(mix.MIXES, "general", (mix.Component("only", 1, "toy", lambda cache_dir: list(docs)),))
     corpus, dropped = mix.general_corpus({"toy": _Toy([f"Question: {QUESTION}", f"  {QUESTION}  "])})
     assert dropped == 1 and corpus.ids == ("m:1",) and corpus.chat
     # whitespace is normalised: the evaluated prompt's second item matched despite its padding
@@ -59,8 +59,8 @@ def test_general_corpus_drops_documents_that_share_a_line_with_an_evaluated_item
 
 def test_mix_order_is_deterministic(monkeypatch):
     docs = [(f"d:{i}", f"document number {i} with enough characters to be a line of its own") for i in range(50)]
-    monkeypatch.setattr(mix, "COMPONENTS", (mix.Component("a", 2, "toy", lambda c: list(docs[:25])),
-                                            mix.Component("b", 1, "toy", lambda c: list(docs[25:]))))
+    monkeypatch.setitem(mix.MIXES, "general", (mix.Component("a", 2, "toy", lambda c: list(docs[:25])),
+                                                mix.Component("b", 1, "toy", lambda c: list(docs[25:]))))
     one, _ = mix.general_corpus({})
     two, _ = mix.general_corpus({})
     assert one.ids == two.ids and one.fingerprint == two.fingerprint and sorted(one.ids) == sorted(i for i, _ in docs)

@@ -238,11 +238,16 @@ def word_problems(cache_dir: Path | None = None) -> list[tuple[str, str, str]]:
              i.extra["solution"]) for i in GSM8K(cache_dir).calibration_items()]
 
 
-def word_chain_prompt(problems: list[tuple[str, str, str]], shots: list[int], last: int) -> str:
-    """GSM8K's layout (eight "Question: … Answer: … So the answer is N." exemplars, then a question) with
-    other problems as the exemplars and the instruction in other words."""
-    worked = "\n\n".join(f"Question: {problems[i][1]}\nAnswer: {problems[i][2]}" for i in shots)
-    return f"{WORD_ASK}{worked}\n\nQuestion: {problems[last][1]}\nAnswer:"
+def word_chain_prompts(problems: list[tuple[str, str, str]], rng: random.Random) -> list[str]:
+    """One prompt per problem in GSM8K's layout (WORD_SHOTS "Question: … Answer: … So the answer is N."
+    exemplars, then the problem), the exemplars drawn by `rng` from the other problems, the instruction in other
+    words."""
+    prompts = []
+    for j, (_, question, _) in enumerate(problems):
+        shots = rng.sample([i for i in range(len(problems)) if i != j], WORD_SHOTS)
+        worked = "\n\n".join(f"Question: {problems[i][1]}\nAnswer: {problems[i][2]}" for i in shots)
+        prompts.append(f"{WORD_ASK}{worked}\n\nQuestion: {question}\nAnswer:")
+    return prompts
 
 
 def _word_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
@@ -252,13 +257,9 @@ def _word_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     to ~1,450 tokens: a SEQ_LEN sequence holds the instruction and about six exemplars, what the map that showed
     the need read (RESULTS.md 8.3)."""
     problems = word_problems(cache_dir)
-    rng = random.Random(f"{SEED}:word")
-    docs = []
-    for j in range(len(problems)):
-        shots = rng.sample([i for i in range(len(problems)) if i != j], WORD_SHOTS)
-        docs.append((f"word:{problems[j][0]}", (_user(word_chain_prompt(problems, shots, j)),
-                                                _assistant(problems[j][2]))))
-    return docs
+    prompts = word_chain_prompts(problems, random.Random(f"{SEED}:word"))
+    return [(f"word:{pid}", (_user(prompt), _assistant(solution)))
+            for (pid, _, solution), prompt in zip(problems, prompts)]
 
 
 CODE_LANGUAGES = ("python", "javascript", "java", "cpp", "go", "rust", "typescript", "csharp", "php", "ruby")
@@ -351,13 +352,13 @@ COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-MIXES = {"general": "COMPONENTS", "general-v3": "COMPONENTS_V3"}  # preset: the module attribute holding its mix
+MIXES = {"general": COMPONENTS, "general-v3": COMPONENTS_V3}
 
 
 def components(preset: str = NAME) -> tuple[Component, ...]:
     if preset not in MIXES:
         raise RarecacheError(f"unknown preset {preset!r}: {', '.join(MIXES)}")
-    return globals()[MIXES[preset]]
+    return MIXES[preset]
 
 
 def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[str, object]]:
