@@ -3,8 +3,9 @@
 # against the served file (v2), before it may replace it. Step 1, here: plain transfer, the arm #15's second
 # criterion reads, through both maps' plain views on held-apart items 300-349 of every task (never evaluated),
 # beside the source. If v3 is no worse than the source on every task and than v2 elsewhere, the acceptance arms
-# run again through it on items 0-299 (general.sh with the map replaced). Resumable like general.sh; N items.
-#   nohup bash scripts/frozen.sh scripts/general_v3.sh >> ~/.cache/rarecache/runs/general_v3.log 2>&1 &
+# run again through it on items 0-299 (step 2, STEP2=1). Resumable like general.sh; N held items.
+#   N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ~/.cache/rarecache/runs/general_v3.log 2>&1 &
+#   STEP2=1 N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ... (step 1 is then already done)
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
@@ -18,3 +19,20 @@ for task in gsm8k_bpb arc_challenge mmlu hellaswag; do  # GSM8K first: the task 
   rarecache eval run --task $task --source $S --target $T --map v3=$V3 v2=$SERVED --arms source 0:rank@v3 0:rank@v2 \
       --start 300 --limit "${N:-50}" --dtype float32 --out $E/v3-held-$task.jsonl > /dev/null
 done
+# Step 2, once step 1 says v3 may replace v2 (a person reads it: STEP2=1): #15's criteria through v3 on the
+# evaluated items 0-299, in the order they decide: plain transfer on every task (criterion 2), then the default
+# selector at rho 0.2 on GSM8K, ARC-C and HellaSwag (criterion 1), then the rest of the ladder of budgets the
+# summary reads (at 100 items, as v2's pick did; only the default selector: the summary through v3 picks among
+# the selectors run through it). The arms go into the served file's results (ridge-TASK.jsonl, label v3): their target
+# and source rows are map-free and shared, and `eval report --map-label v3` reads v3's arms alone.
+[ "${STEP2:-0}" = 1 ] || exit 0
+. scripts/lib.sh
+SEL=$(python -c "import json; print(json.load(open('docs/artifacts/general-map-summary.json'))['default_selector'])")
+v3() {  # items task arms...
+  seed $E/ridge-$2.jsonl  # (a fresh machine continues the committed run)
+  rarecache eval run --task $2 --source $S --target $T --map v3=$V3 --arms target source "${@:3}" \
+      --limit $1 --dtype float32 --out $E/ridge-$2.jsonl > /dev/null
+}
+for task in gsm8k_bpb arc_challenge mmlu hellaswag; do v3 300 $task 0:rank@v3; done
+for task in gsm8k_bpb arc_challenge hellaswag; do v3 300 $task 0.2:$SEL@v3; done
+for task in gsm8k_bpb arc_challenge hellaswag mmlu; do v3 100 $task {0.1,0.2,0.3}:$SEL@v3; done
