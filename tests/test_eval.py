@@ -10,7 +10,7 @@ import pytest
 from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.eval.metrics import mean_ci, paired_diff_ci
-from rarecache.eval.report import compact, markdown, summarise, template_prompt_share
+from rarecache.eval.report import compact, markdown, summarise, template_prompt_share, top_answer
 from rarecache.eval.arms import Arm, parse_arms
 from rarecache.eval.results import load_results, run_meta
 from rarecache.eval.run import run_task
@@ -194,6 +194,23 @@ def test_report_per_map_gap_selector_tests_and_template_share():
     assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | — | 100.0% (100.0%–100.0%)")
     assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
                         "| 33% | 50% | — | 0.125 (n=4) | — |")  # no source arm: no share of its gap kept
+
+
+def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_scores():
+    """A model near chance can score by favouring one choice (RESULTS.md 8.3); the report shows it, per arm,
+    from the prediction its metric scores (acc_norm: the length-normalised one), and nothing on bits per byte."""
+    rows = [{"item": i, "arm": "source", "correct": int(g == 1), "correct_norm": int(g == n), "prediction": 1,
+             "prediction_norm": n, "gold": g} for i, (g, n) in enumerate([(1, 0), (0, 0), (2, 2), (3, 2)])]
+    rows += [{"item": i, "arm": "target", "correct": 1, "correct_norm": 1, "prediction": g, "prediction_norm": g,
+              "gold": g} for i, g in enumerate([1, 0, 2, 3])]
+    assert top_answer(rows, "source") == (1, 1.0) and top_answer(rows, "source", "correct_norm") == (0, 0.5)
+    assert top_answer(rows, "target") == (0, 0.25)  # a four-way tie: the first choice
+    assert top_answer(rows, "target", "bpb") is None and top_answer(rows, "other") is None
+    s = {r["arm"]: r for r in summarise(rows, "correct")}
+    assert s["source"]["top_answer"] == (1, 1.0)
+    assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% |")  # the source row (after target)
+    bpb = [{"item": "x", "arm": a, "bpb": 1.0} for a in ("target", "source")]
+    assert markdown(summarise(bpb, "bpb", lower_is_better=True)).splitlines()[-1].endswith("| — |")
 
 
 def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_undefined():

@@ -1,6 +1,8 @@
 """Summaries of a results file: the metric per arm with bootstrap intervals, retention against the
 target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests against
-the target and between selectors, and where the recompute budget went.
+the target and between selectors, where the recompute budget went, and on multiple choice the answer an
+arm gives most often: near chance, accuracy can be only the share of gold answers at the choice a model
+favours (RESULTS.md 8.3: the 0.5B answers MMLU's B on 84% of items), which the mean alone hides.
 
 A ratio with nothing to divide by (no gap to close, a target not above chance) is
 undefined and prints as —. A p-value prints with the number of paired items it rests
@@ -67,7 +69,8 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         items = sorted(vals)
         m, lo, hi = mean_ci([vals[i] for i in items])
         row = {"arm": arm, "n": len(items), "mean": m, "lo": lo, "hi": hi,
-               "position0": _share(rows, arm, "position0"), "template_share": _template_share(rows, arm)}
+               "position0": _share(rows, arm, "position0"), "template_share": _template_share(rows, arm),
+               "top_answer": top_answer(rows, arm, metric)}
         shared = [i for i in items if i in target]
         if target and arm != "target" and shared:
             t, a = _mean_over(target, shared), _mean_over(vals, shared)
@@ -114,6 +117,20 @@ def _share(rows: list[dict], arm: str, field: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+PREDICTION = {"correct": "prediction", "correct_norm": "prediction_norm"}  # the answer each metric scores
+
+
+def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int, float] | None:
+    """The choice index `arm` answers most often (the lowest on a tie) and the share of its items that answer
+    it; None where the metric scores no chosen answer (bits per byte)."""
+    field = PREDICTION.get(metric)
+    picks = [r[field] for r in rows if r["arm"] == arm and field is not None and r.get(field) is not None]
+    if not picks:
+        return None
+    best = min(set(picks), key=lambda c: (-picks.count(c), c))
+    return best, picks.count(best) / len(picks)
+
+
 def _template_share(rows: list[dict], arm: str) -> float | None:
     """Share of the recomputed positions that lie in text every prompt of the task shares."""
     picked = [(r["chosen_template"], r["recomputed"]) for r in rows if r["arm"] == arm and "chosen_template" in r]
@@ -150,8 +167,8 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                  "positions; the last column is its share of the positions each arm recomputed.", ""]
     lines = head + [
         f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
-        "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks | most given answer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary:
         def opt(key, fmt="{:.1%}"):
             return fmt.format(r[key]) if r.get(key) is not None else "—"
@@ -161,8 +178,16 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
         lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
                      f"{opt('retention')} | "
                      f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | {vs_rank} | "
-                     f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} |")
+                     f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} | {_top_cell(r)} |")
     return "\n".join(lines)
+
+
+def _top_cell(r: dict) -> str:
+    """The most given answer as its letter (choice 0 = A) and share, or — (bits per byte)."""
+    top = r.get("top_answer")
+    if top is None:
+        return "—"
+    return f"{chr(ord('A') + top[0]) if 0 <= top[0] < 26 else top[0]} {top[1]:.0%}"
 
 
 def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
