@@ -24,7 +24,8 @@ done
 # selector at rho 0.2 on GSM8K, ARC-C and HellaSwag (criterion 1), then the rest of the ladder of budgets the
 # summary reads (at 100 items, as v2's pick did; only the default selector: the summary through v3 picks among
 # the selectors run through it). The arms go into the served file's results (ridge-TASK.jsonl, label v3): their target
-# and source rows are map-free and shared, and `eval report --map-label v3` reads v3's arms alone.
+# and source rows are map-free and shared, and `eval report --map-label v3` reads v3's arms alone. Publish them
+# apart from the served file's:  LABELS=v3 bash scripts/publish.sh $E/ridge-TASK.jsonl v3-TASK-300
 [ "${STEP2:-0}" = 1 ] || exit 0
 . scripts/lib.sh
 SEL=$(python -c "import json; print(json.load(open('docs/artifacts/general-map-summary.json'))['default_selector'])")
