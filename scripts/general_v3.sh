@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The candidate general mix v3 (RESULTS.md 8.3: v2 and few-shot chains of GSM8K's held-apart word problems)
 # against the served file (v2), before it may replace it. Step 1, here: plain transfer, the arm #15's second
-# criterion reads, through both maps' plain views on held-apart items 300-349 of every task (never evaluated),
-# beside the source. If v3 is no worse than the source on every task and than v2 elsewhere, the acceptance arms
-# run again through it on items 0-299 (step 2, STEP2=1). Resumable like general.sh; N held items.
+# criterion reads, through both maps' plain views on held-apart items 300-(300+N) of every task (never
+# evaluated; N=100 is what RESULTS reports), beside the source. Then a person reads it and, if v3 may replace v2,
+# runs step 2 (STEP2=1): the acceptance arms through v3 on items 0-299. (The rule set first, no worse than the
+# source on every held task, failed on MMLU for v3 and v2 alike, where plain transfer's accuracy is a letter
+# prior; RESULTS 8.3 says why step 2 ran anyway.) Resumable like general.sh.
 #   N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ~/.cache/rarecache/runs/general_v3.log 2>&1 &
 #   STEP2=1 N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ... (step 1 is then already done)
 set -euxo pipefail
@@ -24,13 +26,17 @@ done
 # selector at rho 0.2 on GSM8K, ARC-C and HellaSwag (criterion 1), then the rest of the ladder of budgets the
 # summary reads (at 100 items, as v2's pick did; only the default selector: the summary through v3 picks among
 # the selectors run through it). The arms go into the served file's results (ridge-TASK.jsonl, label v3): their target
-# and source rows are map-free and shared, and `eval report --map-label v3` reads v3's arms alone. Publish them
-# apart from the served file's:  LABELS=v3 bash scripts/publish.sh $E/ridge-TASK.jsonl v3-TASK-300
+# and source rows are map-free and shared, and `eval report FILES --general-summary OUT --map-label v3` reads
+# v3's arms alone. Do not run it while general.sh writes the same files. Publish each map's arms apart, so that a
+# committed run seeds only where its maps exist:
+#   LABELS=v3 bash scripts/publish.sh $E/ridge-TASK.jsonl v3-TASK-300
+#   LABELS=ridge,sharp,served bash scripts/publish.sh $E/ridge-TASK.jsonl ridge-TASK-300
 [ "${STEP2:-0}" = 1 ] || exit 0
 . scripts/lib.sh
 SEL=$(python -c "import json; print(json.load(open('docs/artifacts/general-map-summary.json'))['default_selector'])")
 v3() {  # items task arms...
-  seed $E/ridge-$2.jsonl  # (a fresh machine continues the committed run)
+  seed $E/ridge-$2.jsonl  # (a fresh machine continues the served file's committed run where its maps are in
+  # $M, lib.sh: its target and source rows; v3's published arms are recomputed, through a v3 map made there)
   rarecache eval run --task $2 --source $S --target $T --map v3=$V3 --arms target source "${@:3}" \
       --limit $1 --dtype float32 --out $E/ridge-$2.jsonl > /dev/null
 }

@@ -210,7 +210,10 @@ def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_score
     assert s["source"]["top_answer"] == (1, 1.0)
     assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% |")  # the source row (after target)
     bpb = [{"item": "x", "arm": a, "bpb": 1.0} for a in ("target", "source")]
-    assert markdown(summarise(bpb, "bpb", lower_is_better=True)).splitlines()[-1].endswith("| — |")
+    generated = [{"item": "x", "arm": a, "correct": 1, "prediction": "42"} for a in ("target", "source")]
+    for table in (markdown(summarise(bpb, "bpb", lower_is_better=True)), markdown(summarise(generated))):
+        lines = table.splitlines()
+        assert {line.count("|") for line in lines} == {14} and lines[-1].endswith("| — | — |")
 
 
 def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_undefined():

@@ -122,9 +122,11 @@ PREDICTION = {"correct": "prediction", "correct_norm": "prediction_norm"}  # the
 
 def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int, float] | None:
     """The choice index `arm` answers most often (the lowest on a tie) and the share of its items that answer
-    it; None where the metric scores no chosen answer (bits per byte)."""
+    it; None where the metric scores no chosen choice (bits per byte, a generated answer)."""
     field = PREDICTION.get(metric)
-    picks = [r[field] for r in rows if r["arm"] == arm and field is not None and r.get(field) is not None]
+    # a choice index only: generative GSM8K scores `correct` on an extracted answer string
+    picks = [r[field] for r in rows if r["arm"] == arm and field is not None
+             and isinstance(r.get(field), int) and not isinstance(r[field], bool)]
     if not picks:
         return None
     best = min(set(picks), key=lambda c: (-picks.count(c), c))
@@ -164,7 +166,7 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
     head = [f"**{title}**", ""] if title else []
     if template_share is not None:
         head += [f"Shared template (instruction, exemplars, chat markup) is {template_share:.0%} of the prompt "
-                 "positions; the last column is its share of the positions each arm recomputed.", ""]
+                 "positions; the \"template share of picks\" column is its share of the positions each arm recomputed.", ""]
     lines = head + [
         f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
         "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks | most given answer |",
