@@ -15,6 +15,8 @@ R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
 V3=$M/general-v3-64k.safetensors
 SERVED=docs/artifacts/maps/general-64k.safetensors
+. scripts/lib.sh
+shipped $V3  # the committed v3 map (the one every published v3 figure went through), where RUNS has none
 [ -f $V3 ] || rarecache calibrate --preset general-v3 --source $S --target $T --tokens 65536 --heldout-tokens 8192 \
     --dtype float32 --keep-state --out $V3
 for task in gsm8k_bpb arc_challenge mmlu hellaswag; do  # GSM8K first: the task v3 is for
@@ -32,11 +34,10 @@ done
 #   LABELS=v3 bash scripts/publish.sh $E/ridge-TASK.jsonl v3-TASK-300
 #   LABELS=ridge,sharp,served bash scripts/publish.sh $E/ridge-TASK.jsonl ridge-TASK-300
 [ "${STEP2:-0}" = 1 ] || exit 0
-. scripts/lib.sh
 SEL=$(python -c "import json; print(json.load(open('docs/artifacts/general-map-summary.json'))['default_selector'])")
 v3() {  # items task arms...
   seed $E/ridge-$2.jsonl  # (a fresh machine continues the served file's committed run where its maps are in
-  # $M, lib.sh: its target and source rows; v3's published arms are recomputed, through a v3 map made there)
+  # $M, lib.sh: its target and source rows; the v3 arms published apart, v3-TASK-300, are recomputed)
   rarecache eval run --task $2 --source $S --target $T --map v3=$V3 --arms target source "${@:3}" \
       --limit $1 --dtype float32 --out $E/ridge-$2.jsonl > /dev/null
 }
