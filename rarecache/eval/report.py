@@ -13,7 +13,7 @@ side of zero, the bootstrap can say no more.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from ..transfer.selectors import SELECTORS
 from .metrics import mean_ci, p_floor, paired_diff_ci
@@ -129,8 +129,9 @@ def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int
              and isinstance(r.get(field), int) and not isinstance(r[field], bool)]
     if not picks:
         return None
-    best = min(set(picks), key=lambda c: (-picks.count(c), c))
-    return best, picks.count(best) / len(picks)
+    counts = Counter(picks)
+    best = min(counts, key=lambda c: (-counts[c], c))
+    return best, counts[best] / len(picks)
 
 
 def _template_share(rows: list[dict], arm: str) -> float | None:
