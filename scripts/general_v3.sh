@@ -8,6 +8,7 @@
 # prior; RESULTS 8.3 says why step 2 ran anyway.) Resumable like general.sh.
 #   N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ~/.cache/rarecache/runs/general_v3.log 2>&1 &
 #   STEP2=1 N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ... (step 1 is then already done)
+#   STEP3=1 STEP2=1 N=100 nohup bash scripts/frozen.sh scripts/general_v3.sh >> ... (steps 1 and 2 then done)
 set -euxo pipefail
 cd "$(dirname "$0")/.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
@@ -45,3 +46,7 @@ for task in gsm8k_bpb arc_challenge mmlu hellaswag; do v3 300 $task 0:rank@v3; d
 for task in gsm8k_bpb arc_challenge hellaswag; do v3 100 $task 0.2:$SEL@v3; done  # breadth first
 for task in hellaswag arc_challenge gsm8k_bpb; do v3 300 $task 0.2:$SEL@v3; done  # at 100: HS 83%, ARC-C 117%, GSM8K 135%
 for task in gsm8k_bpb arc_challenge hellaswag mmlu; do v3 100 $task {0.1,0.2,0.3}:$SEL@v3; done
+# Step 3 (STEP3=1): v2's runner-up selector (suffix+attn, RESULTS 8) through v3 at the same budgets and items,
+# so that the summary through v3 picks its default between two selectors, by the numbers, not by inheritance.
+[ "${STEP3:-0}" = 1 ] || exit 0
+for task in gsm8k_bpb arc_challenge hellaswag mmlu; do v3 100 $task {0.1,0.2,0.3}:suffix+attn@v3; done
