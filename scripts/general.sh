@@ -19,7 +19,7 @@ R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
 DT=(--dtype float32)
 gen() {  # source target tokens out (the preset's sequence length and sharpening: eval/mix.py)
-  [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general --tokens "$3" \
+  [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general-v2 --tokens "$3" \
       --heldout-tokens 8192 "${DT[@]}" --out "$4"
 }
 # Two fits of the same statistics (RESULTS.md 8.1): the sharpened map (keys R2^-1, values R2^-0.5) the preset made

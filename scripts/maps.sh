@@ -14,7 +14,7 @@ queue=$(pgrep -f "frozen-general/scripts/general.sh" | head -1 || true)
 [ -n "$queue" ] && kill -STOP -- -"$(ps -o pgid= "$queue" | tr -d ' ')"
 trap '[ -n "$queue" ] && kill -CONT -- -"$(ps -o pgid= "$queue" | tr -d " ")"' EXIT
 gen() {  # out tokens [flags...]
-  [ -f "$1" ] || rarecache calibrate --source $S --target $T --preset general --tokens "$2" --heldout-tokens 8192 \
+  [ -f "$1" ] || rarecache calibrate --source $S --target $T --preset general-v2 --tokens "$2" --heldout-tokens 8192 \
       --dtype float32 --out "$1" "${@:3}"
 }
 gen $M/general-16k-0.5b-to-1.5b.safetensors 16384 --keep-state
@@ -32,6 +32,6 @@ for task in hellaswag mmlu; do
 done
 # the nonlinear option (4.4) on the 16k general map, against its ridge on held-out positions
 [ -f $M/general-16k-mlp-0.5b-to-1.5b.safetensors ] || rarecache mlp $M/general-16k-0.5b-to-1.5b.safetensors \
-    --source $S --target $T --preset general --tokens 8192 --heldout-tokens 4096 --dtype float32 \
+    --source $S --target $T --preset general-v2 --tokens 8192 --heldout-tokens 4096 --dtype float32 \
     --out $M/general-16k-mlp-0.5b-to-1.5b.safetensors > $A/mlp-general-16k.txt
 echo MAPS DONE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from rarecache.errors import RarecacheError
 from rarecache.eval import mix
 from rarecache.eval.tasks.base import Item, Task
+from rarecache.transfer.mapper import Mapper
 
 
 def test_interleave_keeps_proportions_in_every_prefix():
@@ -45,7 +47,7 @@ def test_general_corpus_drops_documents_that_share_a_line_with_an_evaluated_item
     docs = [("m:0", ({"role": "user", "content": f"Solve this problem.\n\n{QUESTION}"},
                      {"role": "assistant", "content": "9699690"})),
             ("m:1", "A document about something else entirely, long enough to count as a line.")]
-    monkeypatch.setitem(mix.MIXES, "general", (mix.Component("only", 1, "toy", lambda cache_dir: list(docs)),))
+    monkeypatch.setitem(mix.MIXES, mix.SERVED_MIX, (mix.Component("only", 1, "toy", lambda cache_dir: list(docs)),))
     corpus, dropped = mix.general_corpus({"toy": _Toy([f"Question: {QUESTION}", f"  {QUESTION}  "])})
     assert dropped == 1 and corpus.ids == ("m:1",) and corpus.chat
     # whitespace is normalised: the evaluated prompt's second item matched despite its padding
@@ -59,7 +61,7 @@ def test_general_corpus_drops_documents_that_share_a_line_with_an_evaluated_item
 
 def test_mix_order_is_deterministic(monkeypatch):
     docs = [(f"d:{i}", f"document number {i} with enough characters to be a line of its own") for i in range(50)]
-    monkeypatch.setitem(mix.MIXES, "general", (mix.Component("a", 2, "toy", lambda c: list(docs[:25])),
+    monkeypatch.setitem(mix.MIXES, mix.SERVED_MIX, (mix.Component("a", 2, "toy", lambda c: list(docs[:25])),
                                                 mix.Component("b", 1, "toy", lambda c: list(docs[25:]))))
     one, _ = mix.general_corpus({})
     two, _ = mix.general_corpus({})
@@ -154,6 +156,16 @@ def test_serve_defaults_to_the_selector_the_summary_measured_through_the_same_ma
     assert measured_selector(served, tmp_path / "no-summary.json") is None
 
 
+def test_the_committed_summary_was_measured_through_the_map_a_checkout_serves():
+    """The served file and the summary that picks its selector change together: `serve` from a checkout
+    defaults to the summary's pick, measured through that very file (its sha256), not rank."""
+    src, tgt, rel, sha = mix.SHIPPED_GENERAL
+    root = Path(__file__).resolve().parents[1]
+    shipped = root / rel
+    assert json.loads((root / mix.SUMMARY).read_text())["map"] == sha
+    assert mix.measured_selector(shipped) is not None
+
+
 def test_the_default_selector_is_the_summarys_pick_where_the_engine_runs_it(tmp_path):
     """One rule for `serve` and the vLLM connector's own settings: the summary's pick through every
     map given, when the engine runs it; else rank, saying why."""
@@ -210,16 +222,26 @@ def test_word_chains_are_gsm8k_shaped_prompts_of_other_problems_answered_by_thei
     assert mix._word_chains(None) == chains  # deterministic
 
 
-def test_the_candidate_mix_is_the_served_mix_and_word_chains():
-    assert [c.name for c in mix.components("general")] == [c.name for c in mix.COMPONENTS]
-    assert "word" not in [c.name for c in mix.components("general")]  # the served map's mix is unchanged
-    assert mix.components("general-v3") == mix.COMPONENTS + (mix.components("general-v3")[-1],)
-    assert mix.components("general-v3")[-1].name == "word"
+def test_general_is_the_v3_mix_and_each_mix_records_the_name_its_committed_maps_carry(monkeypatch):
+    assert mix.components("general") == mix.components("general-v3") == mix.COMPONENTS_V3
+    assert mix.components("general-v2") == mix.COMPONENTS and "word" not in [c.name for c in mix.COMPONENTS]
+    assert mix.COMPONENTS_V3 == mix.COMPONENTS + (mix.COMPONENTS_V3[-1],) and mix.COMPONENTS_V3[-1].name == "word"
     with pytest.raises(RarecacheError, match="unknown preset"):
         mix.components("general-v9")
+    # the corpus name a map records: v2's maps say "general" (made when v2 was --preset general), v3's "general-v3"
+    for name, comps in mix.MIXES.items():
+        monkeypatch.setitem(mix.MIXES, name, (mix.Component("only", 1, "toy", lambda c: [("d:0", "text")]),))
+    names = {p: mix.general_corpus({}, preset=p)[0].name for p in ("general", "general-v2", "general-v3")}
+    assert names == {"general": "general-v3", "general-v2": "general", "general-v3": "general-v3"}
+    committed = {"general-v2": "docs/artifacts/maps/general-64k.safetensors",
+                 "general-v3": "docs/artifacts/maps/general-v3-64k.safetensors"}
+    root = Path(__file__).resolve().parents[1]
+    for preset, rel in committed.items():
+        assert Mapper.load(root / rel).info.corpus["name"] == names[preset], rel
+    assert mix.SHIPPED_GENERAL[2] == committed[mix.SERVED_MIX]  # the served file is the served mix's
 
 
 def test_the_cli_offers_every_preset_and_only_those():
     from rarecache.commands.maps import PRESETS
 
-    assert PRESETS == tuple(mix.MIXES)
+    assert PRESETS == (mix.NAME, *mix.MIXES)

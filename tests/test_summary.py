@@ -172,3 +172,27 @@ def test_arms_run_on_more_items_are_read_paired_and_candidates_on_shared_items(t
     assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx(0.8)
     assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx(-0.5)
     assert s["default_selector"] == "attn-source"
+
+
+def test_a_selector_another_task_lacks_is_no_candidate_and_narrows_no_task(tmp_path):
+    """A queue that grows a second selector task by task has it at every budget on a few items of one
+    task and on none of another: it is not a candidate, and the first task's candidates are still
+    compared on all their items (through v3, suffix+attn on 7 GSM8K items cut suffix's GSM8K cells to 7)."""
+    vals = _arms([0.5] * 10, [0.6] * 10, [0.7] * 10, [0.52] * 10, [0.65] * 10)
+    vals = {a: v for a, v in vals.items() if "rank@" not in a or a.startswith("rho=0/")}  # attn-source alone
+    rows = [{"task": "gsm8k_bpb", "item": i, "arm": a, "bpb": v} for a, vs in vals.items() for i, v in zip(ITEMS, vs)]
+    rows += [{"task": "gsm8k_bpb", "item": i, "arm": f"rho={r:g}/suffix@general", "bpb": 0.5}
+             for r in (0.1, 0.2, 0.3) for i in ITEMS[:3]]  # suffix: every budget, 3 items, this task only
+    path = tmp_path / "g.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.with_suffix(".meta.json").write_text(json.dumps({"maps": {"general": {"file": "m", "sha256": "abc"}}}))
+    other = _write(tmp_path / "h.jsonl", "hellaswag", "correct_norm",
+                   {a: v for a, v in _arms([1] * 10, [0] * 10, [0] * 10, [1] * 5 + [0] * 5, [0] * 10).items()
+                    if "rank@" not in a or a.startswith("rho=0/")})
+    out = tmp_path / "s.json"
+    assert main(["eval", "report", str(path), str(other), "--general-summary", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert set(s["selector_mean_model_gap_kept"]) == {"attn-source"} and s["default_selector"] == "attn-source"
+    assert s["tasks"]["gsm8k_bpb"]["pick_n"] == 10 and s["tasks"]["hellaswag"]["pick_n"] == 10
+    # attn-source over all 10 GSM8K items: (0.52 - 0.6) / (0.5 - 0.6) = 0.8; HellaSwag 0.5
+    assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.8 + 0.5) / 2)

@@ -9,7 +9,8 @@ from pathlib import Path
 from ..errors import RarecacheError
 from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
 
-PRESETS = ("general", "general-v3")  # eval.mix.MIXES' names (--help imports no evaluation code; a test holds them equal)
+PRESETS = ("general", "general-v2", "general-v3")  # general and eval.mix.MIXES' names (--help imports no
+# evaluation code; a test holds them equal)
 
 
 def register(sub) -> None:
@@ -38,11 +39,11 @@ def _add_calibrate(sub) -> None:
                    help="with --task FILE.jsonl: the map's data, lines of the task's forms or {\"text\": ...} "
                         "(a user turn); refused if any prompt is one of FILE's (by sha256)")
     p.add_argument("--preset", choices=PRESETS, default=None,
-                   help="general: the chat-formatted mix meant to serve all traffic (multi-turn reading "
-                        "conversations, unevaluated few-shot tasks, math, code, prose; see docs/RESULTS.md), "
-                        "checked disjoint from every task's evaluated items, instead of --corpus; general-v3: "
-                        "the same and few-shot chains of GSM8K's held-apart word problems (a candidate, "
-                        "docs/RESULTS.md 8.3)")
+                   help="general: the chat-formatted mix of the served map, meant to serve all traffic, "
+                        "checked disjoint from every task's evaluated items, instead of --corpus; it is general-v3: "
+                        "multi-turn reading conversations, unevaluated few-shot tasks, math, code, prose (that "
+                        "much is general-v2, the mix served before) and few-shot chains of GSM8K's held-apart "
+                        "word problems (docs/RESULTS.md 8, 8.3)")
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")

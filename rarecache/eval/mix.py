@@ -56,14 +56,14 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
     return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
 
 
-# The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.1): source,
-# target, its path in the checkout, its sha256. The ridge fit of the general statistics, which hands off
-# better at rho > 0, with plain transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps
-# through the sharpened view, which plain transfer prefers). Made from the committed sharpened map, byte for
-# byte: `refit --map general-64k-0.5b-to-1.5b.safetensors --sharpen 0 0 --plain-sharpen 1 0.5`.
+# The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.3): source,
+# target, its path in the checkout, its sha256. The v3 mix's 64k-position calibration (`calibrate --preset
+# general`, SERVED_MIX): the ridge fit of its statistics, which hands off better at rho > 0, with plain
+# transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps through the sharpened view, which
+# plain transfer prefers). v2's, served before it, stays committed as docs/artifacts/maps/general-64k.safetensors.
 SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
-                   "docs/artifacts/maps/general-64k.safetensors",
-                   "ac9b6bf946fbaa74e6fbad357feb37371d72afa6af88e49600ee6a426789acd2")
+                   "docs/artifacts/maps/general-v3-64k.safetensors",
+                   "f13342397623b22055a78e2ed0a6f2c41d9ade53d3783506bc1558517ea29067")
 
 
 def find_general_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:
@@ -346,19 +346,28 @@ COMPONENTS = (
 )
 
 
-# A candidate for the next general map: v2 and grade-school word-problem chains (RESULTS.md 8.3). `--preset
-# general` stays the mix of the served map until a candidate has been measured against it.
+# v2 and grade-school word-problem chains (RESULTS.md 8.3): the mix of the served map since v3 replaced v2.
 COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-MIXES = {"general": COMPONENTS, "general-v3": COMPONENTS_V3}
+MIXES = {"general-v2": COMPONENTS, "general-v3": COMPONENTS_V3}
+SERVED_MIX = "general-v3"  # what `--preset general` means: the mix of the served map (SHIPPED_GENERAL)
+# The corpus name a mix's maps record (MapInfo), where it is not the mix's: v2's maps were made when v2 was
+# `--preset general`, so that `--preset general-v2` makes them again byte for byte.
+RECORDED_AS = {"general-v2": "general"}
+
+
+def mix_name(preset: str = NAME) -> str:
+    """The mix a preset names: `general` the served one, else itself (one of MIXES)."""
+    name = SERVED_MIX if preset == NAME else preset
+    if name not in MIXES:
+        raise RarecacheError(f"unknown preset {preset!r}: {', '.join((NAME, *MIXES))}")
+    return name
 
 
 def components(preset: str = NAME) -> tuple[Component, ...]:
-    if preset not in MIXES:
-        raise RarecacheError(f"unknown preset {preset!r}: {', '.join(MIXES)}")
-    return MIXES[preset]
+    return MIXES[mix_name(preset)]
 
 
 def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[str, object]]:
@@ -377,8 +386,8 @@ def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[st
 
 def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
                    preset: str = NAME) -> tuple[Corpus, int]:
-    """The general mix (`preset`: one of MIXES) as a chat corpus, documents in their fixed interleaved order,
-    without any document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
+    """The general mix (`preset`: `general` or one of MIXES) as a chat corpus, documents in their fixed
+    interleaved order, without any document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
     holds MATH problems, for one). Returns the corpus and how many documents were dropped."""
     evaluated = _evaluated_lines(tasks)
     pools, dropped = {}, 0
@@ -391,7 +400,8 @@ def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
         pools[c.name] = kept
     merged = interleave(pools, {c.name: c.weight for c in mix})
     # no second check: every kept document was just tested against every evaluated line
-    return Corpus(preset, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged)), dropped
+    name = RECORDED_AS.get(mix_name(preset), mix_name(preset))
+    return Corpus(name, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged)), dropped
 
 
 def describe_mix(preset: str = NAME) -> str:

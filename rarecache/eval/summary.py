@@ -43,11 +43,8 @@ RHOS = (0.1, 0.2, 0.3)
 PLAIN_VIEW_RTOL = 1e-5  # a served map's plain view against the plain-transfer map: float32 rounding apart
 
 
-def _task_summary(path: Path, label: str | None, plain_label: str | None = None
-                  ) -> tuple[str, str, dict[str, dict], dict[str, dict[str, float]], int]:
-    """Task name, metric, per arm the summary over all its items, per arm its values by item, and the
-    number of items the selector candidates are compared on (the summary's arms over those alone when
-    arms ran on different items)."""
+def _task_rows(path: Path) -> tuple[str, str, float | None, list[dict], dict[str, dict[str, float]]]:
+    """A results file's task name, metric, chance level, rows, and per arm its values by item."""
     from .tasks import TASKS
     from .tasks.custom import headline
 
@@ -60,22 +57,35 @@ def _task_summary(path: Path, label: str | None, plain_label: str | None = None
     for r in rows:
         if metric in r:
             vals.setdefault(r["arm"], {})[r["item"]] = float(r[metric])
-    shared = _pick_items(vals, label)
+    return name, metric, chance, rows, vals
+
+
+def _candidates(vals: dict[str, dict[str, float]], label: str) -> set[str]:
+    """The deployable selectors one task ran at every budget of RHOS through map `label`."""
+    rhos: dict[str, set[float]] = {}
+    for arm in vals:
+        parts = split_arm(arm)
+        if parts is not None and parts[2] == label:
+            rhos.setdefault(parts[1], set()).add(parts[0])
+    return {s for s, got in rhos.items() if not is_oracle(s) and s != "layer-prefix" and set(RHOS) <= got}
+
+
+def _task_summary(task: tuple, label: str, candidates: set[str], plain_label: str | None = None
+                  ) -> tuple[str, str, dict[str, dict], dict[str, dict[str, float]], int]:
+    """Task name, metric, per arm the summary over the items the candidates are compared on, per arm its
+    values by item, and the number of those items."""
+    name, metric, chance, rows, vals = task
+    shared = _pick_items(vals, label, candidates)
     picked = [r for r in rows if r["item"] in shared]
     summary = summarise(picked, metric, chance, lower_is_better=metric == "bpb", plain_label=plain_label)
     return name, metric, {r["arm"]: r for r in summary}, vals, len(shared)
 
 
-def _pick_items(vals: dict[str, dict[str, float]], label: str | None) -> set[str]:
-    """The items the target, the source and every candidate selector run at every budget of RHOS (through
-    `label`, or any map) share: where the candidates are compared."""
-    by_sel: dict[tuple[str, str], set[float]] = {}
-    for arm in vals:
-        parts = split_arm(arm)
-        if parts is not None and (label is None or parts[2] == label):
-            by_sel.setdefault(parts[1:], set()).add(parts[0])
-    arms = ["target", "source"] + [arm_name(r, s, lb) for (s, lb), rhos in by_sel.items()
-                                   if not is_oracle(s) and s != "layer-prefix" and set(RHOS) <= rhos for r in RHOS]
+def _pick_items(vals: dict[str, dict[str, float]], label: str, candidates: set[str]) -> set[str]:
+    """The items the target, the source and every candidate selector (run at every budget on every task,
+    through `label`) share at every budget: where the candidates are compared. A selector a task ran at
+    every budget on fewer items, but that another task lacks, is not a candidate and narrows nothing."""
+    arms = ["target", "source"] + [arm_name(r, s, label) for s in sorted(candidates) for r in RHOS]
     items = [set(vals[a]) for a in arms if a in vals]
     return set.intersection(*items) if items else set()
 
@@ -101,11 +111,12 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
             raise RarecacheError(f"the results go through several maps ({', '.join(sorted(labels))}): "
                                  "name one with --map-label")
         label = labels.pop()
-    tasks = [(p, *_task_summary(p, label, plain_label)) for p in paths]
-    names = [t[1] for t in tasks]
+    loaded = [_task_rows(p) for p in paths]
+    names = [t[0] for t in loaded]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
-    selectors = {split_arm(a)[1] for _, _, _, arms, _, _ in tasks for a in arms if split_arm(a) is not None}
+    selectors = set.intersection(*(_candidates(t[4], label) for t in loaded))
+    tasks = [(p, *_task_summary(t, label, selectors, plain_label)) for p, t in zip(paths, loaded)]
     for _, name, metric, arms, _, _ in tasks:  # the rule's denominator: the target must beat the source
         t, src = arms.get("target"), arms.get("source")
         if t is None or src is None:
@@ -115,7 +126,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
             raise RarecacheError(f"{name}: the target ({t['mean']:.4g}) is not better than the source "
                                  f"({src['mean']:.4g}): there is no gap for a selector to keep")
     means, closed = {}, {}
-    for sel in sorted(s for s in selectors if not is_oracle(s) and s != "layer-prefix"):
+    for sel in sorted(selectors):
         cells = [arms.get(arm_name(r, sel, label), {}) for _, _, _, arms, _, _ in tasks for r in RHOS]
         kept = [c.get("model_gap_kept") for c in cells]
         if kept and all(k is not None for k in kept):
