@@ -21,7 +21,7 @@ for t in "${TASKS[@]}"; do
   unpack ridge-$t-$EVAL ridge-$t
 done
 unpack "$DRIFT" drift
-SEL=$(python -c "import json; print(json.load(open('$A/general-map-summary.json'))['default_selector'])")
+SEL=$(python -c "import json; print(json.load(open('$A/general-map-summary-v2.json'))['default_selector'])")
 ARM=ladder/$SEL@served
 held=(); ev=(); for t in "${TASKS[@]}"; do held+=("$tmp/ridge-held-$t.jsonl"); ev+=("$tmp/ridge-$t.jsonl"); done
 rarecache eval gate fit "${held[@]}" --arm $ARM --out $A/gate-policy.json > $A/gate-fit.txt

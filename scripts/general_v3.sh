@@ -15,7 +15,7 @@ S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
 V3=$M/general-v3-64k.safetensors
-SERVED=docs/artifacts/maps/general-64k.safetensors
+SERVED=docs/artifacts/maps/general-64k.safetensors  # v2, the file served until 2026-12-05
 . scripts/lib.sh
 shipped $V3  # the committed v3 map (the one every published v3 figure went through), where RUNS has none
 [ -f $V3 ] || rarecache calibrate --preset general-v3 --source $S --target $T --tokens 65536 --heldout-tokens 8192 \

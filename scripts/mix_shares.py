@@ -22,7 +22,7 @@ def main(path: str, out: str | None = None) -> None:
     info = Mapper.load(path).info
     ids, seq_len = info.calibration["document_ids"], info.calibration["seq_len"]
     tokenizer = Tokenizer.from_dir(resolve_model(info.source["name"], pull_missing=False))
-    comps = mix.components(info.corpus.get("name", mix.NAME))  # the preset the map was calibrated with
+    comps = mix.components(mix.preset_of(info.corpus["name"]))  # the mix the map was calibrated with
     docs = {}
     for c in comps:
         docs.update({i: (c.name, d) for i, d in c.build(None)})

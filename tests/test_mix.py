@@ -229,7 +229,7 @@ def test_general_is_the_v3_mix_and_each_mix_records_the_name_its_committed_maps_
     with pytest.raises(RarecacheError, match="unknown preset"):
         mix.components("general-v9")
     # the corpus name a map records: v2's maps say "general" (made when v2 was --preset general), v3's "general-v3"
-    for name, comps in mix.MIXES.items():
+    for name in list(mix.MIXES):
         monkeypatch.setitem(mix.MIXES, name, (mix.Component("only", 1, "toy", lambda c: [("d:0", "text")]),))
     names = {p: mix.general_corpus({}, preset=p)[0].name for p in ("general", "general-v2", "general-v3")}
     assert names == {"general": "general-v3", "general-v2": "general", "general-v3": "general-v3"}
@@ -238,6 +238,7 @@ def test_general_is_the_v3_mix_and_each_mix_records_the_name_its_committed_maps_
     root = Path(__file__).resolve().parents[1]
     for preset, rel in committed.items():
         assert Mapper.load(root / rel).info.corpus["name"] == names[preset], rel
+        assert mix.preset_of(names[preset]) == preset  # what makes it again
     assert mix.SHIPPED_GENERAL[2] == committed[mix.SERVED_MIX]  # the served file is the served mix's
 
 

@@ -366,6 +366,11 @@ def mix_name(preset: str = NAME) -> str:
     return name
 
 
+def preset_of(recorded: str) -> str:
+    """The preset that makes again a map recording corpus name `recorded` (RECORDED_AS read backwards)."""
+    return {v: k for k, v in RECORDED_AS.items()}.get(recorded, recorded)
+
+
 def components(preset: str = NAME) -> tuple[Component, ...]:
     return MIXES[mix_name(preset)]
 
