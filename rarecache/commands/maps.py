@@ -9,8 +9,8 @@ from pathlib import Path
 from ..errors import RarecacheError
 from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
 
-PRESETS = ("general", "general-v2", "general-v3")  # general and eval.mix.MIXES' names (--help imports no
-# evaluation code; a test holds them equal)
+# general (the served mix) and eval.mix.MIXES' names: --help imports no evaluation code; a test holds them equal
+PRESETS = ("general", "general-v2", "general-v3")
 
 
 def register(sub) -> None:

@@ -57,10 +57,11 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
 
 
 # The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.3): source,
-# target, its path in the checkout, its sha256. The v3 mix's 64k-position calibration (`calibrate --preset
-# general`, SERVED_MIX): the ridge fit of its statistics, which hands off better at rho > 0, with plain
-# transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps through the sharpened view, which
-# plain transfer prefers). v2's, served before it, stays committed as docs/artifacts/maps/general-64k.safetensors.
+# target, its path in the checkout, its sha256. The v3 mix's calibration (SERVED_MIX: `calibrate --preset
+# general --tokens 65536 --heldout-tokens 8192 --dtype float32`): the ridge fit of its statistics, which hands
+# off better at rho > 0, with plain transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps
+# through the sharpened view, which plain transfer prefers). v2's, served before it, stays committed as
+# docs/artifacts/maps/general-64k.safetensors.
 SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
                    "docs/artifacts/maps/general-v3-64k.safetensors",
                    "f13342397623b22055a78e2ed0a6f2c41d9ade53d3783506bc1558517ea29067")
@@ -335,7 +336,7 @@ def _prose(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     return docs
 
 
-COMPONENTS = (
+COMPONENTS = (  # v2, the mix served until 2026-12-05 (`--preset general-v2`)
     Component("conversation", 2, "SQuAD 2.0 dev: passage + 2-6 question turns", _conversations),
     Component("fewshot", 3, "OLMES 5-shot prompts of 8 unevaluated tasks, cloze and lettered", _fewshot),
     Component("math", 2, "MATH (Minerva, 7 subjects): problem + worked solution", _math),
@@ -392,11 +393,13 @@ def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[st
 def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
                    preset: str = NAME) -> tuple[Corpus, int]:
     """The general mix (`preset`: `general` or one of MIXES) as a chat corpus, documents in their fixed
-    interleaved order, without any document that shares a line with an evaluated item of `tasks` (MMLU's high-school mathematics
-    holds MATH problems, for one). Returns the corpus and how many documents were dropped."""
+    interleaved order, without any document that shares a line with an evaluated item of `tasks` (MMLU's
+    high-school mathematics holds MATH problems, for one). Returns the corpus and how many documents were
+    dropped."""
     evaluated = _evaluated_lines(tasks)
     pools, dropped = {}, 0
-    mix = components(preset)
+    name = mix_name(preset)
+    mix = MIXES[name]
     for c in mix:
         docs = c.build(cache_dir)
         kept = [(i, d) for i, d in docs if not _lines(_doc_texts(d)) & evaluated]
@@ -405,8 +408,8 @@ def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
         pools[c.name] = kept
     merged = interleave(pools, {c.name: c.weight for c in mix})
     # no second check: every kept document was just tested against every evaluated line
-    name = RECORDED_AS.get(mix_name(preset), mix_name(preset))
-    return Corpus(name, tuple(d for _, (_, d) in merged), chat=True, ids=tuple(i for _, (i, _) in merged)), dropped
+    docs, ids = tuple(d for _, (_, d) in merged), tuple(i for _, (i, _) in merged)
+    return Corpus(RECORDED_AS.get(name, name), docs, chat=True, ids=ids), dropped
 
 
 def describe_mix(preset: str = NAME) -> str:

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import RarecacheError
+from ..transfer.handoff import LAYER_PREFIX
 from .metrics import gap_closed_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
 from .results import load_results, map_sha256
@@ -43,8 +45,16 @@ RHOS = (0.1, 0.2, 0.3)
 PLAIN_VIEW_RTOL = 1e-5  # a served map's plain view against the plain-transfer map: float32 rounding apart
 
 
-def _task_rows(path: Path) -> tuple[str, str, float | None, list[dict], dict[str, dict[str, float]]]:
-    """A results file's task name, metric, chance level, rows, and per arm its values by item."""
+class _Task(NamedTuple):
+    """One results file as read: its task, metric, chance level, rows, and per arm its values by item."""
+    name: str
+    metric: str
+    chance: float | None
+    rows: list[dict]
+    vals: dict[str, dict[str, float]]
+
+
+def _task_rows(path: Path) -> _Task:
     from .tasks import TASKS
     from .tasks.custom import headline
 
@@ -57,7 +67,7 @@ def _task_rows(path: Path) -> tuple[str, str, float | None, list[dict], dict[str
     for r in rows:
         if metric in r:
             vals.setdefault(r["arm"], {})[r["item"]] = float(r[metric])
-    return name, metric, chance, rows, vals
+    return _Task(name, metric, chance, rows, vals)
 
 
 def _candidates(vals: dict[str, dict[str, float]], label: str) -> set[str]:
@@ -67,18 +77,18 @@ def _candidates(vals: dict[str, dict[str, float]], label: str) -> set[str]:
         parts = split_arm(arm)
         if parts is not None and parts[2] == label:
             rhos.setdefault(parts[1], set()).add(parts[0])
-    return {s for s, got in rhos.items() if not is_oracle(s) and s != "layer-prefix" and set(RHOS) <= got}
+    return {s for s, got in rhos.items() if not is_oracle(s) and s != LAYER_PREFIX and set(RHOS) <= got}
 
 
-def _task_summary(task: tuple, label: str, candidates: set[str], plain_label: str | None = None
+def _task_summary(task: _Task, label: str, candidates: set[str], plain_label: str | None = None
                   ) -> tuple[str, str, dict[str, dict], dict[str, dict[str, float]], int]:
     """Task name, metric, per arm the summary over the items the candidates are compared on, per arm its
     values by item, and the number of those items."""
-    name, metric, chance, rows, vals = task
-    shared = _pick_items(vals, label, candidates)
-    picked = [r for r in rows if r["item"] in shared]
-    summary = summarise(picked, metric, chance, lower_is_better=metric == "bpb", plain_label=plain_label)
-    return name, metric, {r["arm"]: r for r in summary}, vals, len(shared)
+    shared = _pick_items(task.vals, label, candidates)
+    picked = [r for r in task.rows if r["item"] in shared]
+    summary = summarise(picked, task.metric, task.chance, lower_is_better=task.metric == "bpb",
+                        plain_label=plain_label)
+    return task.name, task.metric, {r["arm"]: r for r in summary}, task.vals, len(shared)
 
 
 def _pick_items(vals: dict[str, dict[str, float]], label: str, candidates: set[str]) -> set[str]:
@@ -112,10 +122,10 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                                  "name one with --map-label")
         label = labels.pop()
     loaded = [_task_rows(p) for p in paths]
-    names = [t[0] for t in loaded]
+    names = [t.name for t in loaded]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
-    selectors = set.intersection(*(_candidates(t[4], label) for t in loaded))
+    selectors = set.intersection(*(_candidates(t.vals, label) for t in loaded)) if loaded else set()
     tasks = [(p, *_task_summary(t, label, selectors, plain_label)) for p, t in zip(paths, loaded)]
     for _, name, metric, arms, _, _ in tasks:  # the rule's denominator: the target must beat the source
         t, src = arms.get("target"), arms.get("source")
