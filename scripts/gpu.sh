@@ -33,7 +33,7 @@ handoff() {  # selector grid... (the paper's selector, rank, and the default, su
       --summary "$OUT/handoff-$1-summary.json" 2>&1 | tee -a "$OUT/handoff-$1.txt"
 }
 baseline() {
-  timeout 200 python3 scripts/prefill_baseline.py --shape qwen3-14b --device $DEV "${CUT[@]}" "$@" --repeats 3 2>&1 \
+  timeout 200 python3 research/scripts/prefill_baseline.py --shape qwen3-14b --device $DEV "${CUT[@]}" "$@" --repeats 3 2>&1 \
       | tee -a "$OUT/prefill-baseline.txt"
 }
 handoff rank "${SHORT[@]}"

@@ -521,7 +521,7 @@ def test_generation_run_with_stop_tokens_resumes(tmp_path):
 
 
 def test_resuming_keeps_the_record_of_a_replaced_map(tmp_path):
-    """A run moved onto a recalibrated map (scripts/rebase_map.py) keeps that on record when it resumes,
+    """A run moved onto a recalibrated map (research/scripts/rebase_map.py) keeps that on record when it resumes,
     and every machine it ran on is listed; a map with another sha256 is still refused."""
     from rarecache.eval.results import check_meta
 

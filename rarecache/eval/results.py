@@ -106,7 +106,7 @@ def check_meta(out: Path, meta: dict, keys: tuple[str, ...] = RUN_KEYS, once: tu
         meta = {**meta, "maps": {**old.get("maps", {}), **meta["maps"]},
                 "versions_seen": [v for i, v in enumerate(seen) if v and v not in seen[:i]],
                 **{k: old[k] for k in once if meta.get(k) is None and old.get(k) is not None}}
-        if "maps_replaced" in old:  # a map recalibrated on another CPU (scripts/rebase_map.py): kept on record
+        if "maps_replaced" in old:  # a map recalibrated on another CPU (research/scripts/rebase_map.py): kept on record
             meta["maps_replaced"] = old["maps_replaced"]
     out.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=1) + "\n")

@@ -130,7 +130,7 @@ class Mapper:
         faster in bfloat16, and the map is a fixed cost that does not shrink with ρ. Its inputs and rows then
         round to bf16's 8 mantissa bits; on the bundled pair that adds 5% to the keys' row error (relative
         error 0.0405 -> 0.0425: the rows carry a large common part) and nothing measurable to the values'
-        (scripts/map_dtype_error.py), so it is opt-in. Recomputed rows stay exact. The cast tensors are shared."""
+        (research/scripts/map_dtype_error.py), so it is opt-in. Recomputed rows stay exact. The cast tensors are shared."""
         m = Mapper(self.info, self.sides, self.mlp)
         m._cast, m._views, m.compute_dtype = self._cast, self._views, dtype
         return m

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The general map's structure and size figures (#15, RESULTS.md 8): the 16k-position general map, dense and
+# The general map's structure and size figures (#15, research/LOG.md 8): the 16k-position general map, dense and
 # head-matched from the same positions (refit from the dense run's kept statistics) (the dense one is also the 16k point of R2 against positions), and the
 # prefix perplexity of each. Resumable like general.sh (a map that exists is kept, a calibration resumes
 # from its .state). While it runs the general queue is paused (SIGSTOP), so both get whole cores; it is
 # continued at the end, also when this script fails.
-#   nohup bash scripts/frozen.sh scripts/maps.sh >> ~/.cache/rarecache/runs/maps.log 2>&1 &
+#   nohup bash research/scripts/frozen.sh research/scripts/maps.sh >> ~/.cache/rarecache/runs/maps.log 2>&1 &
 set -euxo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; A=$R/artifacts
 mkdir -p $M $A
-queue=$(pgrep -f "frozen-general/scripts/general.sh" | head -1 || true)
+queue=$(pgrep -f "frozen-general/research/scripts/general.sh" | head -1 || true)
 [ -n "$queue" ] && kill -STOP -- -"$(ps -o pgid= "$queue" | tr -d ' ')"
 trap '[ -n "$queue" ] && kill -CONT -- -"$(ps -o pgid= "$queue" | tr -d " ")"' EXIT
 gen() {  # out tokens [flags...]

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Every long CPU run behind docs/RESULTS.md, in priority order. Idempotent and resumable: a map that exists is
+# Every long CPU run behind research/LOG.md, in priority order. Idempotent and resumable: a map that exists is
 # kept, a calibration resumes from its .state, an evaluation resumes from its results file. Run it in the
 # background and rerun it after an interruption:
-#   nohup bash scripts/results.sh >> runs/logs/results.log 2>&1 &
+#   nohup bash research/scripts/results.sh >> runs/logs/results.log 2>&1 &
 # (on 2 CPU cores the whole list takes about 14 hours; progress bars go to the log). RUNS=DIR puts maps and
 # results elsewhere (a checkout that is cloned afresh each time keeps nothing under its own runs/).
 # A results file committed to docs/artifacts (gzipped, with its .meta.json) is copied back before its run when
 # the maps recorded in its meta are byte-identical to the ones here (calibration is deterministic), so a run
 # cut short in one checkout continues in the next.
 set -euxo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
@@ -17,7 +17,7 @@ cal() {  # source target "data option" out [tokens] [heldout tokens] [extra opti
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" $3 --tokens "${5:-32768}" \
       --heldout-tokens "${6:-4096}" ${7:-} --out "$4"
 }
-. scripts/lib.sh  # seed
+. research/scripts/lib.sh  # seed
 GRID=(--rhos 0 0.2 0.3 0.5 --selectors random attn-source attn-target l2-oracle layer-prefix --dtype bfloat16)
 ev() {  # source target task items out maps...
   local s=$1 t=$2 task=$3 n=$4 out=$5; shift 5

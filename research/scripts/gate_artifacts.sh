@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The quality gate's figures (docs/RESULTS.md 9) from the committed runs alone, so anyone can rerun them from a
+# The quality gate's figures (research/LOG.md 9) from the committed runs alone, so anyone can rerun them from a
 # checkout: the policy fitted on the published held-apart ladders, its report on the published evaluated ladders
 # with CoQA from the published drift file (the summary file written by the report command itself), each task's
 # own policy, and the accuracy-loss fit. Reads docs/artifacts/ridge-held-TASK-HELD.jsonl.gz,
 # ridge-TASK-EVAL.jsonl.gz and DRIFT.jsonl.gz (with their .meta.json and timings); writes docs/artifacts/gate-*.
-#   bash scripts/gate_artifacts.sh [HELD] [EVAL] [DRIFT]   (defaults: 50 100 drift-coqa-suffix-n50)
-# A run still going is published first with scripts/publish.sh (and the drift file as below).
+#   bash research/scripts/gate_artifacts.sh [HELD] [EVAL] [DRIFT]   (defaults: 50 100 drift-coqa-suffix-n50)
+# A run still going is published first with research/scripts/publish.sh (and the drift file as below).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 HELD=${1:-50}; EVAL=${2:-100}; DRIFT=${3:-drift-coqa-suffix-n50}
 A=docs/artifacts; TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -28,7 +28,7 @@ rarecache eval gate fit "${held[@]}" --arm $ARM --out $A/gate-policy.json > $A/g
 rarecache eval drift report "$tmp/drift.jsonl" > $A/drift-report.md
 rarecache eval gate report "${ev[@]}" --arm $ARM --policy $A/gate-policy.json --drift "$tmp/drift.jsonl" \
     --summary $A/gate-summary.json > $A/gate-report.md
-. scripts/lib.sh
+. research/scripts/lib.sh
 gate_side_fits $ARM "$tmp" "$tmp" $A "$tmp"  # each task's own policy and the accuracy-loss fit (not committed)
 # the reports name the temporary copies; say which artifacts they were
 sed -i "s#$tmp/#docs/artifacts (unpacked): #g" $A/gate-*.md $A/gate-fit.txt $A/drift-report.md

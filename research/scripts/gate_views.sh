@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The gate's two-view signals, js_views and answer_views (RESULTS.md 9), on held-apart items 300-349 of every task: ladders through
+# The gate's two-view signals, js_views and answer_views (research/LOG.md 9), on held-apart items 300-349 of every task: ladders through
 # the served file (it holds both views: handoffs through its ridge fit, plain transfer through its sharpened one).
 # Resumable like general.sh; run beside it from a frozen copy:
-#   nohup bash scripts/frozen.sh scripts/gate_views.sh >> ~/.cache/rarecache/runs/views.log 2>&1 &
+#   nohup bash research/scripts/frozen.sh research/scripts/gate_views.sh >> ~/.cache/rarecache/runs/views.log 2>&1 &
 set -euxo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval
-. scripts/lib.sh  # seed
+. research/scripts/lib.sh  # seed
 SERVED=$R/maps/general-64k.safetensors
 shipped $SERVED
 for task in hellaswag mmlu arc_challenge gsm8k_bpb; do  # (HellaSwag first: where the views disagreed most)

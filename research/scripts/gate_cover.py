@@ -8,7 +8,7 @@ records (`eval run --arms target ladder:suffix@MAP`), as `eval gate report` read
 rung's answer against the target's, paired 95% CI over items. The shared prefix is measured as the
 evaluation's template is (`eval.scoring`): the common prefix with another prompt of the task.
 
-    python scripts/gate_cover.py ~/.cache/rarecache/runs/eval/ridge-{mmlu,arc_challenge,hellaswag,gsm8k_bpb}.jsonl
+    python research/scripts/gate_cover.py ~/.cache/rarecache/runs/eval/ridge-{mmlu,arc_challenge,hellaswag,gsm8k_bpb}.jsonl
 """
 
 from __future__ import annotations

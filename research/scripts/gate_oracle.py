@@ -9,7 +9,7 @@ accept any rung that is not worse (a change between two wrong answers, or an imp
 bound. If even the oracle recomputes more than 0.3 of a task's positions, no signal that keeps every answer can meet
 criterion 2 there with this map, selector and ladder; if it does not, what is missing is the signal (criterion 3).
 
-    python scripts/gate_oracle.py ~/.cache/rarecache/runs/eval/ridge-{mmlu,arc_challenge,hellaswag,gsm8k_bpb}.jsonl
+    python research/scripts/gate_oracle.py ~/.cache/rarecache/runs/eval/ridge-{mmlu,arc_challenge,hellaswag,gsm8k_bpb}.jsonl
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""How much the map's bf16 products add to the map's own error (PERFORMANCE.md, issue 20).
+"""How much the map's bf16 products add to the map's own error (research/PERFORMANCE-LOG.md, issue 20).
 
 `--map-dtype bfloat16` runs a float32 handoff's map in bf16. This measures what that costs in the rows it
 writes, against the target's own rows on text the map was not fitted on: per side, the map's relative error
 ‖mapped − own‖ / ‖own‖ in float32 and in bf16, and the bf16 rounding alone ‖bf16 − float32‖ / ‖own‖.
-  python scripts/map_dtype_error.py MAP PASSAGES TOKENS OUT.json
+  python research/scripts/map_dtype_error.py MAP PASSAGES TOKENS OUT.json
 """
 
 import json

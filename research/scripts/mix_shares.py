@@ -4,7 +4,7 @@ The map records the ids of the documents its calibration read (fit, then held-ou
 length it cut them to; each id belongs to one component (`eval/mix.py: COMPONENTS`). Positions are
 counted as the calibration counts them: the chat-rendered document, truncated to the sequence length;
 the last document read counts whole, so the total can pass the map's fit + held-out positions.
-    python scripts/mix_shares.py MAP [OUT.json]
+    python research/scripts/mix_shares.py MAP [OUT.json]
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 from the target's; for bits per byte, the rung's bpb moved more than eval.gate.CHANGED_BPB from the
 target's, as `eval gate` counts it), as ROC AUC over (item, rung) pairs with a bootstrap CI over items,
 plus a logistic model of all of them cross-validated over items. Exploration of which signal the gate
-should read (docs/RESULTS.md 9).
+should read (research/LOG.md 9).
 
-    python scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM] [--only-with FEATURE] [--per-rung]
+    python research/scripts/gate_signals.py RESULTS.jsonl[.gz] [ARM] [--only-with FEATURE] [--per-rung]
 
 `--only-with js_views`: only the items whose every rung records FEATURE (a file continued by a later
 version of the ladder, e.g. held items 350-399 recorded with js_views after 300-349 without).

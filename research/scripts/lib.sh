@@ -1,6 +1,6 @@
 # Shared by the long queues (results.sh, general.sh): source it, do not run it.
 # seed OUT: before a run writes OUT (RUNS/eval/NAME.jsonl), copy back the partial run committed to docs/artifacts
-# as NAME or NAME-<n items> (scripts/publish.sh; the one with the most records): its results, its timings when
+# as NAME or NAME-<n items> (research/scripts/publish.sh; the one with the most records): its results, its timings when
 # committed, and its meta, when the maps its meta records are byte-identical to the ones in RUNS/maps (a
 # calibration is deterministic on one machine; `shipped` puts the committed maps there). A fresh machine then
 # continues a run instead of starting it again. An OUT that exists is left alone.
@@ -41,13 +41,13 @@ PY
 }
 # shipped MAP: a map committed to docs/artifacts/maps is copied to MAP when MAP is missing, so a fresh machine
 # continues with the very map the committed runs used instead of recalibrating (calibration is deterministic on
-# one machine only; scripts/rebase_map.py).
+# one machine only; research/scripts/rebase_map.py).
 shipped() {
   local art; art=docs/artifacts/maps/$(basename "$1")
   [ -f "$1" ] || [ ! -f "$art" ] || cp "$art" "$1"
 }
 # gate_side_fits ARM HELD EVAL OUT POLICIES: beside the joint policy, each task's own (fitted on its held items
-# alone: what a deployment fitting the gate on its own traffic gets, RESULTS 9) and the fit bounding the accuracy
+# alone: what a deployment fitting the gate on its own traffic gets, research/LOG.md 9) and the fit bounding the accuracy
 # lost instead of changed answers, each reported on the evaluated items. HELD holds ridge-held-TASK.jsonl and EVAL
 # ridge-TASK.jsonl for every task of $TASKS; the reports go to OUT (gate-report-per-task.md,
 # gate-report-accuracy.md), the policies and the accuracy fit's summary to POLICIES. Its steps are chained, so a

@@ -8,7 +8,7 @@ held-apart pool (test items 1000–1318, which no task evaluates), so a map fitt
 distribution and layout and none of its evaluated text. Disjointness from every evaluated item of every task is
 checked line by line, as the general mix is (`eval.mix.check_disjoint_from_tasks`).
 
-    python scripts/ceiling_corpus.py OUT.jsonl     # then: calibrate --corpus OUT.jsonl:text --chat --seq-len 1024
+    python research/scripts/ceiling_corpus.py OUT.jsonl     # then: calibrate --corpus OUT.jsonl:text --chat --seq-len 1024
 
 (The prompts are `eval.mix.word_chain_prompts`', as the general-v3 mix's `word` component builds them, with other
 exemplar draws and without the replies. They run to ~1,450 tokens, so a 1,024-token calibration sequence holds the

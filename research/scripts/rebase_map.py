@@ -6,7 +6,7 @@ file's meta pins its map's sha256 and a run refuses to continue through another 
 otherwise cost every run through it. This rewrites the meta of committed runs (docs/artifacts/NAME.meta.json)
 to the recalibrated map and keeps the old one under "maps_replaced" with the evidence (a file comparing the
 two maps' records on re-evaluated items), so the change is visible in every report made from them.
-  python scripts/rebase_map.py LABEL NEW_MAP EVIDENCE NAME.meta.json...
+  python research/scripts/rebase_map.py LABEL NEW_MAP EVIDENCE NAME.meta.json...
 """
 
 import json

@@ -4,7 +4,7 @@ timed in the same run (median of repeats after a warm-up; CUDA synchronised). A 
 faster. `bench handoff` divides by our own prefill, so where transformers' is faster the handoff's speed-ups
 would have to be read against it instead.
 
-    python scripts/prefill_baseline.py --shape qwen3-14b --device cuda --lengths 149 512 2048 --batches 1 4 16
+    python research/scripts/prefill_baseline.py --shape qwen3-14b --device cuda --lengths 149 512 2048 --batches 1 4 16
 """
 
 from __future__ import annotations

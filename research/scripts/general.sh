@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The general map (#15): every long CPU run behind docs/RESULTS.md §8, in priority order. Idempotent and
+# The general map (#15): every long CPU run behind research/LOG.md §8, in priority order. Idempotent and
 # resumable like results.sh: a map that exists is kept, a calibration resumes from its .state, an evaluation
 # resumes from its results file. Run it in the background and rerun it after an interruption:
-#   nohup bash scripts/frozen.sh scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
+#   nohup bash research/scripts/frozen.sh research/scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
 # Maps, states and results go to $RUNS (default ~/.cache/rarecache/runs): outside the work tree, so a fresh
 # checkout on the same machine continues them. On a fresh machine the general map is the committed one and an
-# evaluation continues from its partial run committed to docs/artifacts (scripts/publish.sh; lib.sh).
+# evaluation continues from its partial run committed to docs/artifacts (research/scripts/publish.sh; lib.sh).
 # frozen.sh runs it from a copy of HEAD, so editing the work tree (this file included) cannot change what a
 # running queue does.
 # Breadth first: every task, the gate's ladders and reports, large -> small and the 16k map's figures at 100
@@ -13,7 +13,7 @@
 # every figure at a stated n. float32: on CPUs without AVX-512 BF16 it is the faster
 # dtype (this machine: 4.6x faster than bf16). RUNS=DIR puts maps and results elsewhere.
 set -euxo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
@@ -22,7 +22,7 @@ gen() {  # source target tokens out (the preset's sequence length and sharpening
   [ -f "$4" ] || rarecache calibrate --source "$1" --target "$2" --preset general-v2 --tokens "$3" \
       --heldout-tokens 8192 "${DT[@]}" --out "$4"
 }
-# Two fits of the same statistics (RESULTS.md 8.1): the sharpened map (keys R2^-1, values R2^-0.5) the preset made
+# Two fits of the same statistics (research/LOG.md 8.1): the sharpened map (keys R2^-1, values R2^-0.5) the preset made
 # when the 64k map was calibrated, which makes plain transfer (rho 0) nearly level with the source, and its plain
 # ridge fit, which serves the handoffs (rho > 0) better. Handoff arms go through the ridge fit (label ridge); plain
 # transfer through both (0:rank@ridge, 0:rank@sharp). The ridge fit is the sharpened map's sharpening undone
@@ -46,14 +46,14 @@ served_form() {  # MAP: a map made by an older preset (sharpened whole) turned i
 # the issue's arms, in two passes so that every task reaches the acceptance budget (rho 0.2) early: pass A is
 # everything at 0.2 (and the issue's suffix 0.3), pass B the 0.1 / 0.3 arms. suffix+attn is the combined
 # selector (the newest positions and the most attended ones, in turn); attn+rank, the first combined selector,
-# lost to both its parts on MMLU (RESULTS.md 8) and was dropped after MMLU and 14 HellaSwag items for CPU time
+# lost to both its parts on MMLU (research/LOG.md 8) and was dropped after MMLU and 14 HellaSwag items for CPU time
 # (every arm costs its continuations: a 441-token HellaSwag item takes ~7 s per arm here). The gate's ladder
 # runs once the default selector is known: the one the general summary picks from passes A and B.
 PASS_A=(target source 0:rank@ridge 0:rank@sharp 0.2:rank@ridge 0.2:attn-source@ridge 0.2:suffix@ridge
         0.3:suffix@ridge 0.2:suffix+attn@ridge)
 PASS_B=(0.1:rank@ridge 0.3:rank@ridge 0.1:attn-source@ridge 0.3:attn-source@ridge 0.1:suffix@ridge
         0.1:suffix+attn@ridge 0.3:suffix+attn@ridge)
-. scripts/lib.sh  # seed, shipped, gate_side_fits
+. research/scripts/lib.sh  # seed, shipped, gate_side_fits
 ev() {  # source target task items out ridge-map sharp-map start arms...
   seed "$5"
   rarecache eval run --task "$3" --source "$1" --target "$2" --map "ridge=$6" "sharp=$7" "served=$SERVED" --arms "${@:9}" \
@@ -67,7 +67,7 @@ ev_one() {  # source target task items out map start arms... (label general)
 ONE=("${PASS_A[@]/@ridge/@general}" "${PASS_B[@]/@ridge/@general}")
 ONE=("${ONE[@]/0:rank@sharp}")  # (the served file's plain view is the sharpened plain transfer)
 ONE=(${ONE[@]})
-TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)  # GSM8K first: where plain transfer lost to the source (RESULTS 8)
+TASKS=(gsm8k_bpb mmlu arc_challenge hellaswag)  # GSM8K first: where plain transfer lost to the source (research/LOG.md 8)
 shipped $SHARP
 gen $S $T 65536 $SHARP
 shipped $RIDGE
@@ -122,7 +122,7 @@ gate() {  # items: the ladders of every task to that many evaluated and held ite
   done
   [ $1 = 50 ] && stories=10 || stories=0  # (at 100: the four tasks' report only. The fit at 50 fell back on every
   # request, which makes CoQA's gate arm the target alone, and its drift at 0.2:suffix is measured on 10 stories
-  # already; CoQA grows at 300, after the reverse map. RESULTS 9)
+  # already; CoQA grows at 300, after the reverse map. research/LOG.md 9)
   reports $SEL $stories $1 || echo "REPORTS FAILED at $1 items; the evaluations go on"
 }
 gate 50

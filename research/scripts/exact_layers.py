@@ -1,11 +1,11 @@
-"""Experiment behind RESULTS.md §8 ("the first layers made exact"): the target computes its own K/V of
+"""Experiment behind research/LOG.md §8 ("the first layers made exact"): the target computes its own K/V of
 the first m layers at every prefix position on top of the mapped cache, then plain transfer is scored by
 prefix-conditioned perplexity (the `rarecache ppl` protocol and passages: wiki, 256 + 256 tokens, float32).
 Layer 0 is a function of the tokens alone (its K/V cost ~0.2% of a prefill); layer j < m needs a full pass
 of layers < j over every position (1/L of a prefill each).
 
-    python scripts/exact_layers.py MAP PASSAGES M,M,... OUT.json
-    python scripts/exact_layers.py ~/.cache/rarecache/runs/maps/general-64k-0.5b-to-1.5b.safetensors 12 0,1,2,3 \
+    python research/scripts/exact_layers.py MAP PASSAGES M,M,... OUT.json
+    python research/scripts/exact_layers.py ~/.cache/rarecache/runs/maps/general-64k-0.5b-to-1.5b.safetensors 12 0,1,2,3 \
         docs/artifacts/exact-layers-ppl.json
 """
 import json

@@ -4,11 +4,11 @@
 # .meta.json, the full report, the compact table and the plots. Reports are made from a copy at the same
 # relative path, so their headers name runs/eval/NAME.jsonl. results.sh and general.sh seed a later run from
 # what this commits (lib.sh).
-#   bash scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl [NAME]   (NAME: the artifacts' name, e.g. general-mmlu-100)
+#   bash research/scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl [NAME]   (NAME: the artifacts' name, e.g. general-mmlu-100)
 # LABELS=v3,... publishes only the arms through those map labels and the map-free ones (target, source), and
 # records only those maps: one map's arms out of a results file several maps share (general_v3.sh step 2).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 src=$1; name=${2:-$(basename "${src%.jsonl}")}; art=$PWD/docs/artifacts
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/runs/eval"
