@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Reproduce README's figures: one step per row of its two results tables, in README's order, each the
+# rarecache command that made the committed record it links (docs/artifacts/...). Outputs go under $OUT
+# (default: $RARECACHE_HOME/reproduce, else ~/.cache/rarecache/reproduce), never into the checkout.
+# Resumable: `eval run` continues a results file where it stopped, and a step that finished leaves
+# $OUT/done/STEP, so running the script again skips it (delete that file to run a step again).
+#   bash scripts/reproduce.sh --list            # the steps, the figure each makes, its commands
+#   bash scripts/reproduce.sh [STEP ...]        # every step, or the ones named
+# The evaluation steps take hours each on 2 CPU cores. The vLLM steps need the vllm extra (docs/VLLM.md);
+# the GPU row is scripts/gpu.sh on a GPU machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-${RARECACHE_HOME:-$HOME/.cache/rarecache}/reproduce}
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+RC=${RARECACHE:-rarecache}  # e.g. RARECACHE="python -m rarecache.cli" where the command is not installed
+
+# The maps, by the name the records carry. SERVED: the map the package ships. V2 (the map served before
+# v3; CoQA's record went through it) and REV (1.5B -> 0.5B) are looked up in $OUT/maps, then where a
+# checkout committed them; their calibrate commands are in research/LOG.md (8.1 and 8), and a record's
+# meta names each map's sha256, so a map made again on another machine is checked, not assumed.
+served_map() {
+  "${PYTHON:-python}" -c "from rarecache.defaults import served_map_file; print(served_map_file())" 2>/dev/null \
+    || echo docs/artifacts/maps/general-v3-64k.safetensors
+}
+find_map() {  # NAME: the first copy found
+  local p
+  for p in "$OUT/maps/$1" "docs/artifacts/maps/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done
+  echo "reproduce: no $1 (put it in $OUT/maps; its calibrate command is in research/LOG.md)" >&2
+  return 1
+}
+
+STEPS=(acc-hellaswag acc-arc_challenge acc-mmlu acc-gsm8k_bpb drift-coqa reverse-hellaswag
+       bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
+what() {  # the figure a step makes, and where the committed one is
+  case $1 in
+    acc-*) local t=${1#acc-}
+      echo "results table, ${t}: target / source / plain transfer / suffix rho 0.2 through v3 and the delta's CI" \
+           "(docs/artifacts/v3-${t}-300.report.md)";;
+    drift-coqa) echo "results table, CoQA: +0.46 bpb per target turn at suffix 0.2, +0.06 healed" \
+                     "(docs/artifacts/drift-coqa-heal-10.md; through v2)";;
+    reverse-hellaswag) echo "results table, large -> small HellaSwag (docs/artifacts/general16k-hellaswag-reverse-300.report.md;" \
+                            "makes the 16k reverse map first if none is found: 1,516 s when it was made)";;
+    bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
+                        "bf16, rank; timed through the served map, of the same shapes as the record's)";;
+    bench-serve) echo "speed table: a switched conversation's first token in rarecache serve (docs/artifacts/bench-serve-switch.txt)";;
+    bench-load) echo "speed table: continuous batching, 4 clients (docs/artifacts/bench-serve-load.txt)";;
+    bench-vllm-switch) echo "speed table: switched conversation inside vLLM (docs/artifacts/bench-vllm-switch.txt; float32;" \
+                            "the vllm extra)";;
+    bench-vllm-load) echo "speed table: the paper's serving experiment in vLLM, 200 requests (docs/artifacts/bench-vllm-load-200.txt;" \
+                          "float32; the vllm extra)";;
+  esac
+}
+cmds() {  # the commands of a step, one per line, as they run (variables expand at run time)
+  case $1 in
+    acc-*) local t=${1#acc-} n=300
+      [ "$t" = mmlu ] && n=100  # MMLU's handoff arm ran on items 0-99
+      echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0:rank@v3 --limit 300 --dtype float32 --out \$OUT/v3-$t.jsonl"
+      echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0.2:suffix@v3 --limit $n --dtype float32 --out \$OUT/v3-$t.jsonl"
+      echo "\$RC eval report \$OUT/v3-$t.jsonl > \$OUT/v3-$t.report.md";;
+    drift-coqa)
+      echo "V2=\$(find_map general-64k.safetensors)"
+      echo "\$RC eval drift run --source \$S --target \$T --map \$V2 --arms alone 0.2:suffix 0.2:suffix:heal --stories 10 --dtype float32 --out \$OUT/drift-coqa-heal.jsonl"
+      echo "\$RC eval drift report \$OUT/drift-coqa-heal.jsonl > \$OUT/drift-coqa-heal.md";;
+    reverse-hellaswag)
+      echo "REV=\$(find_map general-16k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-16k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general-v2 --tokens 16384 --heldout-tokens 8192 --dtype float32 --out \$REV; }"
+      echo "\$RC eval run --task hellaswag --source \$T --target \$S --map general=\$REV --arms target source 0:rank@general 0.2:suffix@general --limit 300 --dtype float32 --out \$OUT/general16k-hellaswag-reverse.jsonl"
+      echo "\$RC eval report \$OUT/general16k-hellaswag-reverse.jsonl > \$OUT/general16k-hellaswag-reverse.report.md";;
+    bench-handoff)
+      echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 512 2048 --rhos 0.2 0.3 0.5 --batches 1 --repeats 5 --selector rank --dtype bfloat16 --out \$OUT/bench-handoff.json --no-summary | tee \$OUT/bench-handoff.txt";;
+    bench-serve)
+      echo "\$RC bench serve --source \$S --target \$T --map \$SERVED --conversations 3 --passage-tokens 1024 --rho 0.3 --selector rank --dtype bfloat16 --out \$OUT/bench-serve-switch.json | tee \$OUT/bench-serve-switch.txt";;
+    bench-load)
+      echo "\$RC bench load --dtype bfloat16 --out \$OUT/bench-serve-load.json | tee \$OUT/bench-serve-load.txt";;
+    bench-vllm-switch)
+      echo "\$RC bench serve --engine vllm --source \$S --target \$T --map \$SERVED --dtype float32 --lengths 512 2048 --rhos 0.1 0.3 --repeats 3 --selector rank --out \$OUT/bench-vllm-switch.json --no-summary | tee \$OUT/bench-vllm-switch.txt";;
+    bench-vllm-load)
+      echo "\$RC bench load --engine vllm --source \$S --target \$T --map \$SERVED --dtype float32 --loads 0.98 --requests 200 --discard 20 --selector rank --out \$OUT/bench-vllm-load.json --no-summary | tee \$OUT/bench-vllm-load.txt";;
+  esac
+}
+
+if [ "${1:-}" = --list ]; then
+  echo "OUT=$OUT  S=$S  T=$T  SERVED=the shipped map (rarecache.defaults)"
+  for s in "${STEPS[@]}"; do
+    printf '\n%s: %s\n' "$s" "$(what "$s")"
+    cmds "$s" | sed 's/^/    /'
+  done
+  printf '\ngpu: speed table, H200 row (docs/artifacts/gpu-h200/): OUT=DIR bash scripts/gpu.sh on a GPU machine\n'
+  exit 0
+fi
+chosen=("$@"); [ ${#chosen[@]} -gt 0 ] || chosen=("${STEPS[@]}")
+for s in "${chosen[@]}"; do
+  [ -n "$(what "$s")" ] || { echo "reproduce: no step $s (--list names them)" >&2; exit 2; }
+done
+mkdir -p "$OUT/done" "$OUT/maps"
+SERVED=$(served_map)
+for s in "${chosen[@]}"; do
+  if [ -f "$OUT/done/$s" ]; then echo "== $s: done ($OUT/done/$s)"; continue; fi
+  echo "== $s: $(what "$s")"
+  mapfile -t lines < <(cmds "$s")  # (read first: a command reading stdin must not eat the list)
+  for c in "${lines[@]}"; do
+    echo "+ $c"
+    eval "$c" < /dev/null
+  done
+  date -u +%FT%TZ > "$OUT/done/$s"
+done
