@@ -68,12 +68,14 @@ def cmd_generate(args) -> int:
 
 def _generate_handoff(args, prompts, sampling) -> int:
     from ..transfer.handoff import HandoffConfig
+    from ..transfer.mapper import Mapper
     from ..transfer.pipeline import Pipeline
 
     if not (args.source and args.map):
         raise RarecacheError("a handoff needs both --source and --map (and --model/--target)")
     cfg = HandoffConfig.named(args.rho, args.selector, args.seed)
-    pipe = Pipeline(args.source, args.model, args.map, dtype=args.dtype, cache_dir=args.cache_dir)
+    mapper = Mapper.load(args.map)  # a damaged map fails here, in a second, before the weights load (as serve)
+    pipe = Pipeline(args.source, args.model, mapper, dtype=args.dtype, cache_dir=args.cache_dir)
     outs, res = pipe.generate(prompts, cfg, sampling)
     t = res.timings
     report = []

@@ -38,7 +38,8 @@ def register(sub) -> None:
                                    "and the other one holds a longer prefix of the conversation, that cache is "
                                    "mapped and the selected positions recomputed instead of re-reading the prompt. "
                                    "Running answers are decoded together in one batched step (--max-batch); "
-                                   "GET /v1/models lists the names, GET /health the load and held cache size.")
+                                   "GET /v1/models lists the names, GET /health the load and held cache size, "
+                                   "GET /metrics Prometheus metrics (handoffs, fallbacks by reason, store, TTFT).")
     p.add_argument("--source", default="qwen2.5-coder-0.5b-instruct",
                    help="model whose cache is mapped (default: the bundled qwen2.5-coder-0.5b-instruct)")
     p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
@@ -75,6 +76,9 @@ def register(sub) -> None:
                    help="clients must send Authorization: Bearer KEY (every route but /health; default: "
                         "$RARECACHE_API_KEY, else none); see the README's threat model")
     p.add_argument("--port", type=int, default=8000, help="default: 8000")
+    p.add_argument("--openapi-docs", action="store_true",
+                   help="also serve FastAPI's /docs, /redoc and /openapi.json (default: off; behind --api-key "
+                        "like every route but /health)")
     p.add_argument("--cache-gib", type=float, default=4.0, help="memory for held caches, both models (default: 4)")
     p.add_argument("--max-tokens-limit", type=int, default=1024, help="the most max_tokens a request may ask (1024)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="when a request gives none (default: 256)")
@@ -201,7 +205,7 @@ def cmd_serve(args) -> int:
     print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, {budget}) "
           f"on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
     app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
-                     api_key=api_key)
+                     api_key=api_key, openapi_docs=args.openapi_docs)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -72,12 +72,13 @@ class ModelConfig:
             _whole(getattr(self, key), key)
         _positive_real("rms_norm_eps", self.rms_norm_eps)
         if self.num_layers > MAX_LAYERS:
-            raise RarecacheError(f"config.json asks for {self.num_layers} layers; rarecache builds at most "
+            raise RarecacheError(f"config.json: num_hidden_layers is {self.num_layers}; rarecache builds at most "
                                  f"{MAX_LAYERS}")
         if self.num_heads % self.num_kv_heads:
-            raise RarecacheError(f"{self.num_heads} attention heads do not split into {self.num_kv_heads} KV heads")
+            raise RarecacheError(f"config.json: num_attention_heads {self.num_heads} do not split into "
+                                 f"num_key_value_heads {self.num_kv_heads}")
         if self.head_dim % 2:
-            raise RarecacheError(f"head_dim {self.head_dim} is odd; rotary embeddings need an even one")
+            raise RarecacheError(f"config.json: head_dim {self.head_dim} is odd; rotary embeddings need an even one")
         ids = [*self.eos_token_ids, *([] if self.bos_token_id is None else [self.bos_token_id])]
         if any(type(i) is not int or i < 0 for i in ids):
             raise RarecacheError(f"config.json: bos/eos token ids must be integers >= 0, not {ids}")
@@ -102,7 +103,7 @@ class ModelConfig:
 
         def need(key: str) -> Any:
             if raw.get(key) is None:
-                raise RarecacheError(f"config.json ({family}) is missing required key {key!r}")
+                raise RarecacheError(f"config.json: missing required key {key!r} (a {family} model)")
             return raw[key]
 
         def opt(key: str, default: Any) -> Any:  # null counts as absent
@@ -112,6 +113,9 @@ class ModelConfig:
             raise RarecacheError("sliding-window attention is not supported (use_sliding_window=true)")
         hidden = _int(need("hidden_size"), "hidden_size")
         heads = _int(need("num_attention_heads"), "num_attention_heads")
+        if raw.get("head_dim") is None and heads > 0 and (hidden % heads or hidden // heads % 2):
+            raise RarecacheError(f"config.json: hidden_size {hidden} / num_attention_heads {heads} gives no even "
+                                 "head_dim (and no head_dim is given); one of them is wrong")
         head_dim = _int(raw.get("head_dim") or hidden // max(heads, 1), "head_dim")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -148,7 +152,10 @@ class ModelConfig:
             raise RarecacheError(f"{file} is not valid JSON: {str(e)[:200]}") from None
         if not isinstance(raw, dict):
             raise RarecacheError(f"{file} does not hold a JSON object")
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except RarecacheError as e:  # name the file (a copied model's, maybe), not just "config.json"
+            raise RarecacheError(f"{file}: {str(e).removeprefix('config.json: ')}") from None
 
 
 def _rope_from_dict(raw: dict[str, Any]) -> RopeConfig:

@@ -3,10 +3,14 @@
 `POST /v1/chat/completions` takes the usual body (model, messages, max_tokens,
 temperature, top_p, seed, stop, stream, and vLLM's cache_salt) and answers in the
 usual shape, with one extra object, `rarecache`, saying where the prompt's rows came
-from (kept, handed off from which model, how many positions were recomputed) and
-what each phase cost. A streamed answer (server-sent events) carries it in its last
-chunk. Anything the service does not do (n > 1, tools, penalties, logprobs,
-top_logprobs) is refused with a 400 rather than silently ignored.
+from (kept, handed off from which model, how many positions were recomputed), what each
+phase cost, and the handoff's outcome for a router (serve/outcome.py: `handoff` applied,
+fallback_reprefill with its `fallback_reason`, or unsupported; `approximate_rows_reused`),
+which a non-streamed response also gives in its `x-rarecache-handoff` header. A streamed
+answer (server-sent events) carries the object in its last chunk (its headers leave before
+the outcome is known). `GET /metrics` is Prometheus text (serve/metrics.py). Anything
+the service does not do (n > 1, tools, penalties, logprobs, top_logprobs) is refused
+with a 400 rather than silently ignored.
 
 A request may carry its own handoff budget in a `rarecache` object, used if its prompt is handed
 off: `{"rho": 0.2}` (a share in [0, 1]; 1 recomputes every handed-off position, 0 is plain
@@ -43,12 +47,15 @@ an answer are -sum(logprob) / (ln 2 * its UTF-8 bytes). Where it differs from vL
 `continue_final_message` alone (no `prompt_logprobs`) continues the message, streamed or
 not, as vLLM does. An engine that cannot read a final message (`--engine vllm`) refuses it.
 
-The body is as strict as OpenAI's: no coercion (`"2"`, `2.0` or `true` is not an
-integer, `"yes"` is not a boolean; an integer is a number), no NaN or Infinity. Every
-error, whatever raised it (validation, malformed JSON or UTF-8, an unknown path, a
-missing API key), uses OpenAI's `{"error": {...}}` body. With an API key, every
-route but `/health` needs `Authorization: Bearer KEY` (compared in constant time);
-`/health` stays open for load balancers and shows no conversation.
+The body is JSON (another Content-Type gets a 415) and as strict as OpenAI's: no
+coercion (`"2"`, `2.0` or `true` is not an integer, `"yes"` is not a boolean; an integer
+is a number), no NaN or Infinity, no lone surrogate in any string (`request.check_text`,
+the one rule for every field). Every error, whatever raised it (validation, malformed
+JSON or UTF-8, an unknown path, a missing API key), uses OpenAI's `{"error": {...}}`
+body. With an API key, every route but `/health` needs `Authorization: Bearer KEY` (the
+scheme in any case, the key compared in constant time); `/health` stays open for load
+balancers and shows no conversation. FastAPI's /docs, /redoc and /openapi.json are off
+unless `openapi_docs` (`serve --openapi-docs`) turns them on.
 
 Every check runs before a stream starts. A client that disconnects mid-stream ends
 its decoding at the next token, so it does not hold the models.
@@ -57,192 +64,30 @@ its decoding at the next token, so it does not hold the models.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import threading
 import time
 import uuid
 from functools import partial
-from typing import AsyncIterator, Callable, Literal
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
-from .service import MAX_SALT, ChatService, ModelNotFound, Reply, Role
+from . import outcome
+from .guards import MAX_BODY, BearerAuth, BodyLimit, error, is_json, not_json, why_unparsed
+from .metrics import CONTENT_TYPE, Metrics
+from .request import ModelNotFound, check_text
+from .schema import UNSUPPORTED, ChatRequest, HandoffOptions, asked
+from .service import ChatService, Reply
 
 LOGPROB_FLOOR = -9999.0  # what vLLM sends for a logprob of -inf (JSON has no infinity)
-
-UNSUPPORTED = ("n", "tools", "tool_choice", "functions", "function_call", "logprobs",
-               "top_logprobs", "response_format", "frequency_penalty", "presence_penalty", "logit_bias")
-
-
-def _asked(key: str, value) -> bool:
-    """Whether an unsupported field asks for something other than the default behaviour."""
-    if key == "n":
-        return value is not None and not (type(value) is int and value == 1)
-    return value is not None and value is not False and value not in (0, "", [], {})
-
-
-STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # as OpenAI: no coercion (an int is a float), no NaN
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(**STRICT, extra="forbid")
-    role: Role
-    content: str = Field(max_length=1_000_000)
-
-
-class StreamOptions(BaseModel):
-    model_config = STRICT
-    include_usage: bool = False
-
-
-class HandoffOptions(BaseModel):
-    """The request's `rarecache` object: its own handoff budget instead of the server's."""
-
-    model_config = ConfigDict(**STRICT, extra="forbid")
-    rho: float | Literal["auto"] | None = None  # a share in [0, 1] (checked by the service), or the gate
-    selector: str | None = Field(None, max_length=64)
-
-
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(**STRICT, extra="allow")  # unsupported OpenAI fields are named in the error
-    model: str = Field(max_length=256)
-    messages: list[Message] = Field(min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=0)  # 0: only with prompt_logprobs (checked in `chat`)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    temperature: float = Field(0.0, ge=0, le=2)  # greedy unless asked: handoff results are comparable
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_SALT)  # caches are shared within one salt
-    # vLLM's extensions for scoring a given final assistant message (module docstring)
-    continue_final_message: bool = False
-    add_generation_prompt: bool | None = None  # vLLM's default, true, unless continue_final_message
-    prompt_logprobs: int | None = None
-    rarecache: HandoffOptions | None = None  # this request's handoff budget (module docstring)
-
-    def answer_tokens(self, default: int) -> int:
-        for n in (self.max_completion_tokens, self.max_tokens):
-            if n is not None:
-                return n
-        return default
-
-    def refusal(self) -> str | None:
-        """What is wrong with the combination of the scoring fields, if anything."""
-        asked_zero = 0 in (self.max_tokens, self.max_completion_tokens)
-        if self.prompt_logprobs is not None:
-            if self.prompt_logprobs < -1:
-                return "prompt_logprobs must be 0 or more"
-            if self.prompt_logprobs != 0:
-                return "not supported by this server: prompt_logprobs other than 0 (alternatives to each prompt token)"
-            if self.stream:
-                return "prompt_logprobs are not available with stream"
-            if not self.continue_final_message:
-                return ("prompt_logprobs needs continue_final_message: this server scores the final assistant "
-                        "message of a conversation")
-        if self.continue_final_message and self.add_generation_prompt:
-            return "continue_final_message and add_generation_prompt cannot both be true"
-        if self.add_generation_prompt is False and not self.continue_final_message:
-            return "not supported by this server: add_generation_prompt false without continue_final_message"
-        if asked_zero and self.prompt_logprobs is None:
-            return "max_tokens 0 (no answer) is accepted only with continue_final_message and prompt_logprobs"
-        return None
-
-    def stops(self) -> tuple[str, ...]:
-        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-
-def _error(status: int, message: str, kind: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=status, headers=headers)
-
-
-class BearerAuth:
-    """ASGI middleware: every path but /health needs `Authorization: Bearer <key>` (as vLLM's --api-key),
-    else a 401 before the body is read. The key is compared in constant time."""
-
-    OPEN = ("/health",)
-
-    def __init__(self, app, key: str):
-        self.app, self.expected = app, f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                denied = _error(401, "Incorrect or missing API key: send the header Authorization: Bearer KEY",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await denied(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-MAX_BODY = 8 << 20  # bytes; far above what max_prompt_chars lets through
-
-
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes gets a 413 before it is read into memory,
-    whether it declares its length or arrives in chunks."""
-
-    def __init__(self, app, limit: int = MAX_BODY):
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        too_big = _error(413, f"the request body exceeds {self.limit} bytes")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await too_big(scope, receive, send)
-        seen, over, answered = 0, False, False
-
-        async def counted():
-            nonlocal seen, over
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                over = True
-                raise _TooBig  # the framework may turn this into its own error response: replaced below
-            return message
-
-        async def guarded(message):
-            nonlocal answered
-            if not over:
-                return await send(message)
-            if not answered:
-                answered = True
-                await too_big(scope, receive, send)
-
-        try:
-            await self.app(scope, counted, guarded)
-        except _TooBig:
-            if not answered:
-                await too_big(scope, receive, send)
-
-
-class _TooBig(Exception):
-    pass
-
-
-def _why_unparsed(cause: BaseException | None) -> str:
-    """Why the framework could not parse a body (its own message only says that it could not)."""
-    if isinstance(cause, UnicodeDecodeError):
-        return f"the body is not valid UTF-8 ({cause.reason} at byte {cause.start})"
-    if isinstance(cause, RecursionError):
-        return "the body is not valid JSON (nested too deeply)"
-    return f"the body is not valid JSON ({cause})" if cause is not None else "the body could not be parsed"
 
 
 def _usage(reply: Reply) -> dict:
@@ -251,13 +96,16 @@ def _usage(reply: Reply) -> dict:
 
 
 def _info(service: ChatService, reply: Reply) -> dict:
+    """The response's `rarecache` object: where the prompt's rows came from, and the handoff's outcome."""
+    fields = outcome.outcome(reply, any(b == reply.model for (_, b) in service.maps))
     if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
-        return service.describe(reply)
+        info = service.describe(reply)
+        return {**fields, **info} if "handoff" in info else {**info, **fields}
     gate = reply.gate
     info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
             "handed_off_from": reply.handed_off_from,
             "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-            "rho": reply.rho, "selector": reply.selector,
+            "rho": reply.rho, "selector": reply.selector, **fields,
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
@@ -284,9 +132,11 @@ def _prompt_logprobs(reply: Reply) -> list[dict | None]:
     return [None] * (reply.prompt_tokens - len(scored)) + scored
 
 
-async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], req: ChatRequest) -> AsyncIterator[str]:
+async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], req: ChatRequest,
+                  metrics: Metrics) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
-    with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
+    with the finish reason (and `rarecache`, the only place a stream says the handoff's outcome: its
+    headers left before it was known), a usage chunk if asked, then [DONE]."""
     loop, queue = asyncio.get_running_loop(), asyncio.Queue()
     gone = threading.Event()
 
@@ -316,7 +166,9 @@ async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], 
             if kind == "error":
                 yield event({"error": {"message": str(value), "type": "server_error"}})
             else:
-                yield chunk({}, value.finish_reason, rarecache=_info(service, value))
+                info = _info(service, value)
+                metrics.observe(value.model, info, value.seconds)
+                yield chunk({}, value.finish_reason, rarecache=info)
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield event({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(value)})
             break
@@ -327,25 +179,35 @@ async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], 
 
 
 def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
-               max_waiting: int = 16, api_key: str | None = None) -> FastAPI:
+               max_waiting: int = 16, api_key: str | None = None, openapi_docs: bool = False) -> FastAPI:
     """The HTTP app over `service`. Past the service's `max_batch` running answers and
     `max_waiting` queued requests, a new request gets a 503 with Retry-After instead of a place in line.
-    With `api_key`, every route but /health needs it as a bearer token."""
+    With `api_key`, every route but /health needs it as a bearer token. `openapi_docs`: serve FastAPI's
+    /docs, /redoc and /openapi.json (off by default: no document lists them, and they describe the API
+    to anyone who can reach the port)."""
     in_flight = [0]  # touched only on the event loop
+    metrics = Metrics(service)
 
     def release(flag: list[bool]) -> None:
         if not flag[0]:
             flag[0] = True
             in_flight[0] -= 1
 
-    app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff")
-    app.state.service = service
+    docs = {} if openapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="rarecache", summary="chat completions with cross-model KV-cache handoff", **docs)
+    app.state.service, app.state.metrics = service, metrics
     app.add_middleware(BodyLimit, limit=max_body)
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)  # added last: runs first, before the body is read
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        if not is_json(request.headers.get("content-type")):  # the framework left the body unparsed
+            return not_json(request.headers.get("content-type"))
+        try:  # a lone surrogate the schema refused in its own words: the one rule's
+            check_text(exc.body, "")
+        except RarecacheError as e:
+            return error(400, str(e))
         parts = []
         for err in exc.errors():
             if err.get("type") == "json_invalid":
@@ -353,18 +215,18 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
                 continue
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        return _error(400, "; ".join(parts) or "invalid request")
+        return error(400, "; ".join(parts) or "invalid request")
 
     @app.exception_handler(HTTPException)  # unknown paths, wrong methods, a body the framework cannot parse
     async def _http(request: Request, exc: HTTPException):
         message = str(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":
-            message = _why_unparsed(exc.__cause__)
-        return _error(exc.status_code, message, headers=getattr(exc, "headers", None))
+            message = why_unparsed(exc.__cause__)
+        return error(exc.status_code, message, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)  # a bug of ours: still the one error shape (and still logged)
     async def _bug(request: Request, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}")
+        return error(500, f"internal error: {type(exc).__name__}")
 
     @app.get("/health")
     def health():
@@ -375,6 +237,10 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
                 "heal": getattr(service.cfg, "heal", False),  # (the vLLM service does not heal)
                 "healed_positions": getattr(service, "healed", 0)}
 
+    @app.get("/metrics")
+    def scrape():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [
@@ -384,16 +250,20 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest):
         extra = req.model_extra or {}
-        refused = [k for k in UNSUPPORTED if _asked(k, extra.get(k))]
+        try:
+            check_text({**req.model_dump(exclude_none=True), **extra}, "")  # every string, the one rule
+        except RarecacheError as e:
+            return error(400, str(e))
+        refused = [k for k in UNSUPPORTED if asked(k, extra.get(k))]
         if refused:
-            return _error(400, f"not supported by this server: {', '.join(refused)}")
+            return error(400, f"not supported by this server: {', '.join(refused)}")
         if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
-            return _error(400, "max_tokens and max_completion_tokens disagree")
+            return error(400, "max_tokens and max_completion_tokens disagree")
         wrong = req.refusal()
         if wrong is not None:
-            return _error(400, wrong)
+            return error(400, wrong)
         if req.continue_final_message and not callable(getattr(service, "continue_final", None)):
-            return _error(400, "not supported by this server's engine: continue_final_message")
+            return error(400, "not supported by this server's engine: continue_final_message")
         try:
             opts = req.rarecache or HandoffOptions()
             budget = {"rho": opts.rho, "selector": opts.selector}
@@ -410,31 +280,33 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
                 call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt, **budget)
             service.check_budget(**budget)  # (answer checks it again; a stream must fail here, before it starts)
         except ModelNotFound as e:
-            return _error(404, str(e), code="model_not_found")
+            return error(404, str(e), code="model_not_found")
         except (RarecacheError, ValueError) as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         if in_flight[0] >= service.cfg.max_batch + max_waiting:
-            busy = _error(503, f"the server is busy ({in_flight[0]} requests ahead); retry later", kind="server_busy")
+            busy = error(503, f"the server is busy ({in_flight[0]} requests ahead); retry later", kind="server_busy")
             busy.headers["Retry-After"] = "1"
             return busy
         in_flight[0] += 1
         done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:  # released once the stream ends, however it ends
-            return StreamingResponse(_stream(service, head, call, req), media_type="text/event-stream",
+            return StreamingResponse(_stream(service, head, call, req, metrics), media_type="text/event-stream",
                                      background=BackgroundTask(release, done))
         try:
             reply = await run_in_threadpool(call)
         except RarecacheError as e:
-            return _error(400, str(e))
+            return error(400, str(e))
         finally:
             release(done)
+        info = _info(service, reply)
+        metrics.observe(reply.model, info, reply.seconds)
         body = {**head, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": reply.text},
                              "finish_reason": reply.finish_reason}],
-                "usage": _usage(reply), "rarecache": _info(service, reply)}
+                "usage": _usage(reply), "rarecache": info}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs(reply)
-        return body
+        return JSONResponse(body, headers={outcome.HEADER: outcome.header(info)})
 
     return app

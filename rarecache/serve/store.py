@@ -16,16 +16,27 @@ requests with different salts never share, copy or extend each other's rows, and
 request can learn from how fast it is answered whether another salt sent its prompt
 (eviction and queueing still show how busy the server is, not what it was asked).
 
-The store takes no locks: the service's worker thread is its only user.
+For the operator (`GET /metrics`), `stats` counts per model the claims that found rows (hits) or
+none (misses), the entries evicted, and what is held now; the token sequences of the last
+`EVICTED_KEPT` evicted entries are remembered (not their rows), so a request that finds no rows to
+hand off from can say whether eviction is why (serve/outcome.py).
+
+The store takes no locks: the service's worker thread is its only user (`stats` and `nbytes` may be
+read from another thread: they only count).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..engine.runner import Runner
 from ..transfer.conversation import Held, common_prefix
+
+EVICTED_KEPT = 64  # evicted entries whose token sequences are remembered, per model
+COUNTS = ("hits", "misses", "evictions")
 
 
 @dataclass(eq=False)  # entries are compared by identity
@@ -40,6 +51,8 @@ class PrefixStore:
     def __init__(self, models: Iterable[str], cache_bytes: int):
         self.entries: dict[str, list[Entry]] = {name: [] for name in models}
         self.cache_bytes = cache_bytes  # budget for the held caches of all models together
+        self.counts = {name: dict.fromkeys(COUNTS, 0) for name in self.entries}
+        self.evicted = {name: deque(maxlen=EVICTED_KEPT) for name in self.entries}  # (salt, token ids)
 
     def best(self, model: str, ids: list[int], salt: str | None = None) -> tuple[Entry | None, int]:
         """`model`'s entry of `salt` sharing the longest prefix with `ids`, and that prefix's length
@@ -59,6 +72,7 @@ class PrefixStore:
         of its first `shared` rows (or an empty one)."""
         if entry is not None and entry.salt != salt:
             raise ValueError("an entry is claimed only by a request with its salt")
+        self.counts[model]["hits" if entry is not None and shared > 0 else "misses"] += 1
         if entry is not None and shared == len(entry.held.ids) and not entry.busy:
             entry.busy = True
             return entry
@@ -89,6 +103,24 @@ class PrefixStore:
                 continue
             total -= e.held.nbytes
             self.entries[name].remove(e)
+            self.counts[name]["evictions"] += 1
+            self.evicted[name].append((e.salt, array("q", e.held.ids)))
+
+    def evicted_longer(self, model: str, ids: list[int], salt: str | None, n: int) -> bool:
+        """Whether an entry of `model` and `salt` evicted lately shared more than `n` positions with `ids`
+        (and no entry held now shares as many)."""
+        lost = max((common_prefix(seq, ids) for s, seq in self.evicted[model] if s == salt), default=0)
+        return lost > max(n, self.best(model, ids, salt)[1])
+
+    def stats(self) -> dict:
+        """What /metrics shows: hits, misses, evictions (since start), bytes and entries (now), over all
+        models, and the same per model under "models"."""
+        per = {}
+        for name, es in self.entries.items():
+            es = list(es)  # (another thread may read while the worker changes the list)
+            per[name] = {**self.counts[name], "bytes": sum(e.held.nbytes for e in es), "entries": len(es)}
+        total = {k: sum(p[k] for p in per.values()) for k in (*COUNTS, "bytes", "entries")}
+        return {**total, "models": per}
 
     def nbytes(self) -> int:
         """Bytes of all held caches (safe to read from another thread)."""

@@ -1,0 +1,91 @@
+"""What a chat server hands off with: the server's own budget (`ServiceConfig`) and a request's.
+
+Kept apart from the scheduler (`serve/worker.py`) because both engines' services and the HTTP
+front read it: a request's own budget (the `rarecache` object of its body) is checked against
+the server's here, before any work is queued.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import RarecacheError
+from ..transfer.gate import GatePolicy
+from ..transfer.handoff import HandoffConfig, check_rho
+from ..transfer.selectors import SELECTORS
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How one request's prompt is handed off, if it is: a fixed budget, or the quality gate's policy."""
+
+    handoff: HandoffConfig
+    gate: GatePolicy | None = None
+
+    def __post_init__(self):
+        for sel in (self.handoff.scorer, None if self.gate is None else SELECTORS[self.gate.selector]):
+            if sel is not None and sel.oracle:
+                raise RarecacheError(f"selector {sel.name} is an oracle (it reads the target's own prefill): "
+                                     "for evaluation, not for serving")
+
+    @property
+    def selector(self) -> str:
+        return self.gate.selector if self.gate is not None else self.handoff.name
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    handoff: HandoffConfig = HandoffConfig(rho=0.3)
+    gate: GatePolicy | None = None  # hand off through the quality gate (adaptive ρ, fallback) instead
+    cache_bytes: int = 4 << 30  # budget for the held caches of all models together
+    max_new_tokens: int = 1024  # the most one request may ask for
+    max_prompt_chars: int = 200_000  # checked before tokenising
+    max_batch: int = 8  # answers decoded together; past it, requests wait for a place
+    request_budget: bool = True  # a request may name its own budget (False: only the server's own)
+    heal: bool = False  # when idle, re-prefill the rows handoffs left, so later turns reuse exact rows
+
+    def __post_init__(self):
+        if self.max_batch < 1 or self.cache_bytes <= 0 or self.max_new_tokens < 1:
+            raise ValueError("max_batch and max_new_tokens must be >= 1 and cache_bytes > 0")
+        self.budget  # noqa: B018 - refuses an oracle selector
+
+    @property
+    def budget(self) -> Budget:
+        """The server's own budget: what a request that names none is handed off with."""
+        return Budget(self.handoff, self.gate)
+
+
+def request_budget(cfg: ServiceConfig, rho: float | str | None = None, selector: str | None = None) -> Budget:
+    """A request's own budget (the `rarecache` object of its body) against the server's: `rho` a share
+    in [0, 1] or "auto" (the server's gate policy), `selector` one the server may run (no oracle);
+    a `selector` alone keeps the server's ρ (on a gated server it needs a `rho`), a `rho` alone the
+    server's selector (on a gated server the policy's). Every mistake is a RarecacheError, raised
+    before the request is queued."""
+    server = cfg.budget
+    if rho is None and selector is None:
+        return server
+    if selector is not None and not isinstance(selector, str):
+        raise RarecacheError(f"rarecache.selector must be a selector's name, got {selector!r}")
+    if rho == "auto":
+        if cfg.gate is None:
+            raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
+        if selector is not None and selector != cfg.gate.selector:
+            raise RarecacheError(f"rarecache.rho auto hands off with the gate policy's selector "
+                                 f"({cfg.gate.selector}); leave selector out")
+        return server
+    if rho is None:
+        if cfg.gate is not None:
+            raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a "
+                                 "selector must name its rho too (a number, or \"auto\")")
+        rho = cfg.handoff.rho
+    rho = check_rho(rho, "rarecache.rho")
+    if selector is not None:
+        own = Budget(HandoffConfig.named(rho, selector, cfg.handoff.seed))
+    elif cfg.gate is not None:
+        own = Budget(HandoffConfig.named(rho, cfg.gate.selector, cfg.handoff.seed))
+    else:
+        own = Budget(replace(cfg.handoff, rho=rho))  # the server's selector or schedule, and seed
+    if not cfg.request_budget and own != server:
+        raise RarecacheError("this server hands off with its own budget only (rarecache serve "
+                             "--no-request-budget): leave rarecache.rho and selector out")
+    return own
