@@ -131,9 +131,11 @@ def test_every_response_says_the_handoff_outcome(chat):
     assert info["reused_approximate_tokens"] > 0 and info["approximate_rows_reused"] is True
     assert info["handoff"] == "fallback_reprefill" and info["fallback_reason"] == "no_entry"
     assert r.headers[HEADER] == "fallback_reprefill; reason=no_entry; approximate=1"
-    lines = post(client, "large", messages, stream=True).text.split("\n")
+    r = post(client, "large", messages, stream=True)  # its headers waited for the outcome
+    lines = r.text.split("\n")
     last = json.loads([x[6:] for x in lines if x.startswith("data: {")][-1])["rarecache"]
     assert last["handoff"] == "fallback_reprefill" and last["approximate_rows_reused"] is True
+    assert r.headers[HEADER] == "fallback_reprefill; reason=no_entry; approximate=1"
 
 
 def test_a_gate_fallback_is_named(chat):
@@ -159,7 +161,8 @@ def test_outcome_reads_another_engines_reply():
     assert outcome(SimpleNamespace(handed_off_from=None), False)["handoff"] == "unsupported"
     down = SimpleNamespace(handoff_status="fallback_reprefill", fallback_reason="store_down", reused_approximate=3)
     assert header(outcome(down, True)) == "fallback_reprefill; reason=store_down; approximate=1"
-    for status, reason in (("fallback_reprefill", None), ("applied", "gate"), ("maybe", None)):
+    for status, reason in (("fallback_reprefill", None), ("fallback_reprefill", "other"), ("applied", "gate"),
+                           ("maybe", None)):
         with pytest.raises(ValueError):
             outcome(SimpleNamespace(handoff_status=status, fallback_reason=reason), True)
 

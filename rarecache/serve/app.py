@@ -6,9 +6,10 @@ usual shape, with one extra object, `rarecache`, saying where the prompt's rows 
 from (kept, handed off from which model, how many positions were recomputed), what each
 phase cost, and the handoff's outcome for a router (serve/outcome.py: `handoff` applied,
 fallback_reprefill with its `fallback_reason`, or unsupported; `approximate_rows_reused`),
-which a non-streamed response also gives in its `x-rarecache-handoff` header. A streamed
-answer (server-sent events) carries the object in its last chunk (its headers leave before
-the outcome is known). `GET /metrics` is Prometheus text (serve/metrics.py). Anything
+which the response also gives in its `x-rarecache-handoff` header. A streamed answer
+(server-sent events) carries the object in its last chunk; its headers wait for the
+outcome when the service reports it before the first token (ChatService does; the vLLM
+service knows it only at the end, and its streams carry no such header). `GET /metrics` is Prometheus text (serve/metrics.py). Anything
 the service does not do (n > 1, tools, penalties, logprobs, top_logprobs) is refused
 with a 400 rather than silently ignored.
 
@@ -132,21 +133,47 @@ def _prompt_logprobs(reply: Reply) -> list[dict | None]:
     return [None] * (reply.prompt_tokens - len(scored)) + scored
 
 
-async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], req: ChatRequest,
+class _Run:
+    """A streamed answer's work, started before its response so that the response's headers can carry
+    the handoff's outcome (a service with `streams_outcome` reports it before the first token)."""
+
+    def __init__(self, call: Callable[..., Reply], with_start: bool):
+        self.loop, self.queue, self.gone = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        self.first: tuple[str, object] | None = None  # an event read early (start) or to give back (not start)
+        kw = {"on_text": lambda piece: self.put("text", piece), "cancelled": self.gone.is_set}
+        if with_start:
+            kw["on_start"] = lambda fields: self.put("start", fields)
+        self.task = self.loop.run_in_executor(None, self.work, call, kw)
+
+    def put(self, kind: str, value) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+    def work(self, call, kw) -> None:
+        try:
+            self.put("done", call(**kw))
+        except Exception as e:  # noqa: BLE001  (reported to the client, which is already streaming)
+            self.put("error", e)
+
+    async def headers(self) -> dict[str, str]:
+        """The outcome's header, once the service gave it (or what came instead, kept for `next`)."""
+        self.first = await self.queue.get()
+        kind, value = self.first
+        if kind != "start":
+            return {}
+        self.first = None
+        return {outcome.HEADER: outcome.header(value)}
+
+    async def next(self) -> tuple[str, object]:
+        if self.first is not None:
+            event, self.first = self.first, None
+            return event
+        return await self.queue.get()
+
+
+async def _stream(service: ChatService, head: dict, run: _Run, req: ChatRequest,
                   metrics: Metrics) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
-    with the finish reason (and `rarecache`, the only place a stream says the handoff's outcome: its
-    headers left before it was known), a usage chunk if asked, then [DONE]."""
-    loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-    gone = threading.Event()
-
-    def work() -> None:
-        try:
-            reply = call(on_text=lambda piece: loop.call_soon_threadsafe(queue.put_nowait, ("text", piece)),
-                         cancelled=gone.is_set)
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", reply))
-        except Exception as e:  # noqa: BLE001  (reported to the client, which is already streaming)
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+    with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
 
     def event(body: dict) -> str:
         return f"data: {json.dumps(body)}\n\n"
@@ -155,13 +182,14 @@ async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], 
         return event({**head, "object": "chat.completion.chunk",
                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra})
 
-    task = loop.run_in_executor(None, work)
     try:
         yield chunk({"role": "assistant", "content": ""})
         while True:
-            kind, value = await queue.get()
+            kind, value = await run.next()
             if kind == "text":
                 yield chunk({"content": value})
+                continue
+            if kind == "start":  # (a service that reports it when the headers were not waiting for it)
                 continue
             if kind == "error":
                 yield event({"error": {"message": str(value), "type": "server_error"}})
@@ -174,8 +202,8 @@ async def _stream(service: ChatService, head: dict, call: Callable[..., Reply], 
             break
         yield "data: [DONE]\n\n"
     finally:
-        gone.set()  # a client that went away stops the decoding at its next token
-        await asyncio.shield(task)
+        run.gone.set()  # a client that went away stops the decoding at its next token
+        await asyncio.shield(run.task)
 
 
 def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
@@ -291,8 +319,16 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:  # released once the stream ends, however it ends
-            return StreamingResponse(_stream(service, head, call, req, metrics), media_type="text/event-stream",
-                                     background=BackgroundTask(release, done))
+            early = getattr(service, "streams_outcome", False)  # the outcome comes before the first token
+            run = _Run(call, early)
+            try:
+                headers = await run.headers() if early else {}
+            except BaseException:  # (cancelled while waiting: the work stops at its next token)
+                run.gone.set()
+                release(done)
+                raise
+            return StreamingResponse(_stream(service, head, run, req, metrics), media_type="text/event-stream",
+                                     headers=headers, background=BackgroundTask(release, done))
         try:
             reply = await run_in_threadpool(call)
         except RarecacheError as e:

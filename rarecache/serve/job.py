@@ -70,6 +70,7 @@ class Job:
     seconds: dict[str, float] = field(default_factory=dict)
     t_decode: float = 0.0
     missed: str | None = None  # why no other model's rows were found to hand off from (outcome.REASONS)
+    on_start: Callable[[dict], None] | None = None  # given outcome.fields once the prompt's rows are ready
 
 
 def cut(text: str, stop: tuple[str, ...]) -> int | None:

@@ -87,7 +87,7 @@ class Metrics:
         self.ttft = Histogram("rarecache_ttft_seconds", "time to first token, from submission",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
         r.register(_StoreCollector(service))
-        for model in service.models:  # every series from the first scrape, at 0
+        for model in getattr(service, "models", ()):  # every series from the first scrape, at 0
             for status in STATUSES:
                 self.requests.labels(model, status)
             for reason in REASONS:

@@ -15,7 +15,9 @@ and fallback reason). One of three statuses, whichever engine answered:
 Separately, `approximate_rows_reused` says whether the model reused rows an earlier handoff left (not
 its own prefill's): approximate rows never count as an exact prefix hit, and a client is told.
 The response's `rarecache` object carries all three fields, and the `x-rarecache-handoff` header
-the same in one line (`fallback_reprefill; reason=gate; approximate=0`).
+the same in one line (`fallback_reprefill; reason=gate; approximate=0`); a service that knows them
+once the prompt's rows are ready (`streams_outcome`, as ChatService) gives them to a stream's
+headers too, through the `on_start` callback of its `answer`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ APPLIED, FALLBACK, UNSUPPORTED = "applied", "fallback_reprefill", "unsupported"
 STATUSES = (APPLIED, FALLBACK, UNSUPPORTED)
 REASONS = ("no_entry", "identity_mismatch", "evicted", "store_down", "gate")
 HEADER = "x-rarecache-handoff"
+
+
+def fields(status: str, reason: str | None, approximate: bool) -> dict[str, Any]:
+    """The response's three fields, checked: a reason with fallback_reprefill only, one of REASONS."""
+    if status not in STATUSES or (status == FALLBACK) != (reason in REASONS):
+        raise ValueError(f"handoff status {status!r} with reason {reason!r}")  # a bug of the service's
+    return {"handoff": status, "fallback_reason": reason if status == FALLBACK else None,
+            "approximate_rows_reused": bool(approximate)}
 
 
 def outcome(reply: Any, mappable: bool) -> dict[str, Any]:
@@ -40,10 +50,7 @@ def outcome(reply: Any, mappable: bool) -> dict[str, Any]:
             status, reason = FALLBACK, reason or "no_entry"
         else:
             status = UNSUPPORTED
-    if status not in STATUSES or (status == FALLBACK) != (reason in REASONS):
-        raise ValueError(f"handoff status {status!r} with reason {reason!r}")  # a bug of the service's
-    return {"handoff": status, "fallback_reason": reason if status == FALLBACK else None,
-            "approximate_rows_reused": bool(getattr(reply, "reused_approximate", 0))}
+    return fields(status, reason, getattr(reply, "reused_approximate", 0))
 
 
 def header(fields: dict[str, Any]) -> str:

@@ -55,6 +55,8 @@ HEAL_STEP = 256  # positions one idle healing step re-prefills (what a request a
 
 
 class ChatService(Scheduler):
+    streams_outcome = True  # `answer` and `continue_final` take on_start (serve/outcome.py)
+
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
                  cfg: ServiceConfig = ServiceConfig()):
         check_maps(models, maps, "the service")
@@ -103,10 +105,13 @@ class ChatService(Scheduler):
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None,
                cancelled: Callable[[], bool] | None = None, salt: str | None = None, *,
-               rho: float | str | None = None, selector: str | None = None) -> Reply:
-        """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait."""
+               rho: float | str | None = None, selector: str | None = None,
+               on_start: Callable[[dict], None] | None = None) -> Reply:
+        """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait.
+        `on_start(fields)`: called once the prompt's rows are ready, before the first token, with the
+        handoff's outcome (serve/outcome.py's `fields`), so a stream's headers can carry it."""
         return self._submit(Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt,
-                                budget=self.check_budget(rho, selector)))
+                                budget=self.check_budget(rho, selector), on_start=on_start))
 
     def prepare_continued(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig | None,
                           stop: tuple[str, ...] = (), salt: str | None = None) -> Continued:
@@ -129,15 +134,16 @@ class ChatService(Scheduler):
                        stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
                        cancelled: Callable[[], bool] | None = None, salt: str | None = None,
                        logprobs: bool = True, *, rho: float | str | None = None,
-                       selector: str | None = None) -> Reply:
+                       selector: str | None = None, on_start: Callable[[dict], None] | None = None) -> Reply:
         """Give `model` the rows of `prompt.ids` as `answer` does (kept, prefilled or handed off), then
         let it read the final message's tokens itself: with `logprobs`, the reply's `prompt_logprobs`
         scores each of them; their rows stay held for the next turn as `Conversation.score` leaves
         them (all but the last token's, when no answer is asked). With `sampling`, the answer then
-        continues the message (`text`, `tokens` are the continuation only). `rho`, `selector`: as `complete`."""
+        continues the message (`text`, `tokens` are the continuation only). `rho`, `selector`: as `complete`;
+        `on_start`: as `answer`."""
         return self._submit(Job(model, prompt.ids, sampling, tuple(stop), on_text, cancelled, salt,
                                 continued=list(prompt.tokens), logprobs=logprobs,
-                                budget=self.check_budget(rho, selector)))
+                                budget=self.check_budget(rho, selector), on_start=on_start))
 
     def forget(self, model: str, salt: str | None) -> int:
         """Drop `model`'s held caches of `salt` that no running answer is writing (a conversation

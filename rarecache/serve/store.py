@@ -108,9 +108,10 @@ class PrefixStore:
 
     def evicted_longer(self, model: str, ids: list[int], salt: str | None, n: int) -> bool:
         """Whether an entry of `model` and `salt` evicted lately shared more than `n` positions with `ids`
-        (and no entry held now shares as many)."""
-        lost = max((common_prefix(seq, ids) for s, seq in self.evicted[model] if s == salt), default=0)
-        return lost > max(n, self.best(model, ids, salt)[1])
+        (and more than any entry held now shares)."""
+        m = max(n, self.best(model, ids, salt)[1]) + 1  # the prefix it must have held
+        want = array("q", ids[:m])
+        return len(want) == m and any(s == salt and seq[:m] == want for s, seq in self.evicted[model])
 
     def stats(self) -> dict:
         """What /metrics shows: hits, misses, evictions (since start), bytes and entries (now), over all

@@ -24,7 +24,7 @@ from ..transfer.conversation import prefill_or_handoff
 from ..transfer.mapper import Mapper
 from .config import ServiceConfig
 from .job import Job, Reply, cut
-from .outcome import APPLIED, FALLBACK, UNSUPPORTED
+from .outcome import APPLIED, FALLBACK, UNSUPPORTED, fields
 from .store import Entry, PrefixStore
 
 
@@ -161,6 +161,12 @@ class Scheduler:
                 job.held[job.source].busy = False
             self.store.evict()
         job.seconds["prefill_or_handoff"] = job.started.seconds
+        if job.on_start is not None:  # (a stream's headers wait for it)
+            try:
+                job.on_start(fields(*self._status(job), job.started.reused_approximate))
+            except Exception as e:  # noqa: BLE001  (the client's side)
+                self._fail(job, e)
+                return
         logits = job.started.logits
         if job.continued is not None:
             try:
@@ -265,15 +271,18 @@ class Scheduler:
         job.reply = self._reply(job, text, row.tokens, reason)
         job.done.set()
 
+    def _status(self, job: Job) -> tuple[str, str | None]:
+        """What became of the job's handoff (serve/outcome.py), once its prompt's rows are ready."""
+        gated = job.started.gate
+        if job.source is not None:
+            return (FALLBACK, "gate") if gated is not None and gated.decision == "fallback" else (APPLIED, None)
+        if any(b == job.model for (_, b) in self.maps):
+            return FALLBACK, job.missed
+        return UNSUPPORTED, None
+
     def _reply(self, job: Job, text: str, tokens: list[int], reason: str) -> Reply:
         result, gated = job.started.handoff, job.started.gate
         budget, handed = job.budget, job.source is not None
-        if handed:
-            status, why = (FALLBACK, "gate") if gated is not None and gated.decision == "fallback" else (APPLIED, None)
-        elif any(b == job.model for (_, b) in self.maps):
-            status, why = FALLBACK, job.missed
-        else:
-            status, why = UNSUPPORTED, None
         return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
                      None if result is None else len(result.positions[0]),
                      None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
@@ -281,4 +290,4 @@ class Scheduler:
                      (gated.rho if gated is not None else budget.handoff.rho) if handed else None,
                      budget.selector if handed else None,
                      job.started.reused_approximate, 0 if job.continued is None else len(job.continued),
-                     job.scored, status, why)
+                     job.scored, *self._status(job))
