@@ -10,8 +10,10 @@ import hmac
 
 from fastapi.responses import JSONResponse
 
+
 def error(status: int, message: str, kind: str | None = None, code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error body, the one shape of every error the server sends."""
     kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=status, headers=headers)
@@ -37,7 +39,7 @@ class BearerAuth:
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not self.allows(given):
                 denied = error(401, "Incorrect or missing API key: send the header Authorization: Bearer KEY",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await denied(scope, receive, send)
         return await self.app(scope, receive, send)
 
