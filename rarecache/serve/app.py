@@ -100,8 +100,7 @@ def _info(service: ChatService, reply: Reply) -> dict:
     """The response's `rarecache` object: where the prompt's rows came from, and the handoff's outcome."""
     fields = outcome.outcome(reply, any(b == reply.model for (_, b) in service.maps))
     if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
-        info = service.describe(reply)
-        return {**fields, **info} if "handoff" in info else {**info, **fields}
+        return {**service.describe(reply), **fields}  # (the outcome is the reply's: handoff_status, ...)
     gate = reply.gate
     info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
             "handed_off_from": reply.handed_off_from,
