@@ -293,7 +293,7 @@ def test_a_pass_reads_its_positions_on_the_host_once(tiny, monkeypatch):
 
     _, path, _ = tiny
     runner = Runner.load(path)
-    runner.attention = lambda *a, plain=None, **kw: attention.attend(*a, **kw)  # the references: checked per layer
+    runner.attention = lambda *a, plain=None, plan=None, **kw: attention.attend(*a, **kw)  # checked per layer
     tokens = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(11))
     own, full = full_forward(runner, tokens)
     subset = torch.tensor([[3, 4, 9, 20, 39], [0, 1, 2, 33, 38]])

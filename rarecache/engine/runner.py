@@ -9,7 +9,7 @@ model knowing.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +19,8 @@ from ..models.llama import CausalLM
 from ..models.loader import load_model
 from ..models.packed import can_pack, pack_model
 from ..models.rope import Rope
-from .attention import attend
+from . import attention as kernels
+from .attention import Plan, attend
 from .cache import KVCache
 
 
@@ -46,13 +47,15 @@ class Step:
 
     top: int
     plain: bool
+    host: torch.Tensor | None = field(default=None, compare=False, repr=False)  # the positions, on the host
+    plan: Plan | None = field(default=None, compare=False, repr=False)  # the attention's, built once per pass
 
     @classmethod
     def of(cls, positions: torch.Tensor) -> "Step":
         host = positions.cpu()  # (one read per pass for positions on the device; none for those on the host)
         if not host.numel():
-            return cls(-1, False)
-        return cls(int(host.max()), bool((host == torch.arange(host.shape[1])).all()))
+            return cls(-1, False, host)
+        return cls(int(host.max()), bool((host == torch.arange(host.shape[1])).all()), host)
 
 
 class Runner:
@@ -66,6 +69,7 @@ class Runner:
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
+        self.kernel = kernels.choose(self.device)  # what `attend` runs for scattered queries here
         self.packed = False
         if pack or (pack is None and can_pack(self.dtype, self.device)):
             self.pack()
@@ -114,7 +118,14 @@ class Runner:
         length = (step or Step.of(positions)).top + 1  # no query sees a slot past its own position
         k, v = cache.layer(i, length)
         return self.attention(q, positions, k, v, cache.filled[:, :length], capture_rows,
-                              plain=step.plain if step is not None else None)
+                              plain=step.plain if step is not None else None,
+                              plan=step.plan if step is not None else None)
+
+    def planned(self, step: Step, positions: torch.Tensor, cache: KVCache) -> Step:
+        """`step` with its attention plan, for positions (B, T) on the device once `cache` has them marked
+        filled: built once, read by every layer of the pass."""
+        plan = kernels.prepare(self.kernel, positions, cache.filled[:, : step.top + 1], step.host, step.plain)
+        return replace(step, plan=plan)
 
     def finish(self, i: int, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         return self.model.layers[i].finish(h, attn)
@@ -169,6 +180,7 @@ class Runner:
         step = Step.of(positions)  # on the host, once: what every layer asks of the positions
         positions = positions.to(self.device)
         cache.mark(positions, step.top)
+        step = self.planned(step, positions, cache)
         h = self.embed(tokens)
         cos_sin = self.cos_sin(positions)
         attn: dict[int, torch.Tensor] = {}

@@ -84,8 +84,9 @@ def source_rows(source, cache: KVCache, positions: torch.Tensor, side: str, dtyp
 
 
 def _write(cache: KVCache, layer: int, side: str, tile: torch.Tensor, positions: torch.Tensor, start: int | None,
-           cos_sin) -> None:
-    """One target layer's rows tile (B·T, Ht·Dt), unrotated, into the cache (keys rotated on the way)."""
+           cos_sin, slots: torch.Tensor) -> None:
+    """One target layer's rows tile (B·T, Ht·Dt), unrotated, into the cache (keys rotated on the way) at
+    `slots` (B, T) (`KVCache.slots`, found once per map: each look would read the positions' top back)."""
     store = cache.k if side == "k" else cache.v  # (Lt, B, Ht, S+1, Dt)
     _, B, H, _, D = store.shape
     T = positions.shape[1]
@@ -102,7 +103,7 @@ def _write(cache: KVCache, layer: int, side: str, tile: torch.Tensor, positions:
         rotate_into(rot, y, *cos_sin, sign=1.0)
         y = rot
     rows = torch.arange(B, device=positions.device)[:, None].expand_as(positions)
-    store[layer].transpose(1, 2)[rows, cache.slots(positions)] = y.transpose(1, 2).to(store.dtype)
+    store[layer].transpose(1, 2)[rows, slots] = y.transpose(1, 2).to(store.dtype)
 
 
 @torch.inference_mode()
@@ -116,6 +117,7 @@ def map_into(mapper, source, source_cache: KVCache, target, target_cache: KVCach
     `source` and `target` need only `rope` (and `target` its cache layout)."""
     B, T = positions.shape
     start = span(positions)
+    slots = target_cache.slots(positions) if start is None else None  # (B, T), one read of the top
     cos_sin = target.rope.cos_sin(positions, target_cache.k.dtype)  # (B, 1, T, Dt)
     acc_dtype = torch.promote_types(dtype, torch.float32)  # score norms in at least float32
     score = torch.zeros(B * T, dtype=acc_dtype, device=positions.device) if rank else None
@@ -140,7 +142,7 @@ def map_into(mapper, source, source_cache: KVCache, target, target_cache: KVCach
                 torch.addmm(t["bias"][l], xl, w, out=tile)
                 if mlp is not None:
                     tile += mlp.residual(l, xl)
-            _write(target_cache, l, side, tile, positions, start, cos_sin)
+            _write(target_cache, l, side, tile, positions, start, cos_sin, slots)
             if not (centred or rank):
                 continue
             z = torch.sub(tile, t["mean"][l], out=zs[l].view(B * T, dt)) if centred else tile.sub_(t["mean"][l])

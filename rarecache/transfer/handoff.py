@@ -241,6 +241,7 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_k
     m = min(prefix_layers(cfg.rho, n - s, target.num_layers) for s, n in zip(target_kept, lengths))
     step = Step.of(positions)  # (read on the host once, as a forward pass does)
     cache.mark(positions, step.top)
+    step = target.planned(step, positions, cache)
     h = target.embed(toks)
     cos_sin = target.cos_sin(positions)
     for i in range(m):
@@ -249,6 +250,7 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_k
     h = h[torch.arange(len(prompts)), last][:, None]  # (B, 1, C)
     pos = positions[torch.arange(len(prompts)), last][:, None]  # (B, 1)
     cos_sin, step = target.cos_sin(pos), Step.of(pos)
+    step = target.planned(step, pos, cache)
     for i in range(m, target.num_layers):
         h, _ = target.layer(i, h, pos, cache, cos_sin, step=step)
     logits = target.logits(h, pos)
