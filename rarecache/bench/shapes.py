@@ -32,10 +32,22 @@ CONFIGS: dict[str, dict] = {
     "llama-3.3-70b": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                           num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                           rope_parameters=_LLAMA3_ROPE, max_position_embeddings=131072),
+    # toys of the same families, for smoke runs of the GPU bench on a CPU (scripts/gpu.sh SMOKE=1) and tests
+    "toy-source": dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                       rope_theta=1e6, tie_word_embeddings=True, max_position_embeddings=4096),
+    "toy-target": dict(model_type="qwen3", vocab_size=512, hidden_size=96, intermediate_size=192,
+                       num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                       rope_theta=1e6, tie_word_embeddings=False, max_position_embeddings=4096),
 }
 
 
 def random_runner(name: str, dtype: torch.dtype, device: str, max_layers: int | None = None) -> Runner:
+    return Runner(random_model(name, dtype, device, max_layers))
+
+
+def random_model(name: str, dtype: torch.dtype, device: str, max_layers: int | None = None) -> torch.nn.Module:
+    """Our model of shape `name` with random weights (not yet packed: `Runner` packs where it pays)."""
     if name not in CONFIGS:
         raise RarecacheError(f"unknown shape {name!r}; known: {', '.join(CONFIGS)}")
     cfg = ModelConfig.from_dict(CONFIGS[name])
@@ -43,7 +55,7 @@ def random_runner(name: str, dtype: torch.dtype, device: str, max_layers: int | 
         cfg = replace(cfg, num_layers=min(cfg.num_layers, max_layers))
     with torch.device("meta"):
         model = build_model(cfg)
-    return Runner(random_weights(model, dtype, device))
+    return random_weights(model, dtype, device)
 
 
 def random_weights(model: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
