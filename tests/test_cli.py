@@ -117,7 +117,7 @@ def test_every_subcommand_help(capsys):
                 assert _flat(action.help) in out, (words, action.option_strings)
         seen.append(" ".join(words))
     assert set(seen) >= {"eval run", "eval report", *(f"bench {b}" for b in ("map", "handoff", "serve", "load", "soak",
-                                                                             "ablate"))}
+                                                                             "ablate", "gpu"))}
     assert TASK_NAMES == tuple(TASKS)  # the names `eval run --help` lists without importing the tasks
     with pytest.raises(SystemExit):
         main(["eval", "run", "--help"])
@@ -136,7 +136,7 @@ def test_help_imports_no_model_code():
             "             or m.startswith(('rarecache.eval', 'rarecache.engine', 'rarecache.transfer'))))\n")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          check=True).stdout
-    assert len(commands) == 27 and out.splitlines()[-1] == "[]"
+    assert len(commands) == 28 and out.splitlines()[-1] == "[]"
 
 
 def test_served_model_names(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ no GPU (CI); `scripts/gpu.sh` runs them on one.
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -85,9 +86,74 @@ def test_fast_attention_paths_equal_the_dense_reference_on_cuda(dtype, atol):
         qq = rand(B, H, max(n), D)
         ref = attention.attend_dense(qq, q_pos, k, v, f)
         valid = (q_pos >= 0)[:, None, :, None]
-        for path in (attention.attend, attention.attend_sparse):  # the GPU's choice and the CPU's blocks
-            fast, _ = path(qq, q_pos, k, v, f)
+        # the device's choice (FlexAttention on CUDA), FlexAttention itself, and the CPU's blocks
+        for path in (attention.attend, attention.attend_flex, attention.attend_sparse):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # off CUDA FlexAttention runs eagerly, and says so
+                fast, _ = path(qq, q_pos, k, v, f)
             torch.testing.assert_close(fast * valid, ref * valid, atol=atol, rtol=0)
+
+
+def test_flex_attention_compiles_and_is_chosen_on_cuda():
+    """On CUDA `choose` picks FlexAttention, and it compiles: a failure would fall back to the dense mask
+    (exact, recorded in attention.FAILURES, which this test shows)."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, S, T, D = 2, 8, 2, 500, 160, 128
+    k, v = (torch.randn(B, Hkv, S, D, generator=g).to(CUDA) for _ in range(2))
+    q = torch.randn(B, H, T, D, generator=g).to(CUDA)
+    q_pos = torch.stack([torch.randperm(S, generator=g)[:T].sort().values for _ in range(B)]).to(CUDA)
+    filled = torch.ones(B, S, dtype=torch.bool, device=CUDA)
+    plan = attention.prepare(attention.choose(CUDA), q_pos, filled, plain=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, _ = attention.attend(q, q_pos, k, v, filled, plan=plan)
+    torch.testing.assert_close(out, attention.attend_dense(q, q_pos, k, v, filled), atol=1e-5, rtol=0)
+    if CUDA == "cuda":
+        assert plan.kind == attention.FLEX
+        assert attention.FAILURES == []
+
+
+def test_no_sync_inside_a_layer_on_cuda(monkeypatch):
+    """A handoff (map, score, recompute) runs its layers without waiting for the device: CUDA's sync debug
+    mode raises on any synchronising call inside a layer or the map's per-layer writes (on the CPU smoke
+    run, the host-read counter of tests/test_attention.py)."""
+    from rarecache.bench.shapes import random_mapper, random_runner
+    from rarecache.transfer import fused
+
+    from .test_attention import HostReads
+
+    torch.manual_seed(0)
+    source, target = (random_runner(n, torch.float32, CUDA) for n in ("toy-source", "toy-target"))
+    mapper = random_mapper(source, target, k=2, rank=8)
+    prompts = torch.randint(0, 512, (2, 300), generator=torch.Generator().manual_seed(1)).tolist()
+    prompts[1] = prompts[1][:211]
+    counter = HostReads(monkeypatch) if CUDA != "cuda" else None
+
+    def guarded(owner, name):
+        original = getattr(owner, name)
+
+        def call(*a, **kw):
+            if counter is not None:
+                counter.on = True
+            else:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                return original(*a, **kw)
+            finally:
+                if counter is not None:
+                    counter.on = False
+                else:
+                    torch.cuda.set_sync_debug_mode("default")
+
+        monkeypatch.setattr(owner, name, call)
+
+    guarded(type(target), "layer")
+    guarded(fused, "_write")
+    for selector in ("rank", "suffix"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            handoff(source, target, mapper, prompts, HandoffConfig(rho=0.3, selector=selector))
+    assert counter is None or counter.reads == []
 
 
 def test_rho_one_equals_the_targets_prefill_on_cuda(fitted):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
+from .bench_gpu import add_gpu
 from .common import add_model_options, add_pair_options, load_pair, print_json, with_map_dtype, write_out
 
 SUMMARY = Path("docs/artifacts/bench-handoff-summary.json")
@@ -22,6 +23,7 @@ def register(sub) -> None:
     _add_load(bench)
     _add_ablate(bench)
     _add_soak(bench)
+    add_gpu(bench)
 
 
 def _add_map(bench) -> None:

@@ -109,7 +109,7 @@ def prepare(kind: str, q_pos: torch.Tensor, filled: torch.Tensor, host_pos: torc
     if q_pos.shape[1] > QUERY_BLOCK:  # a few queries: one small dense kernel is cheapest anywhere
         if kind == BLOCKS:
             return Plan(BLOCKS, block_lengths(q_pos.cpu() if host_pos is None else host_pos))
-        if kind == FLEX:
+        if kind == FLEX and not FAILURES:  # (once it failed, the dense mask: no block mask to build)
             block_mask = _flex_block_mask(q_pos, filled)
             if block_mask is not None:
                 return Plan(FLEX, block_mask=block_mask)
