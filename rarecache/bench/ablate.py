@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..engine.attention import attend, attend_reference, attend_sparse
+from ..engine.attention import attend, attend_reference
 from ..engine.runner import Runner, pack_float32
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
@@ -127,14 +127,13 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
         res += packing_rows(target, None, "float32")
 
     fast = _median(recompute, repeats)
-    other = attend_reference if target.device.type == "cpu" else attend_sparse  # what `attend` chose against
-    target.attention = other
+    target.attention = attend_reference  # the dense mask: what the device's kernel (`attention.choose`) replaces
     try:
         before = _median(recompute, repeats)
     finally:
         target.attention = attend
     res.append(_row("sparse-causal recompute attention" if target.device.type == "cpu" else
-                    "recompute attention: dense-mask kernel, not query blocks (GPU)", before, fast))
+                    f"recompute attention: {target.kernel}, not the dense mask (GPU)", before, fast))
     res.append(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
 
     if target.packed and target.path is not None and target.dtype != torch.float32:  # a plain copy to compare

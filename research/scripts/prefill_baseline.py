@@ -15,25 +15,13 @@ import json
 import torch
 
 from rarecache.bench.ablate import median_time
-from rarecache.bench.shapes import CONFIGS, random_runner, random_weights
+from rarecache.bench.gpu import hf_twin
+from rarecache.bench.shapes import CONFIGS, random_model, random_runner
 
 
 def hf_model(name: str, dtype: torch.dtype, device: str, max_layers: int | None):
-    import transformers
-
-    cfg = dict(CONFIGS[name])
-    family = cfg.pop("model_type")
-    if max_layers:
-        cfg["num_hidden_layers"] = min(cfg["num_hidden_layers"], max_layers)
-    config_cls, model_cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-                             "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[family]
-    config = config_cls(**cfg, attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = model_cls(config)
-    model = random_weights(model, dtype, device)
-    with torch.device(device):  # its inverse frequencies were left empty on meta
-        model.model.rotary_emb = type(model.model.rotary_emb)(config)
-    return model
+    """transformers' model of shape `name` over random weights of its own (`bench gpu` shares ours instead)."""
+    return hf_twin(random_model(name, dtype, device, max_layers), name)
 
 
 def median_ms(fn, repeats: int, device: torch.device) -> float:
