@@ -89,7 +89,7 @@ def _guarded(fn, what: str, failures: list[str]):
                 return compiled(*args)
             except Exception as e:  # noqa: BLE001 -- any compile failure: eager, recorded
                 state["ok"] = False
-                failures.append(f"torch.compile {what}: {type(e).__name__}: {e}"[:500])
+                failures.append(f"torch.compile {what}: {type(e).__name__}: {' '.join(str(e).split())}"[:300])
         return fn(*args)
 
     return call

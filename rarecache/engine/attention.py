@@ -203,7 +203,8 @@ def _flex(q, k, v, block_mask):
     try:
         return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
     except Exception as e:  # noqa: BLE001 -- any compile or kernel failure: fall back, recorded
-        FAILURES.append(f"flex_attention on {q.device.type} {tuple(q.shape)}: {type(e).__name__}: {e}"[:500])
+        FAILURES.append(f"flex_attention on {q.device.type} {tuple(q.shape)}: {type(e).__name__}: "
+                        f"{' '.join(str(e).split())}"[:300])
         return None
 
 
