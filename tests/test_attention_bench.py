@@ -79,3 +79,25 @@ def test_user_mistakes_are_one_line(argv, says, tmp_path, capsys):
     assert main(["bench", "gpu", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err and not list(tmp_path.iterdir())
+
+
+@torch.inference_mode()
+def test_a_compile_failure_is_recorded_and_the_layer_runs_eagerly(monkeypatch):
+    """--compile: a layer whose compiled form fails runs its eager form (same output) and says so."""
+    def broken(fn, **_):
+        def call(*a):
+            raise RuntimeError("inductor says no")
+        return call
+
+    runner = Runner(random_model("toy-target", torch.float32, "cpu"))
+    tokens = torch.randint(0, 512, (1, 20), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(20)[None]
+    before = runner.forward(tokens, pos, runner.new_cache(1, 20)).logits
+    monkeypatch.setattr(torch, "compile", broken)
+    failures: list[str] = []
+    gpu.compile_layers(runner, failures)
+    after = runner.forward(tokens, pos, runner.new_cache(1, 20)).logits
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    assert len(failures) == 2 * runner.num_layers and all("inductor says no" in f for f in failures)
+    runner.forward(tokens, pos, runner.new_cache(1, 20))
+    assert len(failures) == 2 * runner.num_layers  # tried once per function, not at every call
