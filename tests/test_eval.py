@@ -105,7 +105,7 @@ def test_arm_parsing():
     both = parse_arms(["target", "0.3:rank", "0:rank@wiki", "0.3:rank"], ("task", "wiki"))
     assert [a.name for a in both] == ["target", "rho=0.3/rank@task", "rho=0.3/rank@wiki", "rho=0/rank@wiki"]
     for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
-                                       "attn-rank, attn\\+rank, suffix\\+attn, attn-target, l2-oracle, layer-prefix$"),
+                                       "attn-rank, attn\\+rank, suffix\\+attn, suffix\\+rank, attn-target, l2-oracle, layer-prefix$"),
                          ("x:rank", r"^bad arm 'x:rank': use target, source, RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\) or ladder:SELECTOR\[@MAP\]$"),
                          ("2:rank", r"^rho must be a number in \[0, 1\], got 2.0$"),
                          ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):

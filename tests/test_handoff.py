@@ -13,7 +13,7 @@ from rarecache.transfer.features import rows
 from rarecache.transfer.handoff import (LAYER_PREFIX, POSITIONS, HandoffConfig, budget, handoff, prefix_layers,
                                         select_top)
 from rarecache.transfer.mapper import SIDES
-from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, rank_scores
+from rarecache.transfer.selectors import SELECTORS, L2Oracle, SelectionContext, attention_capture, rank_scores, received
 
 
 def own_prefill(target, prompts, max_len):
@@ -127,7 +127,7 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(schedule="magic")
     # the one word users give: the message lists every name they may give
     with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
-                                             r"attn-rank, attn\+rank, suffix\+attn, attn-target, l2-oracle, layer-prefix$"):
+                                             r"attn-rank, attn\+rank, suffix\+attn, suffix\+rank, attn-target, l2-oracle, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
     with pytest.raises(RarecacheError, match=r"^rho must be a number in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")
@@ -284,28 +284,40 @@ def test_combined_selectors_combine_attention_and_rank(fitted, name):
     assert both.positions[0] == sorted(select_top(want, k).tolist())
 
 
-def test_suffix_plus_attention_takes_newest_and_attended_in_turn(fitted):
-    """Any budget's set is the union of the newest ⌈k/2⌉-ish positions and the most attended ones,
-    taken in turn (recomputed by hand from the attn-source scores), and budgets nest."""
+@pytest.mark.parametrize("name, other", [("suffix+attn", "attn-source"), ("suffix+rank", "rank")])
+def test_suffix_plus_takes_newest_and_the_other_list_in_turn(fitted, name, other):
+    """Any budget's set is the union of the newest positions and the other list's top (the source's
+    attention, or rank disagreement), taken in turn (recomputed by hand from the other selector's
+    scores), budgets nest, and the variants path picks the same positions as a direct handoff."""
+    from rarecache.transfer.handoff import handoff_variants
+
     source, target, mapper, prompts = fitted
     ids = prompts[:1]
     n = len(ids[0])
-    _, _, attn = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector="attn-source"))
-    by_attention = attn.scores[0].float().argsort(descending=True, stable=True).tolist()
+    _, _, ref = handoff(source, target, mapper, ids, HandoffConfig(rho=0.3, selector=other))
+    by_other = ref.scores[0].float().argsort(descending=True, stable=True).tolist()
     by_recency = list(range(n - 1, -1, -1))
     want, seen = [], set()
-    for a, r in zip(by_attention, by_recency):  # in turn: newest, attended, newest, ...
+    for a, r in zip(by_other, by_recency):  # in turn: newest, other, newest, ...
         for p in (r, a):
             if p not in seen:
                 seen.add(p)
                 want.append(p)
     previous: set[int] = set()
+    src = source.new_cache(1, n)
+    src_out = source.forward(torch.tensor(ids), torch.arange(n)[None], src,
+                             capture=attention_capture(source, torch.tensor([n])))
     for rho in (0.1, 0.3, 0.6):
-        _, _, res = handoff(source, target, mapper, ids, HandoffConfig(rho=rho, selector="suffix+attn"))
+        _, _, res = handoff(source, target, mapper, ids, HandoffConfig(rho=rho, selector=name))
         k = budget(rho, n)
         assert res.positions[0] == sorted(want[:k])
         assert previous <= set(res.positions[0])
         previous = set(res.positions[0])
+        _, _, (var,) = handoff_variants(source, target, {"": mapper}, ids[0], [("", HandoffConfig(rho, name))], src,
+                                        source_attn=received(src_out.attn, n))
+        assert var.positions == res.positions
+    k = budget(0.6, n)  # the other list reaches the set: it is not the suffix alone
+    assert previous != set(range(n - k, n)) and n - 1 in previous
 
 
 def test_one_file_maps_plain_transfer_with_its_plain_view_and_handoffs_with_its_fit(fitted, tmp_path):

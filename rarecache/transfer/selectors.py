@@ -179,11 +179,30 @@ class SuffixPlusAttention(Selector):
     needs_source_attention = True
 
     def scores(self, ctx):
-        pad = ctx.positions < 0
-        newest = _order_rank(ctx.positions.float())  # padding is last there already
-        attended = _order_rank(_at(ctx.source_attn, ctx.positions).masked_fill(pad, -1.0))
-        turn = torch.minimum(2 * newest, 2 * attended + 1)  # alternate: newest first, then attended
-        return (2 * pad.shape[1] - turn).float().masked_fill(pad, 0.0)  # positive, padding last
+        return _newest_in_turn_with(ctx.positions, _at(ctx.source_attn, ctx.positions))
+
+
+def _newest_in_turn_with(positions: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """Scores (B, W) that take the newest positions and the highest of `other` (B, W) in turn,
+    newest first (a position on both lists counts once, at its earlier turn); padding last."""
+    pad = positions < 0
+    newest = _order_rank(positions.float())  # padding is last there already
+    picks = _order_rank(other.float().masked_fill(pad, float("-inf")))
+    turn = torch.minimum(2 * newest, 2 * picks + 1)  # alternate: newest first, then the other list
+    return (2 * pad.shape[1] - turn).float().masked_fill(pad, 0.0)  # positive, padding last
+
+
+class SuffixPlusRank(Selector):
+    """The newest positions and the ones rank disagreement flags, taken in turn (as suffix+attn):
+    the suffix keeps what the next token reads most, rank disagreement the rows the map is least
+    sure of, which passage questions read the answer from (issue 41: suffix alone falls below
+    random there). Deployable, one ordering for every budget."""
+
+    name = "suffix+rank"
+    needs_rank = True
+
+    def scores(self, ctx):
+        return _newest_in_turn_with(ctx.positions, ctx.rank_scores())
 
 
 class TargetAttention(Selector):
@@ -230,5 +249,6 @@ def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tenso
 
 SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(), Suffix(),
                                                        AttentionTimesRank(), AttentionPlusRank(), SuffixPlusAttention(),
+                                                       SuffixPlusRank(),
                                                        TargetAttention(),
                                                        L2Oracle())}
