@@ -213,7 +213,35 @@ def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_score
     generated = [{"item": "x", "arm": a, "correct": 1, "prediction": "42"} for a in ("target", "source")]
     for table in (markdown(summarise(bpb, "bpb", lower_is_better=True)), markdown(summarise(generated))):
         lines = table.splitlines()
-        assert {line.count("|") for line in lines} == {14} and lines[-1].endswith("| — | — |")
+        assert {line.count("|") for line in lines} == {15} and lines[-1].endswith("| — | — |")
+
+
+def test_agreement_is_the_share_of_answers_equal_to_the_targets_on_shared_items():
+    """Hand-made records: the handoff answers like the target on 2 of the 3 items both answered (the
+    fourth item has no target record, so it is left out); accuracy alone hides which answers changed
+    (both arms score 2 of 3). Generated answers compare as strings; bits per byte has no agreement."""
+    from rarecache.eval.report import agreement
+
+    rows = [{"item": i, "arm": "target", "correct": c, "prediction": p}
+            for i, c, p in [("a", 1, 0), ("b", 1, 1), ("c", 0, 2)]]
+    rows += [{"item": i, "arm": "rho=0.2/suffix", "correct": c, "prediction": p}
+             for i, c, p in [("a", 1, 0), ("b", 0, 3), ("c", 1, 2), ("d", 1, 1)]]
+    assert agreement(rows, "rho=0.2/suffix", "correct") == (pytest.approx(2 / 3), 3)
+    assert agreement(rows, "rho=0.2/suffix", "correct", items={"a", "b"}) == (0.5, 2)
+    s = {r["arm"]: r for r in summarise(rows)}
+    assert (s["rho=0.2/suffix"]["agreement"], s["rho=0.2/suffix"]["agreement_n"]) == (pytest.approx(2 / 3), 3)
+    assert "agreement" not in s["target"]
+    table = markdown(list(s.values())).splitlines()
+    col = table[0].split(" | ").index("agreement with target (n)")
+    assert table[3].split(" | ")[col] == "67% (n=3)"
+    norm = [{"item": "a", "arm": a, "correct_norm": 1, "prediction": 0, "prediction_norm": n}
+            for a, n in (("target", 1), ("source", 2))]
+    assert agreement(norm, "source", "correct_norm") == (0.0, 1)  # acc_norm's own answer, not acc's
+    gen = [{"item": "a", "arm": a, "correct": 1, "prediction": p} for a, p in (("target", "42"), ("source", "42"))]
+    assert agreement(gen, "source", "correct") == (1.0, 1)
+    bpb = [{"item": "a", "arm": a, "bpb": v} for a, v in (("target", 1.0), ("source", 1.0))]
+    assert agreement(bpb, "source", "bpb") == (None, 0)
+    assert {r["arm"]: r for r in summarise(bpb, "bpb", lower_is_better=True)}["source"]["agreement"] is None
 
 
 def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_undefined():

@@ -158,15 +158,40 @@ def _eval_arms(args, labels: tuple[str, ...]) -> list:
     return parse_arms(specs, labels)
 
 
+REPORT_DESCRIPTION = """\
+Per arm: the metric with its interval, against the target (retention, gap closed, paired
+delta and p), and agreement with target (n): the share of items whose answer (the choice
+chosen, or the generated answer GSM8K extracts) equals the target's own answer on the same
+item. Bits per byte tasks score a fixed text and give no answer, so their agreement is —
+(null in summary files): read their paired delta vs the target instead."""
+
+
 def _add_report(ev) -> None:
-    e = ev.add_parser("report", help="summarise results JSONL files (and write the general map's summary)")
+    e = ev.add_parser("report", help="summarise results JSONL files (and write the general map's summary)",
+                      description=REPORT_DESCRIPTION)
     e.add_argument("results", type=Path, nargs="+", help="results JSONL file(s); each gets its own report")
     e.add_argument("--general-summary", type=Path, default=None, metavar="JSON",
                    help="also pick the default selector across the files (highest mean share of the source-to-"
                         "target gap kept at rho 0.1, 0.2, 0.3; eval/summary.py says why not gap closed) and "
                         "write the summary there (e.g. docs/artifacts/general-map-summary.json)")
+    e.add_argument("--fidelity-summary", type=Path, default=None, metavar="JSON",
+                   help="also write what one handoff (--arm) through one map (--map-label) changes against the "
+                        "target on each file's task, beside --previous-label's map: per task the target, the source "
+                        "alone and the handoff, delta = handoff - target (pp for accuracy, bpb for bits per byte) "
+                        "with its paired bootstrap 95%% CI, and agreement, the share of items whose answer equals "
+                        "the target's (null on bits per byte tasks, which score a fixed text and have no answer: "
+                        "read their delta), all on the items every arm answered (e.g. "
+                        "docs/artifacts/fidelity-summary.json)")
+    e.add_argument("--arm", default=None, metavar="RHO:SELECTOR",
+                   help="--fidelity-summary: the handoff it summarises (e.g. 0.2:suffix)")
+    e.add_argument("--previous-label", default=None,
+                   help="--fidelity-summary: the map label of the map it would replace (the same arm through it)")
+    e.add_argument("--probe", type=Path, default=None, metavar="SUMMARY",
+                   help="--fidelity-summary: the probe's figures for the arm, from the OUT.summary.json "
+                        "`eval probe` wrote over both maps")
     e.add_argument("--map-label", default=None,
-                   help="--general-summary: the map label the arms go through, if the files have several")
+                   help="--general-summary: the map label the arms go through, if the files have several; "
+                        "--fidelity-summary: the map it summarises")
     e.add_argument("--plain-label", default=None,
                    help="the map label plain transfer (rho 0) is read from, for gap closed and the summary's "
                         "plain_minus_source (default: each arm's own map), when the results measured it through "
@@ -186,8 +211,15 @@ def _add_report(ev) -> None:
 
 
 def cmd_eval_report(args) -> int:
-    if (args.map_label or args.served_map) and not args.general_summary:
-        raise RarecacheError("--map-label and --served-map belong to --general-summary")
+    if args.served_map and not args.general_summary:
+        raise RarecacheError("--served-map and the check it asks for belong to --general-summary")
+    if args.map_label and not (args.general_summary or args.fidelity_summary):
+        raise RarecacheError("--map-label belongs to --general-summary or --fidelity-summary")
+    fidelity = (args.arm, args.previous_label, args.probe)
+    if any(x is not None for x in fidelity) and not args.fidelity_summary:
+        raise RarecacheError("--arm, --previous-label and --probe belong to --fidelity-summary")
+    if args.fidelity_summary and (args.arm is None or args.map_label is None):
+        raise RarecacheError("--fidelity-summary needs --arm RHO:SELECTOR and --map-label LABEL")
     for k, path in enumerate(args.results):
         if not path.is_file():
             raise RarecacheError(f"no results file {path}")
@@ -204,7 +236,23 @@ def cmd_eval_report(args) -> int:
         args.general_summary.parent.mkdir(parents=True, exist_ok=True)
         args.general_summary.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"wrote {args.general_summary}", file=sys.stderr)
+    if args.fidelity_summary:
+        _fidelity(args)
     return 0
+
+
+def _fidelity(args) -> None:
+    import json
+
+    from ..eval.fidelity import fidelity_summary, markdown
+
+    if args.probe is not None and not args.probe.is_file():
+        raise RarecacheError(f"no probe summary {args.probe}")
+    summary = fidelity_summary(args.results, args.arm, args.map_label, args.previous_label, args.probe)
+    print("\n" + markdown(summary, args.map_label, args.previous_label))
+    args.fidelity_summary.parent.mkdir(parents=True, exist_ok=True)
+    args.fidelity_summary.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.fidelity_summary}", file=sys.stderr)
 
 
 def _report(args, path: Path) -> None:

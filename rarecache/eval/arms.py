@@ -70,3 +70,12 @@ def parse_arms(specs: list[str], maps: tuple[str, ...]) -> list[Arm]:
     for spec in specs:
         arms += [a for a in Arm.parse(spec, maps) if a not in arms]
     return arms
+
+
+def handoff_arm(spec: str, label: str = "") -> Arm:
+    """One handoff "RHO:SELECTOR" through map `label`, read as `eval run --arms` reads it (the fidelity
+    summary and the probe name arms this way); target, source, a ladder or an @MAP of its own are refused."""
+    if "@" in spec or spec in ("target", "source") or spec.startswith("ladder:"):
+        raise RarecacheError(f"bad arm {spec!r}: name a handoff as RHO:SELECTOR (e.g. 0.2:suffix); "
+                             "the map goes with its own flag")
+    return Arm.parse(spec, (label,))[0]

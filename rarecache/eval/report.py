@@ -1,6 +1,8 @@
 """Summaries of a results file: the metric per arm with bootstrap intervals, retention against the
 target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests against
-the target and between selectors, where the recompute budget went, and on multiple choice the answer an
+the target and between selectors, agreement (the share of items whose answer is the target's own: what
+a user sees change, which accuracy nets out; none on bits per byte, where the paired Δ stands), where the
+recompute budget went, and on multiple choice the answer an
 arm gives most often: near chance, accuracy can be only the share of gold answers at the choice a model
 favours (RESULTS.md 8.3: the 0.5B answers MMLU's B on 84% of items), which the mean alone hides.
 
@@ -80,6 +82,8 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
                 row["floor_retention"] = (a - chance) / (t - chance) if t > chance else None
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p, p_n=len(shared))
+            share, n_agree = agreement(rows, arm, metric)
+            row.update(agreement=share, agreement_n=n_agree)
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
@@ -118,6 +122,29 @@ def _share(rows: list[dict], arm: str, field: str) -> float | None:
 
 
 PREDICTION = {"correct": "prediction", "correct_norm": "prediction_norm"}  # the answer each metric scores
+
+
+def answer_field(metric: str) -> str | None:
+    """The record field holding the answer `metric` scores: the chosen choice (acc_norm: the length-
+    normalised one) or a generated answer (GSM8K's extracted number, CoQA's answer line). None for bits
+    per byte: the likelihood of a fixed text gives no answer to agree on (reports give its paired Δ)."""
+    return None if metric == "bpb" else PREDICTION.get(metric, "prediction")
+
+
+def agreement(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> tuple[float | None, int]:
+    """The share of items whose answer under `arm` equals the target's own answer on the same item, and
+    on how many items (both answered; only `items` when given). (None, 0) for bits per byte or no such item."""
+    field = answer_field(metric)
+    if field is None:
+        return None, 0
+    answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
+    for r in rows:
+        if r["arm"] in answers and field in r and (items is None or r["item"] in items):
+            answers[r["arm"]][r["item"]] = r[field]
+    both = [i for i in answers[arm] if i in answers["target"]]
+    if not both:
+        return None, 0
+    return sum(answers[arm][i] == answers["target"][i] for i in both) / len(both), len(both)
 
 
 def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int, float] | None:
@@ -170,8 +197,8 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                  "positions; the \"template share of picks\" column is its share of the positions each arm recomputed.", ""]
     lines = head + [
         f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
-        "| p vs target (n) | Δ vs rank (p, n) | pos 0 chosen | template share of picks | most given answer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| p vs target (n) | Δ vs rank (p, n) | agreement with target (n) | pos 0 chosen | template share of picks "
+        "| most given answer |", "|---" * 14 + "|"]
     for r in summary:
         def opt(key, fmt="{:.1%}"):
             return fmt.format(r[key]) if r.get(key) is not None else "—"
@@ -180,9 +207,14 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                    else "—")
         lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
                      f"{opt('retention')} | "
-                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | {vs_rank} | "
+                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | {vs_rank} | {_agreement_cell(r)} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} | {_top_cell(r)} |")
     return "\n".join(lines)
+
+
+def _agreement_cell(r: dict) -> str:
+    """The share of answers equal to the target's, with its n; — for the target itself and bits per byte."""
+    return f"{r['agreement']:.0%} (n={r['agreement_n']})" if r.get("agreement") is not None else "—"
 
 
 def _top_cell(r: dict) -> str:

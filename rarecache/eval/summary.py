@@ -54,7 +54,8 @@ class _Task(NamedTuple):
     vals: dict[str, dict[str, float]]
 
 
-def _task_rows(path: Path) -> _Task:
+def read_task(path: Path) -> _Task:
+    """One results file as read (`_Task`), its metric the task's headline one."""
     from .tasks import TASKS
     from .tasks.custom import headline
 
@@ -121,7 +122,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
             raise RarecacheError(f"the results go through several maps ({', '.join(sorted(labels))}): "
                                  "name one with --map-label")
         label = labels.pop()
-    loaded = [_task_rows(p) for p in paths]
+    loaded = [read_task(p) for p in paths]
     names = [t.name for t in loaded]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
@@ -160,7 +161,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
     if served is not None:
         out["served"] = check_served(served, paths[0], label, plain_label)
         out["map"] = out["served"]["sha256"]
-    for _, name, metric, _, vals, pick_n in tasks:
+    for _, name, metric, arms, vals, pick_n in tasks:
         bpb = metric == "bpb"
         plain, source = vals.get(arm_name(0, "rank", plain_label), {}), vals.get("source", {})
         d, d_ci, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
@@ -176,7 +177,10 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
         out["tasks"][name] = {"gap_closed_default_rho0.2": closed, "gap_closed_ci": closed_ci,
                               "plain_minus_source": d, "plain_minus_source_ci": d_ci,
                               "unit": "bpb" if bpb else "pp", "metric": metric, "n": len(both),
-                              "n_plain_minus_source": n_d, "pick_n": pick_n}
+                              "n_plain_minus_source": n_d, "pick_n": pick_n,
+                              # the share of answers equal to the target's (None on bits per byte: no answer)
+                              "agreement_default_rho0.2": arms.get(arm_name(0.2, default, label), {}).get("agreement"),
+                              "agreement_plain": arms.get(arm_name(0, "rank", plain_label), {}).get("agreement")}
     return out
 
 

@@ -1,0 +1,131 @@
+"""The fidelity summary: what a user of one map, selector and budget sees change against the target's own
+answers, task by task, beside the map it would replace (`eval report FILES --fidelity-summary JSON --arm
+RHO:SELECTOR --map-label L [--previous-label P] [--probe PROBE.json]`).
+
+Per task: the target, the source alone and the handoff on the same items, the handoff's Δ against the
+target (handoff − target: percentage points for accuracy, bits per byte for bpb) with its paired bootstrap
+95% interval, and agreement, the share of items whose answer equals the target's own (null on bits per
+byte, where a fixed text is scored and there is no answer to agree on; its Δ stands instead). Accuracy
+nets gains against losses; agreement does not, which is why it is the figure an adoption rule reads.
+
+Every figure of a task is read over the items on which every arm it names has a record (target, source,
+the handoff through the map and, given one, through the previous map), so the current and previous
+columns are paired with each other as well as with the target. The schema is issue 41's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import RarecacheError
+from .arms import handoff_arm
+from .metrics import paired_diff_ci
+from .report import agreement, arm_name
+from .results import map_sha256
+from .summary import read_task
+
+
+def _one_sha(tasks: list[tuple[Path, object]], label: str) -> str:
+    shas = {map_sha256(p, label) for p, _ in tasks}
+    if None in shas:
+        raise RarecacheError(f"map {label!r} is not recorded in every results file's meta (OUT.meta.json)")
+    if len(shas) > 1:
+        raise RarecacheError(f"map {label!r} is not the same file in every results file")
+    return shas.pop()
+
+
+def _task_cell(task, arm: str, items: list[str]) -> dict:
+    """One task's figures for `arm` over `items` (every compared arm answered them)."""
+    scale = 1.0 if task.metric == "bpb" else 100.0  # accuracy in percent, so delta is in pp
+    vals = task.vals
+
+    def mean(a: str) -> float:
+        return scale * sum(vals[a][i] for i in items) / len(items)
+
+    d, lo, hi, _ = paired_diff_ci([vals[arm][i] for i in items], [vals["target"][i] for i in items])
+    share, _ = agreement(task.rows, arm, task.metric, set(items))
+    return {"metric": task.metric, "n": len(items), "target": mean("target"), "source": mean("source"),
+            "handoff": mean(arm), "delta": scale * d, "ci": [scale * lo, scale * hi], "agreement": share}
+
+
+def _probe(probe: Path, arm: str, label: str, previous: str | None) -> dict:
+    """The probe's figures for `arm` (a name without map) through `label` and `previous`, from the summary
+    `eval probe` writes (eval/probe.py)."""
+    try:
+        arms = json.loads(probe.read_text())["arms"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise RarecacheError(f"--probe {probe}: not a probe summary (the .summary.json eval probe writes)") from None
+
+    def cell(lab: str) -> dict:
+        got = arms.get(lab, {}).get(arm) if isinstance(arms, dict) else None
+        if not isinstance(got, dict):
+            raise RarecacheError(f"--probe {probe}: no {arm} through map {lab!r} (it has: "
+                                 f"{', '.join(f'{k}/{a}' for k, v in arms.items() for a in v) or 'nothing'})")
+        return got
+
+    out = {"kl": cell(label)["kl"], "attn_cos": cell(label)["attn_cos"]}
+    if previous is not None:
+        out["previous_kl"] = cell(previous)["kl"]
+    return out
+
+
+def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
+                     probe: Path | None = None) -> dict:
+    """The summary of `paths` (one results file per task) for the handoff `spec` ("RHO:SELECTOR") through
+    map `label`, and through `previous` beside it."""
+    arm = handoff_arm(spec, label)
+    before = handoff_arm(spec, previous) if previous is not None else None
+    tasks = [(p, read_task(p)) for p in paths]
+    names = [t.name for _, t in tasks]
+    if len(set(names)) < len(names):
+        raise RarecacheError(f"a task given twice: {', '.join(names)}")
+    cur: dict[str, dict] = {}
+    prev: dict[str, dict] = {}
+    for path, task in tasks:
+        needed = ["target", "source", arm.name] + ([before.name] if before else [])
+        missing = [a for a in needed if a not in task.vals]
+        if missing:
+            raise RarecacheError(f"{path}: no {', '.join(missing)} arm (the fidelity summary compares "
+                                 f"{', '.join(needed)} on the same items)")
+        items = sorted(set.intersection(*(set(task.vals[a]) for a in needed)))
+        if not items:
+            raise RarecacheError(f"{path}: no item has every arm of {', '.join(needed)}")
+        cur[task.name] = _task_cell(task, arm.name, items)
+        if before:
+            prev[task.name] = _task_cell(task, before.name, items)
+    out = {"map": _one_sha(tasks, label), "selector": arm.method, "rho": arm.rho, "tasks": cur}
+    if before:
+        out["previous"] = {"map": _one_sha(tasks, previous), "selector": arm.method, "rho": arm.rho, "tasks": prev}
+    if probe is not None:
+        out["probe"] = _probe(probe, arm_name(arm.rho, arm.method), label, previous)
+    return out
+
+
+def markdown(summary: dict, label: str, previous: str | None = None) -> str:
+    """The summary as a table: per task the map's and (given) the previous map's figures."""
+    lines = [f"fidelity through map {label} (sha256 {summary['map'][:12]}), {summary['selector']} at "
+             f"rho {summary['rho']:g}; delta = handoff - target (pp for accuracy, bpb for bits per byte), "
+             "agreement = share of answers equal to the target's (— on bits per byte)", "",
+             "| task | n | target | source | handoff | delta (95% CI) | agreement |"
+             + (f" {previous}: handoff | delta (95% CI) | agreement |" if previous else ""),
+             "|---" * (7 + (3 if previous else 0)) + "|"]
+
+    def cells(t: dict) -> list[str]:
+        f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"
+        fd = "{:+.4f}" if t["metric"] == "bpb" else "{:+.1f}"
+        ag = "—" if t["agreement"] is None else f"{t['agreement']:.0%}"
+        return [f.format(t["handoff"]), f"{fd.format(t['delta'])} ({fd.format(t['ci'][0])}, {fd.format(t['ci'][1])})",
+                ag]
+
+    for name, t in summary["tasks"].items():
+        f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"
+        row = [name, str(t["n"]), f.format(t["target"]), f.format(t["source"]), *cells(t)]
+        if previous:
+            row += cells(summary["previous"]["tasks"][name])
+        lines.append("| " + " | ".join(row) + " |")
+    if "probe" in summary:
+        p = summary["probe"]
+        lines += ["", f"probe: mean KL {p['kl']:.4f} bits, attention-output cosine {p['attn_cos']:.4f}"
+                  + (f"; previous map's KL {p['previous_kl']:.4f}" if "previous_kl" in p else "")]
+    return "\n".join(lines)

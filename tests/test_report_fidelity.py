@@ -1,0 +1,109 @@
+"""The fidelity summary (issue 41's schema) and agreement in summary files, on hand-made records."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rarecache.cli import main
+from rarecache.eval.arms import handoff_arm
+from rarecache.errors import RarecacheError
+
+KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement"}
+
+
+def _write(path, task, rows, maps=(("v4", "new"), ("v3", "old"))):
+    path.write_text("".join(json.dumps({"task": task, **r}) + "\n" for r in rows))
+    path.with_suffix(".meta.json").write_text(json.dumps({"maps": {k: {"file": "m", "sha256": v} for k, v in maps}}))
+    return path
+
+
+def _mmlu(tmp_path):
+    """Five items; the handoff through v4 answers like the target on 4 (items 0-3), through v3 on 2;
+    item 5 lacks the v3 arm, so it is compared nowhere."""
+    gold = [0, 1, 2, 3, 0, 1]
+    answers = {"target": [0, 1, 2, 3, 1, 1], "source": [1, 1, 1, 1, 1, 1],
+               "rho=0.2/suffix@v4": [0, 1, 2, 3, 0, 2], "rho=0.2/suffix@v3": [0, 1, 0, 0, 1]}
+    rows = [{"item": f"i{k}", "arm": arm, "prediction": p, "correct": p == gold[k]}
+            for arm, ps in answers.items() for k, p in enumerate(ps)]
+    return _write(tmp_path / "mmlu.jsonl", "mmlu", rows)
+
+
+def _coqa(tmp_path):
+    vals = {"target": [0.5, 0.6], "source": [0.8, 0.9], "rho=0.2/suffix@v4": [0.7, 0.7],
+            "rho=0.2/suffix@v3": [1.0, 1.2]}
+    rows = [{"item": f"s{k}", "arm": arm, "bpb": v} for arm, vs in vals.items() for k, v in enumerate(vs)]
+    return _write(tmp_path / "coqa.jsonl", "coqa_passage", rows)
+
+
+def test_fidelity_summary_writes_the_issue_schema_with_the_delta_sign_and_agreement(tmp_path, capsys):
+    mmlu, coqa = _mmlu(tmp_path), _coqa(tmp_path)
+    probe = tmp_path / "probe.summary.json"
+    probe.write_text(json.dumps({"arms": {"v4": {"rho=0.2/suffix": {"kl": 0.5, "attn_cos": 0.9}},
+                                          "v3": {"rho=0.2/suffix": {"kl": 1.3, "attn_cos": 0.8}}}}))
+    out = tmp_path / "fid.json"
+    assert main(["eval", "report", str(mmlu), str(coqa), "--fidelity-summary", str(out), "--arm", "0.2:suffix",
+                 "--map-label", "v4", "--previous-label", "v3", "--probe", str(probe)]) == 0
+    s = json.loads(out.read_text())
+    assert set(s) == {"map", "selector", "rho", "tasks", "previous", "probe"}
+    assert (s["map"], s["selector"], s["rho"]) == ("new", "suffix", 0.2)
+    assert s["previous"]["map"] == "old" and set(s["previous"]) == {"map", "selector", "rho", "tasks"}
+    assert s["probe"] == {"kl": 0.5, "attn_cos": 0.9, "previous_kl": 1.3}
+    m, pm = s["tasks"]["mmlu"], s["previous"]["tasks"]["mmlu"]
+    assert set(m) == KEYS and set(pm) == KEYS
+    # items i0-i4 (i5 has no v3 record): target 4/5 correct, source 1/5, v4 5/5, v3 2/5
+    assert m["n"] == pm["n"] == 5 and m["metric"] == "correct"
+    assert (m["target"], m["source"], m["handoff"], pm["handoff"]) == pytest.approx((80.0, 20.0, 100.0, 40.0))
+    assert m["delta"] == pytest.approx(20.0) and pm["delta"] == pytest.approx(-40.0)  # handoff - target, pp
+    assert m["ci"][0] <= m["delta"] <= m["ci"][1] and pm["ci"][1] <= 0
+    # v4 answers like the target on i0-i3 (i4: 0 vs the target's 1), v3 on i0, i1 and i4
+    assert m["agreement"] == pytest.approx(0.8) and pm["agreement"] == pytest.approx(0.6)
+    c, pc = s["tasks"]["coqa_passage"], s["previous"]["tasks"]["coqa_passage"]
+    assert c["agreement"] is None and c["metric"] == "bpb"  # bits per byte: no answer, the delta stands
+    assert c["delta"] == pytest.approx(0.15) and pc["delta"] == pytest.approx(0.55)  # worse than the target: > 0
+    assert c["target"] == pytest.approx(0.55) and c["source"] == pytest.approx(0.85)
+    table = capsys.readouterr().out
+    assert "| mmlu | 5 | 80.0 | 20.0 | 100.0 | +20.0 (" in table and "| coqa_passage | 2 |" in table
+
+
+def test_fidelity_summary_refuses_what_it_cannot_compare(tmp_path, capsys):
+    mmlu = _mmlu(tmp_path)
+    out = tmp_path / "fid.json"
+    base = ["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--map-label", "v4"]
+    for extra, message in ((["--arm", "0.3:suffix"], "no rho=0.3/suffix@v4 arm"),
+                           (["--arm", "target"], "name a handoff as RHO:SELECTOR"),
+                           (["--arm", "0.2:suffix@v3"], "name a handoff as RHO:SELECTOR"),
+                           (["--arm", "0.2:magic"], "unknown selector 'magic'"),
+                           ([], "needs --arm RHO:SELECTOR and --map-label"),
+                           (["--arm", "0.2:suffix", "--previous-label", "v2"], "no rho=0.2/suffix@v2 arm")):
+        assert main(base + extra) == 2, extra
+        assert message in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["eval", "report", str(mmlu), "--arm", "0.2:suffix"]) == 2
+    assert "belong to --fidelity-summary" in capsys.readouterr().err
+
+
+def test_handoff_arm_reads_arms_as_eval_run_does():
+    arm = handoff_arm("0.2:suffix+rank", "v4")
+    assert (arm.kind, arm.rho, arm.method, arm.map, arm.name) == ("handoff", 0.2, "suffix+rank", "v4",
+                                                                  "rho=0.2/suffix+rank@v4")
+    for bad in ("source", "ladder:rank", "x:rank"):
+        with pytest.raises(RarecacheError):
+            handoff_arm(bad, "v4")
+
+
+def test_general_summary_carries_agreement(tmp_path):
+    """The general map's summary records the default's and plain transfer's agreement per task."""
+    rows = []
+    for k in range(6):
+        rows += [{"item": f"i{k}", "arm": "target", "prediction": 0, "correct": True},
+                 {"item": f"i{k}", "arm": "source", "prediction": 1, "correct": False},
+                 {"item": f"i{k}", "arm": "rho=0/rank@general", "prediction": int(k < 3), "correct": k >= 3}]
+        rows += [{"item": f"i{k}", "arm": f"rho={r:g}/rank@general", "prediction": int(k == 0), "correct": k > 0}
+                 for r in (0.1, 0.2, 0.3)]
+    path = _write(tmp_path / "mmlu.jsonl", "mmlu", rows, (("general", "abc"),))
+    out = tmp_path / "g.json"
+    assert main(["eval", "report", str(path), "--general-summary", str(out)]) == 0
+    t = json.loads(out.read_text())["tasks"]["mmlu"]
+    assert t["agreement_default_rho0.2"] == pytest.approx(5 / 6) and t["agreement_plain"] == pytest.approx(0.5)
