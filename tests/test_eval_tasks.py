@@ -117,6 +117,28 @@ def test_coqa_items_are_turns_with_gold_history_and_stories_split(tmp_path, monk
     assert task.answer_complete("no\n") and not task.answer_complete("no")
 
 
+def test_coqa_passage_asks_each_storys_first_question_with_its_passage_in_one_turn(tmp_path, monkeypatch):
+    """One item per story: passage and first question in one user turn, the gold first answer scored in bits
+    per byte; the held-apart stories calibrate, disjoint from the evaluated ones (checked where used)."""
+    import math
+
+    import rarecache.eval.tasks.coqa as coqa
+    from rarecache.eval.tasks import TASKS
+
+    monkeypatch.setattr(coqa, "CALIBRATION_STORIES", 1)
+    task = TASKS["coqa_passage"](_coqa_cache(tmp_path))
+    items = task.items()
+    assert [i.id for i in items] == ["coqa_passage-story0", "coqa_passage-story1"] and task.kind == "likelihood"
+    (turn,) = items[1].messages
+    assert turn["role"] == "user" and "Passage of story 1." in turn["content"]
+    assert turn["content"].startswith(coqa.PASSAGE_INSTRUCTION) and turn["content"].endswith("Question: q1.1?")
+    assert items[1].continuations == ("answer 1 1",) and items[1].gold == ["answer 1 1", "The other answer!"]
+    assert [i.id for i in task.calibration_items()] == ["coqa_passage-story2"]
+    assert task.calibration_corpus().ids == ("coqa_passage-story2",)
+    r = task.score_likelihood(items[1], [-math.log(2) * 10])  # 10 bits over the 10 bytes of "answer 1 1"
+    assert r == {"bpb": 1.0, "bytes": 10} and task.metric == "bpb"
+
+
 def test_f1_by_hand():
     from rarecache.eval.tasks.coqa import f1
 

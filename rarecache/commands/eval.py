@@ -12,7 +12,7 @@ from .common import add_model_options
 # The names in rarecache.eval.tasks.TASKS, in its order, for `eval run --help` alone: importing the tasks
 # (and the corpus and tokenizer code under them) just to print help is what this spares. A test holds the two equal.
 TASK_NAMES = ("gsm8k", "gsm8k_bpb", "arc_challenge", "arc_easy", "hellaswag", "winogrande", "mmlu", "coqa",
-              "coqa_bpb", "wiki_ppl")
+              "coqa_bpb", "coqa_passage", "wiki_ppl")
 
 
 def register(sub) -> None:
@@ -178,7 +178,7 @@ def _add_report(ev) -> None:
                    help="also write what one handoff (--arm) through one map (--map-label) changes against the "
                         "target on each file's task, beside --previous-label's map: per task the target, the source "
                         "alone and the handoff, delta = handoff - target (pp for accuracy, bpb for bits per byte) "
-                        "with its paired bootstrap 95%% CI, and agreement, the share of items whose answer equals "
+                        "with its paired bootstrap 95 percent interval, and agreement, the share of items whose answer equals "
                         "the target's (null on bits per byte tasks, which score a fixed text and have no answer: "
                         "read their delta), all on the items every arm answered (e.g. "
                         "docs/artifacts/fidelity-summary.json)")

@@ -10,6 +10,12 @@ the CoQA/SQuAD scorer normalises them); `coqa_bpb` scores the gold answer's bits
 per byte instead (no generation). The data (OLMES' CoQA validation, 500 stories)
 is split by story: the first 400 are evaluated, the last 100 are the
 calibration pool, and disjointness is checked in code.
+
+`coqa_passage` asks as a new user would: one story per item, its passage and
+first question in one user turn, and scores the gold answer's bits per byte.
+CoQA's answers are mostly read from the passage, so this measures what a
+handoff keeps of text that was mapped, not of the newest turn (issue 41: the
+`suffix` default loses most there). Its stories split as CoQA's do.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from ..data import olmo_documents
 from .base import Item, Task, gold_bpb
 
 INSTRUCTION = "Read the passage, then answer each question in a few words, using the passage.\n\n"
+PASSAGE_INSTRUCTION = "Read the passage, then answer the question in a few words, using the passage.\n\n"
 MAX_TURNS = 10  # turns evaluated per story (seed 002 plots turns 1-10)
 CALIBRATION_STORIES = 100  # the last stories of the file
 
@@ -105,3 +112,29 @@ class CoQABPB(CoQA):
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
         return {**gold_bpb(item, logprobs), "turn": item.extra["turn"]}
+
+
+def passage_item(name: str, story: str, passage: str, qa: list[dict], answers: dict[int, list[str]]) -> Item:
+    """A story's passage and first question as one user turn; the continuation is the gold first answer."""
+    content = f"{PASSAGE_INSTRUCTION}Passage: {passage.strip()}\n\nQuestion: {qa[0]['question']}"
+    return Item(f"{name}-{story}", ({"role": "user", "content": content},), answers.get(1, [qa[0]["answer"]]),
+                {"story": story}, (qa[0]["answer"],))
+
+
+class CoQAPassage(CoQABPB):
+    """Passage question answering: bits per byte of the gold answer to a story's first question, asked with
+    the passage in one user turn. One item per story; the last CALIBRATION_STORIES stories calibrate."""
+
+    name = "coqa_passage"
+
+    def _items(self, calibration: bool) -> list[Item]:
+        stories = _stories(self.cache_dir)
+        stories = stories[-CALIBRATION_STORIES:] if calibration else stories[:-CALIBRATION_STORIES]
+        return [passage_item(self.name, *s) for s in stories]
+
+    def items(self) -> list[Item]:
+        """One item per evaluated story, in the file's order."""
+        return self._items(False)
+
+    def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
+        return gold_bpb(item, logprobs)
