@@ -22,9 +22,11 @@ def register(sub) -> None:
     _add_report(ev)
     from .drift import register as register_drift
     from .gate import register as register_gate
+    from .probe import register as register_probe
 
     register_gate(ev)
     register_drift(ev)
+    register_probe(ev)
 
 
 RUN_DESCRIPTION = """\

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..engine.cache import KVCache
 from ..engine.runner import Runner, pad_batch
 from .handoff import budget, select_top
 from .mapper import SIDES, Mapper
@@ -100,8 +101,7 @@ def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[
             rows = torch.arange(n, device=target.device)[None]
             out_true, probs = target.attend(i, q, pos, true, rows)  # probs (1, H, n, n)
             out_mapped, _ = target.attend(i, q, pos, mapped)
-            cos = torch.nn.functional.cosine_similarity(out_true.float(), out_mapped.float(), dim=-1)  # (1, H, n)
-            cos_layers.append(cos.mean().item())
+            cos_layers.append(head_cosine(out_true, out_mapped).item())
             km, vm = mapped.layer(i, n)  # (1, Hkv, n, D)
             k_err, v_err = (km - kk).float()[0], (vm - vv).float()[0]
             sums["kc"][i] += _k_concentration(k_err, q.float()[0]).mean().item()
@@ -118,6 +118,38 @@ def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[
     m = len(prompts)
     avg = {k: (v / m).tolist() for k, v in sums.items()}
     return Diagnostics(avg["cos"], avg["kc"], avg["vc"], avg["ra"], avg["ea"], rho, m, tokens, per_prompt)
+
+
+def head_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Attention outputs a (1 or A, H, m, D) against b (A, H, m, D): the cosine of each head's output
+    vectors, averaged over heads and positions -> (A,)."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean((1, 2))
+
+
+@torch.inference_mode()
+def attention_cosines(target: Runner, own: KVCache, others: KVCache, tokens: torch.Tensor,
+                      positions: torch.Tensor) -> torch.Tensor:
+    """Per target layer, the attention-output cosine of `tokens` (1, m) at `positions` (1, m) over the
+    target's own cache `own` (batch one) against over each row of `others` (A rows; e.g. handed-off
+    caches), along the target's own residual stream: at every layer the same k, v of these tokens are
+    written into both, so the two outputs differ only through the rows before them. Writes those rows
+    into both caches. -> (L, A)."""
+    A = others.batch
+    pos_a = positions.expand(A, -1)  # (A, m)
+    own.mark(positions)
+    others.mark(pos_a)
+    h = target.embed(tokens)
+    cos_sin = target.cos_sin(positions)
+    out = []
+    for i in range(target.num_layers):
+        q, k, v = target.qkv(i, h, cos_sin)  # q (1, H, m, D), k, v (1, Hkv, m, D)
+        own.write(i, positions, k, v)
+        others.write(i, pos_a, k.expand(A, -1, -1, -1), v.expand(A, -1, -1, -1))
+        mine, _ = target.attend(i, q, positions, own)
+        theirs, _ = target.attend(i, q.expand(A, -1, -1, -1), pos_a, others)
+        out.append(head_cosine(mine, theirs))
+        h = target.finish(i, h, mine)
+    return torch.stack(out)  # (L, A)
 
 
 def layer_rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
