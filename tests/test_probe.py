@@ -40,8 +40,8 @@ def _fake_tasks(n=20, stories=20, turns=5):
         "coqa_passage": FakeTask("coqa_passage", [Item(f"coqa_passage-s{s}", _user(f"passage {s}"), [f"p{s}"],
                                                        {"story": f"s{s}"}, (f"p{s}",)) for s in range(stories)],
                                  [Item("coqa_passage-cal", _user("x"), ["y"], {"story": "cal"}, ("y",))]),
-        "mmlu": FakeTask("mmlu", [Item(f"mmlu-{k}", _user(f"question {k}"), k % 4, {}, tuple("ABCD"))
-                                  for k in range(n)]),
+        "mmlu": FakeTask("mmlu", [Item(f"mmlu-{k}", _user(f"question {k}"), k % 4, {"subject": f"sub{k % 12:02d}"},
+                                       tuple("ABCD")) for k in range(n)]),
         "arc_challenge": FakeTask("arc_challenge", [Item(f"arc-{k}", _user(f"shots\n\nQuestion: q{k}\nAnswer:"), 1,
                                                          {"query": f"Question: q{k}\nAnswer:"}, ("no", f"yes {k}"))
                                                     for k in range(n)]),
@@ -58,7 +58,9 @@ def test_probe_set_is_drawn_past_the_evaluated_items_and_outside_calibration(mon
     assert [sum(p.category == c for p in prompts) for c, _ in PLAN] == [k for _, k in PLAN]
     by = {c: [p for p in prompts if p.category == c] for c, _ in PLAN}
     assert [p.id for p in by["passage"]] == [f"passage-coqa_passage-s{s}" for s in range(12, 20)]  # the tail
-    assert [p.reference for p in by["mmlu"]] == ["ABCD"[k % 4] for k in range(14, 20)]  # the gold letter
+    # MMLU: the last item of every other subject of 12 (sub01, sub03, ...: items 13, 15, 17, 19, 9, 11)
+    assert [p.id for p in by["mmlu"]] == [f"mmlu-mmlu-{k}" for k in (13, 15, 17, 19, 9, 11)]
+    assert [p.reference for p in by["mmlu"]] == ["ABCD"[k % 4] for k in (13, 15, 17, 19, 9, 11)]  # gold letters
     assert by["arc"][0].messages == ({"role": "user", "content": probe.ARC_INSTRUCTION + "Question: q14\nAnswer:"},)
     assert by["arc"][0].reference == "yes 14"  # 0-shot: the exemplars are dropped, the gold answer's text kept
     assert [p.reference for p in by["chain"]] == [f"solution {k}" for k in range(16, 20)]
@@ -72,7 +74,12 @@ def test_probe_set_is_drawn_past_the_evaluated_items_and_outside_calibration(mon
 
 def test_probe_set_refuses_evaluated_or_calibration_items(monkeypatch):
     monkeypatch.setattr(probe, "EVALUATED", 2)
-    tasks = _fake_tasks(n=7)  # the 6 MMLU prompts would start at item 1, inside the first 2
+    tasks = _fake_tasks()
+    tasks["arc_challenge"]._items = tasks["arc_challenge"]._items[:7]  # the 6 ARC prompts would start at item 1
+    with pytest.raises(RarecacheError, match="arc_challenge has too few items: its probe items would start at 1"):
+        build_set(tasks)
+    tasks = _fake_tasks()
+    tasks["mmlu"]._items = tasks["mmlu"]._items[:12]  # one item per subject: items 1, 3, ... start at 1
     with pytest.raises(RarecacheError, match="mmlu has too few items: its probe items would start at 1"):
         build_set(tasks)
     tasks = _fake_tasks()

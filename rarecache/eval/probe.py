@@ -72,6 +72,20 @@ def _tail(task, k: int) -> list:
     return picked
 
 
+def _subjects(task, k: int) -> list:
+    """MMLU: the last test item of each of k subjects spread over the subject list (the list's own tail
+    is one subject's: it interleaves subjects round robin, and the largest runs longest)."""
+    items = task.items()
+    last: dict[str, int] = {}
+    for index, item in enumerate(items):
+        last[item.extra["subject"]] = index
+    names = sorted(last)
+    index = [last[names[(2 * j + 1) * len(names) // (2 * k)]] for j in range(min(k, len(names)))]
+    picked = [items[i] for i in index]
+    check_probe_items(task, picked, index)
+    return picked
+
+
 def _stories(task) -> list[list]:
     """A CoQA task's items grouped by story, in story order."""
     stories: dict[str, list] = {}
@@ -86,7 +100,7 @@ def build_set(tasks: dict[str, object]) -> list[ProbePrompt]:
     out: list[ProbePrompt] = []
     for item in _tail(tasks["coqa_passage"], count["passage"]):
         out.append(ProbePrompt(f"passage-{item.id}", "passage", item.messages, item.continuations[0]))
-    for item in _tail(tasks["mmlu"], count["mmlu"]):
+    for item in _subjects(tasks["mmlu"], count["mmlu"]):
         out.append(ProbePrompt(f"mmlu-{item.id}", "mmlu", item.messages, item.continuations[item.gold]))
     for item in _tail(tasks["arc_challenge"], count["arc"]):  # 0-shot: the question alone, no exemplars
         messages = ({"role": "user", "content": ARC_INSTRUCTION + item.extra["query"]},)
