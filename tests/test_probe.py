@@ -68,7 +68,8 @@ def test_probe_set_is_drawn_past_the_evaluated_items_and_outside_calibration(mon
     assert [p.id for p in by["chat"]] == [f"chat-coqa_bpb-s{s}-t{probe.CHAT_TURN}" for s in range(4, 12)]
     assert len(by["chat"][0].messages) == 2 * probe.CHAT_TURN - 1
     assert set_digest(prompts) == set_digest(build_set(_fake_tasks()))
-    changed = [ProbePrompt(p.id, p.category, p.messages, p.reference + "!") if k == 0 else p for k, p in enumerate(prompts)]
+    changed = [ProbePrompt(p.id, p.category, p.messages, p.reference + "!") if k == 0 else p
+               for k, p in enumerate(prompts)]
     assert set_digest(changed) != set_digest(prompts)
 
 
@@ -120,7 +121,8 @@ def test_probe_measures_against_a_slow_reference_and_rho_one_is_the_target(fitte
                               logits_at="all").logits[0]
         theirs = torch.cat([last, rest]).float().log_softmax(-1)  # (m, V)
         kl = (own.exp() * (own - theirs)).sum(-1).clamp(min=0) / math.log(2)
-        assert r["kl"] == pytest.approx(kl.mean().item(), abs=1e-4) and r["kl_first"] == pytest.approx(kl[0].item(), abs=1e-4)
+        assert r["kl"] == pytest.approx(kl.mean().item(), abs=1e-4)
+        assert r["kl_first"] == pytest.approx(kl[0].item(), abs=1e-4)
         assert r["top1"] == pytest.approx((own.argmax(-1) == theirs.argmax(-1)).float().mean().item())
         assert len(r["attn_cos_layers"]) == target.num_layers and (r["prompt_tokens"], r["answer_tokens"]) == (n, m)
     plain, *_, full = rows

@@ -206,8 +206,8 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
         vs_rank = (f"{fd(r['vs_rank'])} (p {format_p(r['vs_rank_p'])}, n={r['vs_rank_n']})" if "vs_rank" in r
                    else "—")
         lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
-                     f"{opt('retention')} | "
-                     f"{opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | {vs_rank} | {_agreement_cell(r)} | "
+                     f"{opt('retention')} | {opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | "
+                     f"{vs_rank} | {_agreement_cell(r)} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} | {_top_cell(r)} |")
     return "\n".join(lines)
 
