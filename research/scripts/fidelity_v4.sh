@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue #41's first candidate map, v4-tok: the general mix with the token itself as input (--token-inputs: every
+# target layer's ridge also reads the target's own layer-0 K/V rows of the token, exact from the token) and layer
+# 0 computed from the token (--exact-layer0). Screened against the served map (v3) in the SAME files, by the
+# adoption rule written before the run (research/fidelity/ADOPTION.md):
+#   1. the probe (eval probe: KL from the target's own next-token distribution, minutes);
+#   2. tasks at N items (0..N-1), both maps, arms target / source / plain (0:rank) / 0.2:suffix / 0.2:rank,
+#      in the order the acceptance reads them: MMLU, passage QA (coqa_passage), ARC-C, HellaSwag.
+# Resumable: every step appends to its JSONL and skips what is done; a fresh machine rebuilds the map by the
+# recorded command (deterministic on one machine only: research/scripts/rebase_map.py), the map is never
+# committed (issue #41 item 6). Run from a frozen copy so edits under a running queue change nothing:
+#   N=100 nohup bash research/scripts/frozen.sh research/scripts/fidelity_v4.sh >> ~/.cache/rarecache/runs/fidelity_v4.log 2>&1 &
+# Publish as the other queues do (research/scripts/publish.sh) into research/fidelity/.
+set -euxo pipefail
+cd "$(dirname "$0")/../.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
+mkdir -p "$M" "$E"
+V3=$(python -c "from rarecache.defaults import SERVED; print(SERVED.map_path())" 2>/dev/null) \
+  || V3=rarecache/data/general-v3-64k.safetensors
+V4=$M/general-tok-64k-bf16.safetensors
+[ -f "$V4" ] || rarecache calibrate --source $S --target $T --preset general --tokens 65536 --token-inputs \
+    --exact-layer0 --dtype bfloat16 --keep-state --out "$V4"
+MAPS=(v3="$V3" v4="$V4")
+rarecache eval probe --source $S --target $T --map "${MAPS[@]}" --arms 0:rank 0.2:suffix 0.2:rank 0.3:rank \
+    --out "$E/probe-v4.jsonl" > /dev/null
+for task in mmlu coqa_passage arc_challenge hellaswag; do
+  rarecache eval run --task $task --source $S --target $T --map "${MAPS[@]}" \
+      --arms target source 0:rank@v3 0:rank@v4 0.2:suffix@v3 0.2:suffix@v4 0.2:rank@v3 0.2:rank@v4 \
+      --limit "${N:-100}" --out "$E/fid-$task.jsonl" > /dev/null
+done
