@@ -4,7 +4,8 @@
 # 0 computed from the token (--exact-layer0). Screened against the served map (v3) in the SAME files, by the
 # adoption rule written before the run (research/fidelity/ADOPTION.md):
 #   1. the probe (eval probe: KL from the target's own next-token distribution, minutes);
-#   2. tasks at N items (0..N-1), both maps, arms target / source / plain (0:rank) / 0.2:suffix / 0.2:rank,
+#   2. tasks at N items (0..N-1), both maps: target / source / plain (0:rank) / 0.2:suffix, and through v4 the
+#      two other selectors at 0.2 the default is chosen among again (rank, suffix+rank),
 #      in the order the acceptance reads them: MMLU, passage QA (coqa_passage), ARC-C, HellaSwag.
 # Resumable: every step appends to its JSONL and skips what is done; a fresh machine rebuilds the map by the
 # recorded command (deterministic on one machine only: research/scripts/rebase_map.py), the map is never
@@ -26,6 +27,6 @@ rarecache eval probe --source $S --target $T --map "${MAPS[@]}" --arms 0:rank 0.
     --out "$E/probe-v4.jsonl" > /dev/null
 for task in mmlu coqa_passage arc_challenge hellaswag; do
   rarecache eval run --task $task --source $S --target $T --map "${MAPS[@]}" \
-      --arms target source 0:rank@v3 0:rank@v4 0.2:suffix@v3 0.2:suffix@v4 0.2:rank@v3 0.2:rank@v4 \
+      --arms target source 0:rank@v3 0:rank@v4 0.2:suffix@v3 0.2:suffix@v4 0.2:rank@v4 0.2:suffix+rank@v4 \
       --limit "${N:-100}" --out "$E/fid-$task.jsonl" > /dev/null
 done
