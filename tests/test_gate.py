@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from rarecache.errors import RarecacheError
-from rarecache.transfer.gate import (GatePolicy, decide, fit_threshold, gated_handoff, js_bits)
+from rarecache.eval.gate_fit import fit_threshold
+from rarecache.transfer.gate import GatePolicy, decide, js_bits
+from rarecache.transfer.gate_pass import gated_handoff
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 
 ALWAYS = math.inf  # accept the first rung
@@ -113,16 +115,16 @@ def test_fit_recovers_the_planted_threshold():
     for _ in range(200):
         js = (torch.rand(3, generator=g) * 0.1).tolist()
         items.append((js, [0.0 if d < 0.05 else 1.0 for d in js], [0.1, 0.2, 0.3]))
-    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0})
+    th, floor, out, _, _ = fit_threshold({"t": items}, {"t": 0.0})
     assert floor is None
     safe = max(d for js, _, _ in items for d in js if d < 0.05)
     assert th == safe and out["t"]["loss"] == 0.0
     # a looser bound accepts more, at a lower cost
-    th2, _, out2, _ = fit_threshold({"t": items}, {"t": 0.05})
+    th2, _, out2, _, _ = fit_threshold({"t": items}, {"t": 0.05})
     assert th2 > th and out2["t"]["cost"] < out["t"]["cost"] and out2["t"]["loss"] <= 0.05
     # every group must hold its bound: a second group that loses everything forces fallback
     bad = [([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 10
-    th3, _, out3, _ = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
+    th3, _, out3, _, _ = fit_threshold({"t": items, "bad": bad}, {"t": 0.05, "bad": 0.0})
     assert th3 < 0 and out3["bad"]["fallback"] == 1.0 and out3["t"]["cost"] == 1.0
 
 
@@ -187,12 +189,12 @@ def test_fit_falls_back_early_when_climbing_is_wasted():
     0.3 of a prefill each; the fit must stop after rung 1 and still lose nothing."""
     good = [([1e-4, 1e-4, 1e-4], [0.0, 0.0, 0.0], [0.1, 0.2, 0.3])] * 50
     hopeless = [([0.5, 2e-4, 1e-4], [1.0, 1.0, 1.0], [0.1, 0.2, 0.3])] * 50
-    th, floor, out, most = fit_threshold({"t": good + hopeless}, {"t": 0.0})
+    th, floor, out, most, _ = fit_threshold({"t": good + hopeless}, {"t": 0.0})
     assert most == 1 and 1e-4 <= th < 0.5 and out["t"]["loss"] == 0.0
     assert out["t"]["fallback"] == 0.5 and out["t"]["work"] == pytest.approx(0.5 * 0.1 + 0.5 * 1.1)
     assert out["t"]["cost"] == pytest.approx(0.5 * 0.1 + 0.5 * 1.0)  # the issue's figure: a fallback is 1.0
     # nothing safe anywhere: fall back right after plain transfer, not after the ladder
-    th, _, out, most = fit_threshold({"t": hopeless}, {"t": 0.0})
+    th, _, out, most, _ = fit_threshold({"t": hopeless}, {"t": 0.0})
     assert most == 0 and th < 0 and out["t"]["work"] == 1.0
 
 
@@ -205,9 +207,9 @@ def test_fit_uses_a_margin_floor_when_the_signal_alone_cannot_separate():
     for _ in range(200):
         m = (torch.rand(3, generator=g) * 2).tolist()
         items.append(([1e-4] * 3, [0.0 if x > 1.0 else 1.0 for x in m], [0.1, 0.2, 0.3], m))
-    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=False)
+    th, floor, out, _, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=False)
     assert th < 0 and out["t"]["cost"] == 1.0
-    th, floor, out, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=True)
+    th, floor, out, _, _ = fit_threshold({"t": items}, {"t": 0.0}, margins=True)
     assert floor is not None and floor >= 1.0 and out["t"]["loss"] == 0.0 and out["t"]["cost"] < 0.6
     # the online decision agrees with the fitted rule
     for js, ls, cs, m in items:

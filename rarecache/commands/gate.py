@@ -67,6 +67,7 @@ def cmd_gate_fit(args) -> int:
     args.out.write_text(policy.to_json())
     floor = "" if policy.min_margin is None else f", top-2 margin >= {policy.min_margin:.3g} nats"
     most = "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s) before falling back"
+    most += "" if not policy.first_rung else f", starting at rho {policy.rungs[policy.first_rung]:g}"
     does = "always falls back" if policy.always_falls_back else "accepts"
     print(f"{policy.signal} threshold {policy.threshold:.4g} bits{floor}{most} ({does})")
     ci = lambda a, c: f"{a:.3f} ({c[0]:.3f}-{c[1]:.3f})"  # noqa: E731
@@ -77,6 +78,12 @@ def cmd_gate_fit(args) -> int:
     pooled = policy.fitted["auc_pooled"]
     print(f"  signal AUC over every task's (item, rung) pairs: {ci(pooled['auc'], pooled['ci'])} "
           "(95% CI: items resampled within each task)")
+    print("each recorded signal's AUC for a changed answer, pooled over tasks (every rung; then within each rung):")
+    table = policy.fitted["signals"]
+    for name, c in table["pooled"].items():
+        per = "  ".join(f"{rho}: {'-' if r[name]['auc'] is None else format(r[name]['auc'], '.3f')}"
+                        for rho, r in table["rungs"].items())
+        print(f"  {name}: {'-' if c['auc'] is None else ci(c['auc'], c['ci'])}  [{per}]")
     what = "changed" if args.loss == "changed" else "accuracy lost"
     print("other loss levels stored (serve --rho auto --max-loss SHARE):")
     for lv in policy.fitted["levels"]:
@@ -110,8 +117,10 @@ def cmd_gate_report(args) -> int:
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")
         summary = {"map": shas.pop(), "policy": {**gate_rule(policy), "loss": policy.fitted.get("loss", "changed")},
                    "tasks": {t: {k: r[k] for k in keys} | {"auc": r["auc"], "auc_ci": r["auc_ci"]}
+                             | {"agreement": r.get("agreement"), "signals": r.get("signals")}
                              for t, r in results.items()},
-                   "held_auc": policy.fitted.get("auc_pooled")}  # the signal on the items it was fitted on
+                   "held_auc": policy.fitted.get("auc_pooled"),  # the signal on the items it was fitted on
+                   "held_signals": policy.fitted.get("signals")}  # every recorded signal's, there
         args.summary.parent.mkdir(parents=True, exist_ok=True)
         args.summary.write_text(json.dumps(summary, indent=1) + "\n")
         print(f"wrote {args.summary}", file=sys.stderr)

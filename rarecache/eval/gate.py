@@ -9,7 +9,9 @@ answers with the target's own prefill: the item's target arm.
 
 A rung's loss, what accepting it costs against the target's own answer: for multiple choice 1 when
 the answer changed (the gate bounds changed answers, which bounds the accuracy lost either way),
-for bits per byte the increase in bpb. Its cost is the share of prompt positions recomputed; a
+for bits per byte the increase in bpb. A rung's answer "changed" (the signals' AUCs, `agreement`): another
+multiple-choice answer, or a bpb worse than the target's by more than `CHANGED_BPB` (an improvement is
+no change). Its cost is the share of prompt positions recomputed; a
 fallback costs 1.0 (the target's own prefill) and loses nothing. `LOSSES`: "changed" is that
 per-request bound; "accuracy" bounds what the evaluation measures instead, the mean accuracy lost
 (the target right and the rung wrong counts 1, the other way round −1, a change between two wrong
@@ -25,8 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RarecacheError
-from ..transfer.gate import SIGNALS, GatePolicy, decide, fit_thresholds, rungs_climbed
-from .metrics import N_BOOT, paired_diff_ci
+from ..transfer.gate import SIGNALS, GatePolicy, climbed_signals, decide, rungs_climbed
+from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
+from .gate_fit import Item, fit_thresholds
+from .metrics import paired_diff_ci
 from .results import load_results, map_sha256
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
@@ -54,6 +58,10 @@ class Ladders:
     value: list[list[float]] = field(default_factory=list)  # the metric per rung
     target: list[float] = field(default_factory=list)  # the target's metric
     changed: list[list[bool]] = field(default_factory=list)
+    js_plain: list[list[float]] = field(default_factory=list)  # per item, per rung: js against plain transfer
+    run: list[list[float]] | None = field(default_factory=list)  # per item, per rung: share of positions it ran
+    # (None: ladders recorded before exact climbing)
+    rows: list[list[dict]] = field(default_factory=list)  # per item, the rungs as recorded (every signal)
     seconds: list[dict] = field(default_factory=list)  # per item: map, score, rung_recompute (rung 0 first),
     # target_prefill
 
@@ -100,13 +108,16 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
     for i in items:
         t, rungs = target[i], ladder[i]["ladder"]
         out.js.append([g[signal] for g in rungs])
+        out.js_plain.append([g.get("js_plain", 0.0) for g in rungs])
+        out.run.append([g.get("run", -1) / ladder[i]["prompt_tokens"] for g in rungs])
+        out.rows.append(rungs)
         out.margin.append([g.get("margin") for g in rungs])
         out.cost.append([g["recomputed"] / ladder[i]["prompt_tokens"] for g in rungs])
         out.value.append([float(g[metric]) for g in rungs])
         out.target.append(float(t[metric]))
         if metric == "bpb":
             out.loss.append([g["bpb"] - t["bpb"] for g in rungs])
-            out.changed.append([abs(g["bpb"] - t["bpb"]) > CHANGED_BPB for g in rungs])
+            out.changed.append([g["bpb"] - t["bpb"] > CHANGED_BPB for g in rungs])
         else:
             out.changed.append([g[key] != t[key] for g in rungs])
             out.loss.append([float(c) for c in out.changed[-1]] if loss == "changed"
@@ -114,6 +125,8 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
         out.seconds.append(times.get(i, {}))
     if any(m is None for ms in out.margin for m in ms):
         out.margin = None
+    if any(r < 0 for rs in out.run for r in rs):
+        out.run = None
     return out
 
 
@@ -122,34 +135,6 @@ def _timings(path: Path, arm: str) -> dict[str, dict]:
     if not tf.is_file():
         return {}
     return {t["item"]: t["phases"] for t in load_results(tf) if t.get("arm") == arm}
-
-
-def auc(scores: list[float], labels: list[bool]) -> float:
-    """ROC AUC of `scores` for `labels` (Mann–Whitney, ties counted half); nan without both classes."""
-    s, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
-    pos, neg = s[y], s[~y]
-    if len(pos) == 0 or len(neg) == 0:
-        return float("nan")
-    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return float(greater / (len(pos) * len(neg)))
-
-
-def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT, seed: int = 0,
-           strata: list[int] | None = None) -> tuple[float, float, float]:
-    """AUC over every (item, rung) pair, with a bootstrap interval resampling items (within each
-    stratum, e.g. task, when `strata` gives one per item: a pooled AUC keeps every task's weight)."""
-    flat = lambda ix: ([s for k in ix for s in per_item[k][0]], [c for k in ix for c in per_item[k][1]])  # noqa: E731
-    point = auc(*flat(range(len(per_item))))
-    rng = np.random.default_rng(seed)
-    groups = [np.flatnonzero(np.asarray(strata) == g) for g in sorted(set(strata))] if strata else [
-        np.arange(len(per_item))]
-    draw = lambda: np.concatenate([g[rng.integers(0, len(g), len(g))] for g in groups])  # noqa: E731
-    boots = [auc(*flat(draw())) for _ in range(n_boot)]
-    boots = [b for b in boots if b == b]
-    if not boots:
-        return point, float("nan"), float("nan")
-    lo, hi = np.quantile(boots, [0.025, 0.975])
-    return point, float(lo), float(hi)
 
 
 LEVELS = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0)  # the fit's bounds times these, stored beside it (GatePolicy.at_loss)
@@ -172,25 +157,32 @@ def fit(ladders: list[Ladders], max_changed: float, max_bpb: float) -> GatePolic
     if len(signals) > 1:
         raise RarecacheError(f"the ladders were read with different signals ({', '.join(sorted(signals))})")
     margins = all(lad.margin is not None for lad in ladders)
-    groups = {lad.task: (list(zip(lad.js, lad.loss, lad.cost, lad.margin)) if margins
-                         else list(zip(lad.js, lad.loss, lad.cost))) for lad in ladders}
+    measured = all(lad.run is not None for lad in ladders)  # exact climbing: the first rung is searched too
+    groups = {lad.task: [Item(lad.js[k], lad.loss[k], lad.cost[k], lad.margin[k] if margins else None,
+                              lad.js_plain[k] if measured else None, lad.run[k] if measured else None)
+                         for k in range(len(lad.items))] for lad in ladders}
     bounds = {lad.task: (max_bpb if lad.metric == "bpb" else max_changed) for lad in ladders}
     levels = []  # the same fit at other loss bounds, for `serve --max-loss` (the bpb bound scales with the share)
     fits = fit_thresholds(groups, [{t: b * scale for t, b in bounds.items()} for scale in LEVELS], margins)
-    th, floor, outcome, most = fits[LEVELS.index(1.0)]  # (one sweep for every level; 1.0: the bounds asked for)
-    for scale, (t, f, o, mr) in zip(LEVELS, fits):
-        levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": t,
-                       "min_margin": f, "max_rungs": mr,
-                       "tasks": {g: {k: o[g][k] for k in ("loss", "cost", "work", "fallback")} for g in o}})
+    th, floor, outcome, most, first = fits[LEVELS.index(1.0)]  # (one sweep for every level; 1.0: the bounds asked)
+    for scale, ft in zip(LEVELS, fits):
+        levels.append({"max_changed": max_changed * scale, "max_bpb": max_bpb * scale, "threshold": ft.threshold,
+                       "min_margin": ft.min_margin, "max_rungs": ft.max_rungs,
+                       **({"first_rung": ft.first_rung} if ft.first_rung else {}),
+                       "tasks": {g: {k: ft.outcome[g][k] for k in ("loss", "cost", "work", "fallback")}
+                                 for g in ft.outcome}})
     aucs = {lad.task: auc_ci(list(zip(lad.js, lad.changed))) for lad in ladders}
-    pooled = auc_ci([p for lad in ladders for p in zip(lad.js, lad.changed)],
-                    strata=[k for k, lad in enumerate(ladders) for _ in lad.items])
+    strata = [k for k, lad in enumerate(ladders) for _ in lad.items]
+    rows, changed = [r for lad in ladders for r in lad.rows], [c for lad in ladders for c in lad.changed]
+    pooled = auc_ci([p for lad in ladders for p in zip(lad.js, lad.changed)], strata=strata)
     fitted = {"bounds": {"max_changed": max_changed, "max_bpb": max_bpb}, "loss": kinds.pop(), "levels": levels,
               "tasks": {lad.task: {"items": lad.items, "arm": lad.arm, "map_sha256": lad.map_sha256,
-                                   **outcome[lad.task], "auc": aucs[lad.task][0], "auc_ci": list(aucs[lad.task][1:])}
+                                   **outcome[lad.task], "auc": aucs[lad.task][0], "auc_ci": list(aucs[lad.task][1:]),
+                                   "signals": signal_aucs(lad.rows, lad.changed, lad.rungs)}
                         for lad in ladders},
-              "auc_pooled": {"auc": pooled[0], "ci": list(pooled[1:])}}  # every task's (item, rung) pairs together
-    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most, signals.pop())
+              "auc_pooled": {"auc": pooled[0], "ci": list(pooled[1:])},  # every task's (item, rung) pairs together
+              "signals": signal_aucs(rows, changed, list(next(iter(rungs))), strata)}  # every task pooled
+    return GatePolicy(sels.pop(), rungs.pop(), th, floor, fitted, most, signals.pop(), first)
 
 
 def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
@@ -210,29 +202,37 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     if lad.selector != policy.selector or tuple(lad.rungs) != policy.rungs:
         raise RarecacheError(f"{lad.task}: the ladder ({lad.selector}, rungs {lad.rungs}) is not the policy's "
                              f"({policy.selector}, rungs {list(policy.rungs)})")
-    gated, cost, secs, fell = [], [], [], 0
+    gated, cost, secs, fell, agree = [], [], [], 0, []
     for k_item, js in enumerate(lad.js):
         if policy.min_margin is not None and lad.margin is None:
             raise RarecacheError(f"{lad.task}: the policy floors the margin, which these ladders do not record")
-        k = decide(js, policy.threshold, lad.margin[k_item] if lad.margin else None, policy.min_margin,
+        f = policy.first_rung
+        seq = climbed_signals(js, f, lad.js_plain[k_item] if policy.signal == "js" else None)
+        k = decide(seq, policy.threshold, lad.margin[k_item][f:] if lad.margin else None, policy.min_margin,
                    policy.max_rungs)
+        k = None if k is None else f + k
         tm = lad.seconds[k_item]
         fixed = tm.get("map", 0.0) + tm.get("score", 0.0)
-        climbed = tm.get("rung_recompute", [])
+        climbed = list(tm.get("rung_recompute", []))  # rung 0 first
         if policy.signal == "js_views":  # the second view: its map, and one more last-position pass per rung
             fixed += tm.get("views_map", 0.0)
             climbed = [a + b for a, b in zip(climbed, tm.get("views_rungs", [0.0] * len(climbed)))]
+        if f and lad.run is not None and len(climbed) > f + 1 and lad.run[k_item][f] > 0:  # the first rung climbed
+            climbed[f + 1] *= lad.cost[k_item][f] / lad.run[k_item][f]  # runs its whole set (seconds scale with it)
+        spent = fixed + sum(climbed[:1])  # the map, the scores and rung 0 (plain transfer)
         if k is None:
             fell += 1
+            agree.append(True)
             gated.append(lad.target[k_item])
             cost.append(1.0)
-            m = rungs_climbed(len(js), policy.max_rungs)
-            spent = 0.0 if policy.always_falls_back else fixed + sum(climbed[: m + 1])  # rung 0 and the m climbed
+            m = rungs_climbed(len(js) - f, policy.max_rungs)
+            spent = 0.0 if policy.always_falls_back else spent + sum(climbed[f + 1: f + 1 + m])
             secs.append(spent + tm.get("target_prefill", 0.0))
         else:
+            agree.append(not lad.changed[k_item][k])
             gated.append(lad.value[k_item][k])
             cost.append(lad.cost[k_item][k])
-            secs.append(fixed + sum(climbed[: k + 2]))  # rung 0 (plain) and rungs up to k
+            secs.append(spent + sum(climbed[f + 1: k + 2]))  # the rungs climbed, up to k
     bpb = lad.metric == "bpb"
     scale = 1.0 if bpb else 100.0  # pp for accuracy
     d, lo, hi, p = paired_diff_ci(gated, lad.target)
@@ -243,7 +243,8 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     return {"unit": "bpb" if bpb else "pp", "delta": d * scale, "ci": [lo * scale, hi * scale], "p": p,
             "n": len(gated), "fallback_share": fell / len(gated), "mean_recomputed_share": float(np.mean(cost)),
             "expected_speedup": speedup, "target": float(np.mean(lad.target)), "gated": float(np.mean(gated)),
-            "auc": a, "auc_ci": [alo, ahi]}
+            "auc": a, "auc_ci": [alo, ahi], "agreement": float(np.mean(agree)),
+            "signals": signal_aucs(lad.rows, lad.changed, lad.rungs)}
 
 
 def oracle(lad: Ladders, cap: float, loss: str = "changed") -> dict:
@@ -279,13 +280,14 @@ def oracle(lad: Ladders, cap: float, loss: str = "changed") -> dict:
 def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
     floor = "" if policy.min_margin is None else f", margin >= {policy.min_margin:.3g} nats"
     floor += "" if policy.max_rungs is None else f", at most {policy.max_rungs} rung(s), then fallback"
+    floor += "" if not policy.first_rung else f", from rung rho={policy.rungs[policy.first_rung]:g}"
     held = sum(len(t.get("items", [])) for t in policy.fitted.get("tasks", {}).values())
     loss = "accuracy lost" if policy.fitted.get("loss") == "accuracy" else "changed answers"
     lines = [f"gate: {policy.selector}, rungs {', '.join(f'{r:g}' for r in policy.rungs)}, "
              f"{policy.signal} threshold {policy.threshold:.4g} bits{floor} (fitted on {held} held-apart items, "
              f"multiple-choice loss: {loss})",
              "", "| task | n | target | gated | Δ gated − target (95% CI) | fell back | recomputed (fallback = 1) "
-             "| expected speed-up | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|"]
+             "| expected speed-up | agreement | signal AUC (95% CI) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for task, r in results.items():
         pct = r["unit"] == "pp"
         f = (lambda x: f"{x:.1%}") if pct else (lambda x: f"{x:.4f}")
@@ -295,10 +297,30 @@ def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
         auc = "—" if r["auc"] is None else f"{r['auc']:.3f} ({r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f})"
         lines.append(f"| {task} | {r['n']} | {f(r['target'])} | {f(r['gated'])} | {dfmt(r['delta'])}{u} "
                      f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}) | {r['fallback_share']:.1%} | "
-                     f"{r['mean_recomputed_share']:.3f} | {sp} | {auc} |")
+                     f"{r['mean_recomputed_share']:.3f} | {sp} | {_share(r.get('agreement'))} | {auc} |")
     pooled = policy.fitted.get("auc_pooled")
     if pooled:  # (policies fitted before it was recorded have none)
         lines += ["", f"signal AUC on the held-apart items, every task's (item, rung) pairs pooled: "
                       f"{pooled['auc']:.3f} (95% CI {pooled['ci'][0]:.3f}, {pooled['ci'][1]:.3f}; items resampled "
                       "within each task)"]
-    return "\n".join(lines)
+    return "\n".join(lines + _signal_table(results, policy.fitted.get("signals")))
+
+
+def _share(x) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def _signal_table(results: dict[str, dict], held: dict | None) -> list[str]:
+    """Each signal's AUC for a changed answer (every rung pooled) per evaluated task, and on the held-apart
+    items with every task pooled."""
+    cols = [(t, r["signals"]["pooled"]) for t, r in results.items() if r.get("signals")]
+    if held:
+        cols.append(("held-apart, pooled", held["pooled"]))
+    if not cols:
+        return []
+    names = list(dict.fromkeys(s for _, c in cols for s in c))
+    cell = lambda c: "—" if c is None or c["auc"] is None else (  # noqa: E731
+        f"{c['auc']:.3f} ({c['ci'][0]:.3f}, {c['ci'][1]:.3f})" if c["ci"][0] is not None else f"{c['auc']:.3f}")
+    return ["", "signal AUC for a changed answer, every rung's pairs (95% CI, items resampled):", "",
+            "| signal | " + " | ".join(t for t, _ in cols) + " |", "|---|" + "---|" * len(cols),
+            *(f"| {s} | " + " | ".join(cell(c.get(s)) for _, c in cols) + " |" for s in names)]

@@ -35,7 +35,8 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..transfer.gate import RUNGS, GatePolicy, gated_handoff, js_bits
+from ..transfer.gate import RUNGS, GatePolicy, js_bits
+from ..transfer.gate_pass import gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
@@ -273,14 +274,17 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
                  for lp in continuation_logprobs(target.runner, view_snaps, res.views_logits, n, conts)]
         views_answer_s = time.perf_counter() - t
     v = min(firsts.shape[-1], src.logits.shape[-1])  # (a family shares its tokenizer; vocab rows may be padded)
-    rungs = [{"rho": r.rho, "recomputed": r.recomputed, "js": r.js, "top1_same": r.top1_same, "outside": r.outside,
-              "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain, "row_error": r.row_error,
+    rungs = [{"rho": r.rho, "recomputed": r.recomputed, "run": r.run, "js": r.js, "top1_same": r.top1_same,
+              "outside": r.outside, "margin": r.margin, "entropy": r.entropy, "js_plain": r.js_plain,
+              "row_error": r.row_error, "row_error_layers": r.row_error_layers, "nll": r.nll, "nll_shift": r.nll_shift,
+              "nll_gap": r.nll_gap, "probe_cos": r.probe_cos,
               **({"js_views": r.js_views, "answer_views": answer_shift(task.metric, a, other[k])} if views else {}),
               "js_source": js_bits(lg[:v], src.logits[:v]),  # candidate signal: against the source's own next token
               **a} for k, (r, a, lg) in enumerate(zip(res.rungs[1:], answers, firsts))]
     record = _record(task, item, arm, st, {"ladder": rungs, "plain_outside": res.rungs[0].outside})
     tm = res.handoff.timings
     phases = {"map": tm["map"], "score": tm["score"], "rung_recompute": [r.seconds for r in res.rungs],
+              "rung_signals": [r.signal_seconds for r in res.rungs],  # what measuring each signal cost, per rung
               "target_prefill": tgt.seconds, "target_shared_prefix": tgt.shared}
     if views:  # what the js_views signal costs: mapping the other view, one more last-position pass per rung
         rung_s = [r.views_seconds for r in res.rungs]

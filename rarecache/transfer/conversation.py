@@ -29,7 +29,8 @@ from ..engine.generate import Generation, SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
-from .gate import GatePolicy, GateResult, gated_handoff
+from .gate import GatePolicy, GateResult
+from .gate_pass import gated_handoff
 from .handoff import HandoffConfig, HandoffResult, _now, handoff
 from .mapper import Mapper
 from .selectors import SELECTORS
@@ -43,7 +44,7 @@ class Held:
     ids: list[int] = field(default_factory=list)  # tokens whose rows `cache` holds, from position 0
     approximate: list[int] = field(default_factory=list)  # positions whose rows came from a map, not the model
     # the first position whose row may not be the model's own: a handoff's first handed-off position (rows the
-    # target recomputed there attended to mapped rows, some since recomputed by a higher gate rung); None: all exact
+    # target recomputed there attended to mapped rows); None: all exact
     inexact_from: int | None = None
 
     def keep(self, n: int) -> None:
@@ -186,9 +187,9 @@ def prefill_or_handoff(models: dict[str, LLM], maps: dict[tuple[str, str], Mappe
             chosen = set(result.positions[0])
             mapped = [p for p in range(keep, len(ids)) if p not in chosen]
             st.approximate += mapped
-            # rho 1 recomputes every position in one pass: the model's own rows. A gate's higher rungs keep rows
-            # recomputed below them over mapped rows, so an accepted gate handoff is inexact even if it covers all
-            if mapped or gated is not None:
+            # rho 1 recomputes every position in one pass: the model's own rows (a gate's rungs are direct
+            # handoffs, below 1: some rows stay mapped)
+            if mapped:
                 st.inexact_from = keep if st.inexact_from is None else min(st.inexact_from, keep)
     else:
         toks, pos = spans([ids], [keep], llm.runner.device)
