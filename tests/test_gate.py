@@ -337,8 +337,20 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
     a = fitted_task["auc"]  # (nan where the toy items all changed, or none did)
     assert (lo <= a <= hi) or all(map(math.isnan, (a, lo, hi)))
     assert json.dumps(policy.fitted["auc_pooled"]) == json.dumps({"auc": a, "ci": [lo, hi]})  # one task: the same
-    got = json.loads(summary.read_text())["tasks"]["toychoice"]
+    whole = json.loads(summary.read_text())
+    got = whole["tasks"]["toychoice"]
     assert got["n"] == 2 and got["unit"] == "pp" and 0 <= got["fallback_share"] <= 1
+    # the schema: as before, plus agreement and every recorded signal's AUC with its interval (pooled, per rung)
+    assert set(whole) == {"map", "policy", "tasks", "held_auc", "held_signals"}
+    assert set(got) == {"unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup",
+                        "auc", "auc_ci", "agreement", "signals"}
+    assert 0 <= got["agreement"] <= 1 and set(got["signals"]["rungs"]) == {"0.1", "0.2", "0.3", "0.5"}
+    assert {"js", "js_plain", "js_source", "margin", "nll", "nll_shift", "nll_gap", "probe_cos", "row_error",
+            "combined"} <= set(got["signals"]["pooled"]) == set(whole["held_signals"]["pooled"])
+    for cell in [*got["signals"]["pooled"].values(), *whole["held_signals"]["rungs"]["0.2"].values()]:
+        assert set(cell) == {"auc", "ci", "n", "changed"} and len(cell["ci"]) == 2
+        assert cell["auc"] is None or (0 <= cell["auc"] <= 1 and (cell["ci"][0] is None
+                                                                   or cell["ci"][0] <= cell["auc"] <= cell["ci"][1]))
     # the two ends by hand: never accept = the target's answers at cost 1; always accept = rung 1's
     lad = read_ladders(ev)
     rows = {(r["item"], r["arm"]): r for r in load_results(ev)}
@@ -347,7 +359,9 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
     always = evaluate(lad, GatePolicy("rank", (0.1, 0.2, 0.3, 0.5), math.inf))
     want = [float(rows[(i, "rho=0.1/rank")]["correct"]) - float(rows[(i, "target")]["correct"]) for i in lad.items]
     assert always["delta"] == pytest.approx(100 * sum(want) / len(want))
-    assert always["fallback_share"] == 0
+    assert always["fallback_share"] == 0 and never["agreement"] == 1
+    same = [rows[(i, "ladder/rank")]["ladder"][0]["prediction"] == rows[(i, "target")]["prediction"] for i in lad.items]
+    assert always["agreement"] == sum(same) / len(same)
     assert always["mean_recomputed_share"] == pytest.approx(
         sum(budget(0.1, rows[(i, "target")]["prompt_tokens"]) / rows[(i, "target")]["prompt_tokens"]
             for i in lad.items) / 2)
@@ -437,6 +451,8 @@ def test_the_response_says_what_the_gate_decided(chat):
         client = TestClient(create_app(ChatService(models, maps, ServiceConfig(gate=policy))))
         messages = [{"role": "user", "content": "the quick brown fox"}]
         first = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 4})
+        assert first.json()["rarecache"]["gate"]["summary"] == (  # every response says what the gate did
+            "the gate did not run: no other model's rows were handed off: the model read the prompt itself")
         messages += [{"role": "assistant", "content": first.json()["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "jumps over the lazy dog"}]
         r = client.post("/v1/chat/completions", json={"model": "large", "messages": messages, "max_tokens": 4})
@@ -444,6 +460,11 @@ def test_the_response_says_what_the_gate_decided(chat):
         info = r.json()["rarecache"]
         assert info["handed_off_from"] == "small" and info["gate"]["decision"] == decision
         assert info["gate"]["reason"] and info["rho"] == (1.0 if decision == "fallback" else 0.2)
+        assert info["gate"]["summary"] == (f"fell back to the target's own prefill: {info['gate']['reason']}"
+                                           if decision == "fallback" else
+                                           f"accepted at rho 0.2: {info['gate']['reason']}")
+        assert decision == "fallback" or info["gate"]["reason"].startswith("js ") and "against plain transfer" in \
+            info["gate"]["reason"]
         n = r.json()["usage"]["prompt_tokens"]
         if decision == "fallback":  # the model's own prefill: the same answer as the model alone
             want = models["large"].generate([messages], SamplingConfig(max_new_tokens=4))[0].text
@@ -454,8 +475,8 @@ def test_the_response_says_what_the_gate_decided(chat):
 
 
 def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
-    """On a server started with --rho auto, a request's own ρ replaces the gate for that request (no
-    gate record, the ρ it named); "auto" keeps the gate, whose selector a request cannot change."""
+    """On a server started with --rho auto, a request's own ρ replaces the gate for that request (its
+    gate record says the gate did not run; the ρ it named); "auto" keeps the gate, whose selector a request cannot change."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
@@ -476,7 +497,8 @@ def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
                                                          "cache_salt": salt, **extra})
 
     fixed = switched("a", rarecache={"rho": 0.2, "selector": "suffix"}).json()["rarecache"]
-    assert "gate" not in fixed and (fixed["rho"], fixed["selector"]) == (0.2, "suffix")
+    assert fixed["gate"]["decision"] == "not run" and "named a fixed budget" in fixed["gate"]["summary"]
+    assert (fixed["rho"], fixed["selector"]) == (0.2, "suffix")
     assert fixed["recomputed_tokens"] == budget(0.2, fixed["handed_off_tokens"])
     gated = switched("b", rarecache={"rho": "auto"}).json()["rarecache"]
     assert gated["gate"]["decision"] == "fallback" and (gated["rho"], gated["selector"]) == (1.0, "rank")
@@ -628,7 +650,7 @@ def test_an_idle_healing_server_serves_later_turns_from_the_models_own_rows(chat
 
 def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
     """The candidate signal `row_error`, against the long way: the mapped rows (a plain `Mapper.apply`) against
-    the rows the rungs recomputed (the last position's as plain transfer computed it, at rung 0)."""
+    the rows the rung holds recomputed (at rung 0 the last position's, as plain transfer computed it)."""
     source, target, mapper, prompts = fitted
     ids = prompts[0]
     n = len(ids)
@@ -649,9 +671,8 @@ def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
 
     e0, r0 = ratio([n - 1], plain)
     assert res.rungs[0].row_error == pytest.approx(e0 / r0, rel=1e-4) and res.rungs[0].row_error > 0
-    top = [p for p in res.handoff.positions[0] if p != n - 1]
-    e1, r1 = ratio(top, snaps.row(1))
-    assert res.rungs[-1].row_error == pytest.approx((e0 + e1) / (r0 + r1), rel=1e-4)
+    e1, r1 = ratio(res.handoff.positions[0], snaps.row(1))  # (the last position's row as this rung computed it)
+    assert res.rungs[-1].row_error == pytest.approx(e1 / r1, rel=1e-4)
     _, _, online = gated_handoff(source, target, mapper, ids, pol)  # serving does not measure it
     assert all(r.row_error == 0.0 for r in online.rungs)
 
