@@ -85,7 +85,7 @@ def test_heal_makes_every_row_the_models_own_prefill(chat, how, monkeypatch):
 
     from rarecache.transfer.gate import GatePolicy
 
-    from rarecache.transfer import gate as gate_mod
+    from rarecache.transfer import gate_pass as gate_mod  # (the ladder reads _accepts there)
 
     models, maps = chat
     gate = None
@@ -152,7 +152,7 @@ def test_a_gate_handoff_that_recomputed_every_position_is_still_inexact(chat, mo
     to mapped rows and are kept: the cache is not the model's own, so it stays marked (and heal fixes it)."""
     import torch
 
-    from rarecache.transfer import gate as gate_mod
+    from rarecache.transfer import gate_pass as gate_mod  # (the ladder reads _accepts there)
     from rarecache.transfer.gate import GatePolicy
 
     models, maps = chat

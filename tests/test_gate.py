@@ -463,8 +463,8 @@ def test_the_response_says_what_the_gate_decided(chat):
         assert info["gate"]["summary"] == (f"fell back to the target's own prefill: {info['gate']['reason']}"
                                            if decision == "fallback" else
                                            f"accepted at rho 0.2: {info['gate']['reason']}")
-        assert decision == "fallback" or info["gate"]["reason"].startswith("js ") and "against plain transfer" in \
-            info["gate"]["reason"]
+        reason = info["gate"]["reason"]
+        assert decision == "fallback" or reason.startswith("js ") and "against plain transfer" in reason
         n = r.json()["usage"]["prompt_tokens"]
         if decision == "fallback":  # the model's own prefill: the same answer as the model alone
             want = models["large"].generate([messages], SamplingConfig(max_new_tokens=4))[0].text
@@ -476,7 +476,8 @@ def test_the_response_says_what_the_gate_decided(chat):
 
 def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
     """On a server started with --rho auto, a request's own ρ replaces the gate for that request (its
-    gate record says the gate did not run; the ρ it named); "auto" keeps the gate, whose selector a request cannot change."""
+    gate record says the gate did not run; the ρ it named); "auto" keeps the gate, whose selector a request
+    cannot change."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 

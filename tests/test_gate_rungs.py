@@ -296,3 +296,30 @@ def test_policy_first_rung_round_trip_and_validation(tmp_path):
                      ({"first_rung": 2, "max_rungs": 3}, "max_rungs must be a whole number from 0 to 2")):
         with pytest.raises(RarecacheError, match=msg):
             GatePolicy("suffix", RUNGS, 0.1, **bad)
+
+
+def test_auc_by_ranks_equals_counting_pairs():
+    from rarecache.eval.gate_auc import auc
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        s, y = rng.integers(0, 6, 40).astype(float), rng.random(40) < 0.3  # many ties
+        pos, neg = s[y], s[~y]
+        want = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (len(pos) * len(neg))
+        assert auc(s, y) == pytest.approx(want)
+
+
+def test_auc_interval_draws_equal_resampling_by_hand():
+    """The weighted draws are item resamples: scoring one block's draws by hand (repeating each item as often
+    as it was drawn) gives the same AUCs, so the interval matches."""
+    from rarecache.eval.gate_auc import auc, auc_ci
+
+    rng = np.random.default_rng(2)
+    items = [(rng.integers(0, 5, 3).astype(float).tolist(), (rng.random(3) < 0.4).tolist()) for _ in range(30)]
+    point, lo, hi = auc_ci(items, n_boot=200, seed=7)
+    draws = np.random.default_rng(7).multinomial(30, np.full(30, 1 / 30), size=200)
+    by_hand = [auc([s for i, c in enumerate(d) for _ in range(c) for s in items[i][0]],
+                   [x for i, c in enumerate(d) for _ in range(c) for x in items[i][1]]) for d in draws]
+    want = np.quantile([b for b in by_hand if b == b], [0.025, 0.975])
+    assert (lo, hi) == pytest.approx(tuple(want))
+    assert point == auc([s for it in items for s in it[0]], [x for it in items for x in it[1]])

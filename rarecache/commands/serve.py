@@ -200,7 +200,7 @@ def cmd_serve(args) -> int:
         maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
                                               *models.values())
     service = ChatService(models, maps, cfg)
-    budget = (f"gate {gate.selector}, rungs {'/'.join(f'{r:g}' for r in gate.rungs)}, threshold {gate.threshold:.4g}"
+    budget = (f"gate {gate.selector}, rungs {'/'.join(f'{r:g}' for r in gate.climbed)}, threshold {gate.threshold:.4g}"
               if gate else f"rho {rho:g}, {args.selector}")
     print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, {budget}) "
           f"on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)

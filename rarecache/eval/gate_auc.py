@@ -24,28 +24,48 @@ FOLDS = 5
 
 
 def auc(scores, labels) -> float:
-    """ROC AUC of `scores` for `labels` (Mann–Whitney, ties counted half); nan without both classes."""
+    """ROC AUC of `scores` for `labels` (Mann–Whitney by mid-ranks: ties count half); nan without both
+    classes."""
     s, y = np.asarray(scores, dtype=float), np.asarray(labels, dtype=bool)
-    pos, neg = s[y], s[~y]
-    if len(pos) == 0 or len(neg) == 0:
+    pos = int(y.sum())
+    neg = len(y) - pos
+    if pos == 0 or neg == 0:
         return float("nan")
-    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
-    return float(greater / (len(pos) * len(neg)))
+    _, inv, counts = np.unique(s, return_inverse=True, return_counts=True)
+    mid = np.cumsum(counts) - (counts - 1) / 2  # each distinct score's mean rank, from 1
+    return float((mid[inv][y].sum() - pos * (pos + 1) / 2) / (pos * neg))
 
 
 def auc_ci(per_item: list[tuple[list[float], list[bool]]], n_boot: int = N_BOOT, seed: int = 0,
            strata: list[int] | None = None) -> tuple[float, float, float]:
     """AUC over every (item, rung) pair, with a bootstrap interval resampling items (within each
-    stratum, e.g. task, when `strata` gives one per item: a pooled AUC keeps every task's weight)."""
-    flat = lambda ix: ([s for k in ix for s in per_item[k][0]], [c for k in ix for c in per_item[k][1]])  # noqa: E731
-    point = auc(*flat(range(len(per_item))))
+    stratum, e.g. task, when `strata` gives one per item: a pooled AUC keeps every task's weight).
+    A draw weighs each pair by how often its item was drawn; all draws are scored at once over the
+    pairs sorted by score (a weighted Mann–Whitney count, ties half)."""
+    scores = np.array([s for it in per_item for s in it[0]], dtype=float)
+    labels = np.array([c for it in per_item for c in it[1]], dtype=bool)
+    owner = np.array([i for i, it in enumerate(per_item) for _ in it[0]], dtype=int)
+    point = auc(scores, labels)
+    if not len(scores):
+        return point, float("nan"), float("nan")
     rng = np.random.default_rng(seed)
     groups = [np.flatnonzero(np.asarray(strata) == g) for g in sorted(set(strata))] if strata else [
         np.arange(len(per_item))]
-    draw = lambda: np.concatenate([g[rng.integers(0, len(g), len(g))] for g in groups])  # noqa: E731
-    boots = [auc(*flat(draw())) for _ in range(n_boot)]
-    boots = [b for b in boots if b == b]
-    if not boots:
+    order = np.argsort(scores, kind="stable")
+    s, y, owner = scores[order], labels[order], owner[order]
+    starts = np.flatnonzero(np.r_[True, s[1:] != s[:-1]])  # each distinct score's first pair
+    boots = []
+    for a in range(0, n_boot, 250):  # (draws in blocks: a (draws, pairs) weight matrix each)
+        counts = np.zeros((min(250, n_boot - a), len(per_item)))
+        for g in groups:
+            counts[:, g] = rng.multinomial(len(g), np.full(len(g), 1 / len(g)), size=len(counts))
+        w = counts[:, owner]  # (B, P) each pair's weight in each draw
+        wp, wn = (np.add.reduceat(w * m, starts, axis=1) for m in (y, ~y))  # (B, U) per distinct score
+        below = np.cumsum(wn, axis=1) - wn
+        num, den = (wp * (below + 0.5 * wn)).sum(1), wp.sum(1) * wn.sum(1)
+        boots.append(num[den > 0] / den[den > 0])
+    boots = np.concatenate(boots)
+    if not len(boots):
         return point, float("nan"), float("nan")
     lo, hi = np.quantile(boots, [0.025, 0.975])
     return point, float(lo), float(hi)

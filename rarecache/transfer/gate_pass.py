@@ -225,7 +225,8 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     plain = prev = lg
     rungs = [Rung(0.0, 1, 0.0, True, _outside(scores, last - target_kept), secs, *_confidence(lg), 0.0,
                   js_views=views_js, views_seconds=views_s, run=ran, **sig)]
-    ladder = range(len(policy.rungs)) if climb_all else range(policy.first_rung, policy.first_rung + len(policy.climbed))
+    f = 0 if climb_all else policy.first_rung
+    ladder = range(f, len(policy.rungs) if climb_all else f + len(policy.climbed))
     before, per_rung, accepted = last, [], None
     for k in ladder:
         rho = policy.rungs[k]
