@@ -147,9 +147,10 @@ def test_healing_in_steps_ends_at_the_models_own_prefill(chat):
     assert heal(models["large"].runner, st, limit=3) == 0
 
 
-def test_a_gate_handoff_that_recomputed_every_position_is_still_inexact(chat, monkeypatch):
-    """A gate's top rung (0.99 of a short span) may cover every handed-off position, but the rows its lower rung recomputed attended
-    to mapped rows and are kept: the cache is not the model's own, so it stays marked (and heal fixes it)."""
+def test_a_gate_rung_that_recomputes_every_position_is_the_models_own_prefill(chat, monkeypatch):
+    """A gate's top rung (0.99 of a short span) may cover every handed-off position. Its rungs are direct
+    handoffs (the rows a lower rung recomputed over mapped rows are recomputed again), so the cache is the
+    model's own prefill and nothing is marked approximate or inexact."""
     import torch
 
     from rarecache.transfer import gate_pass as gate_mod  # (the ladder reads _accepts there)
@@ -165,7 +166,9 @@ def test_a_gate_handoff_that_recomputed_every_position_is_still_inexact(chat, mo
     st = conv.state["large"]
     start, end = turn.handoff.handed_off[0]
     assert turn.gate.decision == "accept" and turn.gate.rho == 0.99 and st.approximate == []
-    assert st.inexact_from == start
+    assert turn.handoff.positions[0] == list(range(start, end)) and len(turn.gate.rungs) == 3  # both rungs climbed
+    assert st.inexact_from is None
     k, v = _own_rows(models["large"], st.ids)
     n = len(st.ids)
-    assert not torch.allclose(st.cache.k[:, :, :, :n], k, atol=1e-5, rtol=0)  # the mark is needed
+    assert torch.allclose(st.cache.k[:, :, :, :n], k, atol=1e-5, rtol=0)
+    assert torch.allclose(st.cache.v[:, :, :, :n], v, atol=1e-5, rtol=0)

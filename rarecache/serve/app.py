@@ -109,10 +109,10 @@ def _info(service: ChatService, reply: Reply) -> dict:
             "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
-    elif getattr(service.cfg, "gate", None) is not None:  # a gated server whose gate had nothing to decide
-        why = ("the request named a fixed budget" if reply.handed_off_from is not None
-               else "no other model's rows were handed off: the model read the prompt itself")
-        info["gate"] = {"decision": "not run", "reason": why, "summary": f"the gate did not run: {why}"}
+    if getattr(service.cfg, "gate", None) is not None:  # a gated server: one line on every response
+        info["gate_summary"] = gate["summary"] if gate is not None else "the gate did not run: " + (
+            "the request named a fixed budget" if reply.handed_off_from is not None
+            else "no other model's rows were handed off (the model read the prompt itself)")
     if reply.continued:  # continue_final_message: the last prompt tokens, read by the model itself
         info["final_message_tokens"] = reply.continued
     return info
