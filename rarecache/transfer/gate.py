@@ -65,7 +65,8 @@ class GatePolicy:
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
     min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
-    max_rungs: int | None = None  # climb at most this many rungs, then fall back (None: all; 0: at once, unmapped)
+    max_rungs: int | None = None  # climb at most this many rungs from first_rung, then fall back (None: all;
+    # 0: at once, unmapped)
     signal: str = "js"  # SIGNALS: the rung-to-rung divergence, or the two views' (needs a map with a plain view)
     first_rung: int = 0  # the ladder starts at rungs[first_rung] (a direct handoff there; module docstring)
 
@@ -262,8 +263,8 @@ def _accepts(threshold: float, min_margin: float | None, js: float, margin: floa
 
 def decide(js: list[float], threshold: float, margins: list[float] | None = None,
            min_margin: float | None = None, max_rungs: int | None = None) -> int | None:
-    """The rung (index into the policy's rungs) a policy accepts, given each rung's js (and top-2
-    margin), climbing at most `max_rungs`; None: fallback."""
+    """The rung a policy accepts, as an index into the signals given (the rungs it climbs, in order:
+    `climbed_signals`), with each one's top-2 margin, climbing at most `max_rungs`; None: fallback."""
     for k, d in enumerate(js[:max_rungs]):
         if _accepts(threshold, min_margin, d, margins[k] if margins is not None else 0.0):
             return k
