@@ -225,6 +225,21 @@ def test_bpb_changed_means_worse_by_more_than_the_bound(tmp_path):
     lad = read_ladders(path)
     assert lad.changed == [[False], [False], [True]] and lad.run == [[0.5]] * 3
     assert [x[0] for x in lad.loss] == pytest.approx([-0.5, 0.005, 0.02])
+    # ladders recorded before exact rungs (no run) cannot say what a policy starting higher would do
+    from rarecache.eval.gate import evaluate
+
+    two = path.with_name("two.jsonl")
+    old = [{**r, "ladder": [{k: v for k, v in g.items() if k != "run"} for g in r["ladder"] * 2]} if "ladder" in r
+           else r for r in rows]
+    for r in old:
+        if "ladder" in r:
+            r["ladder"][1] = {**r["ladder"][1], "rho": 0.6}
+    two.write_text("".join(json.dumps(r) + "\n" for r in old))
+    lad = read_ladders(two)
+    assert lad.run is None and lad.rungs == [0.5, 0.6]
+    assert evaluate(lad, GatePolicy("suffix", (0.5, 0.6), ALWAYS))["fallback_share"] == 0
+    with pytest.raises(RarecacheError, match="before rungs were direct handoffs"):
+        evaluate(lad, GatePolicy("suffix", (0.5, 0.6), ALWAYS, first_rung=1))
 
 
 # -- the fit's first rung -------------------------------------------------------------------------

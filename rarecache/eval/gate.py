@@ -199,6 +199,10 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     if lad.signal != policy.signal:
         raise RarecacheError(f"{lad.task}: the ladders were read for signal {lad.signal}, the policy thresholds "
                              f"{policy.signal}")
+    if policy.first_rung and lad.run is None:
+        raise RarecacheError(f"{lad.task}: the policy starts at rung rho={policy.rungs[policy.first_rung]:g}, and "
+                             "these ladders were recorded before rungs were direct handoffs (no `run`): record them "
+                             "again")
     if lad.selector != policy.selector or tuple(lad.rungs) != policy.rungs:
         raise RarecacheError(f"{lad.task}: the ladder ({lad.selector}, rungs {lad.rungs}) is not the policy's "
                              f"({policy.selector}, rungs {list(policy.rungs)})")
