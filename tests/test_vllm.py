@@ -89,67 +89,8 @@ def vpair(tmp_path_factory):
 # ---------------------------------------------------------------------------------------
 
 
-def _rows(L=2, H=1, n=40, D=8, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(L, H, n, D, generator=g), torch.randn(L, H, n, D, generator=g)
-
-
 ID_A = {"name": "a", "config": "c" * 16, "weights": "w" * 16}
 ID_B = {"name": "b", "config": "c" * 16, "weights": "x" * 16}
-
-
-def test_store_round_trip_and_prefix_lookup(tmp_path):
-    from rarecache.adapters.vllm.store import CHUNK, RowStore
-
-    store = RowStore(tmp_path)
-    tokens = list(range(100, 140))  # 40 tokens: two whole chunks and a bit
-    k, v = _rows()
-    assert store.put(ID_A, "s", tokens, k, v) is not None
-    hit = store.lookup(ID_A, "s", tokens + [7, 8, 9])  # a longer prompt that starts with them
-    assert (hit.length, hit.stored) == (40, 40)
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=8)
-    k2, v2 = store.load(hit, 33, cfg)
-    assert torch.equal(k2, k[:, :, :33]) and torch.equal(v2, v[:, :, :33])
-    # diverging after 20 tokens: the common prefix, token-exact
-    assert store.lookup(ID_A, "s", tokens[:20] + [1] * 30).length == 20
-    assert store.lookup(ID_A, "s", tokens[: CHUNK - 1]) is None  # less than a chunk is never found
-    assert store.lookup(ID_A, "s", [1] + tokens[1:]) is None
-    # already covered: nothing written
-    assert store.put(ID_A, "s", tokens[:32], k[:, :, :32], v[:, :, :32]) is None
-
-
-def test_store_keys_carry_model_identity_and_salt(tmp_path):
-    from rarecache.adapters.vllm.store import RowStore
-
-    store = RowStore(tmp_path)
-    tokens = list(range(50))
-    store.put(ID_A, "s", tokens, *_rows(n=50))
-    assert store.lookup(ID_A, "s", tokens).length == 50
-    assert store.lookup(ID_B, "s", tokens) is None  # same architecture, other weights
-    assert store.lookup(ID_A, "t", tokens) is None  # other salt
-    assert store.lookup(ID_A, None, tokens) is None  # no salt is its own scope
-    assert RowStore(tmp_path).lookup(ID_A, "s", tokens).length == 50  # another process, same directory
-
-
-def test_store_refuses_what_it_cannot_trust(tmp_path):
-    from rarecache.adapters.vllm.store import RowStore
-
-    store = RowStore(tmp_path)
-    tokens = list(range(32))
-    path = store.put(ID_A, "s", tokens, *_rows(n=32))
-    cfg = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=8)
-    hit = store.lookup(ID_A, "s", tokens)
-    with pytest.raises(RarecacheError, match="do not fit"):
-        store.load(hit, 32, SimpleNamespace(num_layers=3, num_kv_heads=1, head_dim=8))
-    path.write_bytes(b"not safetensors")
-    assert store.lookup(ID_A, "s", tokens) is None
-    with pytest.raises(RarecacheError, match="not a row entry"):
-        store.load(hit, 32, cfg)
-    k, v = _rows(n=32)
-    k[0, 0, 3, 1] = float("nan")
-    store.put(ID_A, "s", tokens, k, v)  # a NaN written by someone is refused on read
-    with pytest.raises(RarecacheError, match="not finite"):
-        store.load(store.lookup(ID_A, "s", tokens), 32, cfg)
 
 
 def test_model_identity_is_the_maps(vpair):
@@ -218,6 +159,51 @@ def test_layout_probe_with_vllms_own_kernel():
             ref = torch.zeros(2, 2, bs, 128, dtype=dtype)
             _vec_write(k, v, ref, torch.arange(bs + 5))
             assert torch.equal(ref, cache)
+
+
+def test_a_pinned_manifest_is_checked_where_maps_load(vpair, tmp_path, capsys):
+    """A deployment pins the map's manifest (transfer/manifest.py); the connector's settings refuse a
+    map, tokenizer, tensor-parallel layout or peer layout other than the pinned one, with the reason."""
+    import dataclasses
+
+    from rarecache.adapters.vllm.core import check_peer_layout, read_settings
+    from rarecache.cli import main
+    from rarecache.transfer.manifest import check_manifest, manifest_of
+    from rarecache.transfer.mapper import Mapper
+
+    src, tgt, map_path = vpair.root / "src", vpair.root / "tgt", vpair.root / "src-tgt.map"
+    pinned = tmp_path / "pin.json"
+    assert main(["inspect", str(map_path), "--source", str(src), "--target", str(tgt), "--manifest", str(pinned)]) == 0
+    manifest = json.loads(pinned.read_text())
+    assert manifest == manifest_of(Mapper.load(map_path), map_path, target_dir=tgt, source_dir=src)
+    assert manifest["kv_layout"] == {"source": {"layers": 2, "kv_heads": 1, "head_dim": 64},
+                                     "target": {"layers": 3, "kv_heads": 2, "head_dim": 64, "tensor_parallel": 1,
+                                                "head_order": "hf"}}
+    assert manifest["target"]["weights"] == vpair.map.info.target["weights"] and len(manifest["map_sha256"]) == 64
+    extra = {"store": str(tmp_path / "rows"), "maps": {"src": str(map_path)}, "manifests": {"src": str(pinned)}}
+    settings = read_settings(extra, tgt)
+    assert settings.peers["src"].manifest == manifest
+    check_peer_layout(settings.peers["src"], vpair.src.config)  # the peer's config, as the store gives it
+    with pytest.raises(RarecacheError, match=r"kv_layout.source.kv_heads is 2, the manifest pins 1"):
+        check_peer_layout(settings.peers["src"], dataclasses.replace(vpair.src.config, num_kv_heads=2))
+    with pytest.raises(RarecacheError, match=r"kv_layout.target.tensor_parallel is 2, the manifest pins 1"):
+        read_settings(extra, tgt, tensor_parallel=2)
+    for field, value, match in [("map_sha256", "0" * 64, "map_sha256 is"), ("tokenizer", "1" * 64, "tokenizer is"),
+                                ("target", {**manifest["target"], "weights": "f" * 16}, "target.weights is"),
+                                ("dtype", "bfloat16", "dtype is")]:
+        pinned.write_text(json.dumps({**manifest, field: value}))
+        with pytest.raises(RarecacheError, match=f"does not match its pinned manifest: {match}"):
+            read_settings(extra, tgt)
+    pinned.write_text(json.dumps({k: v for k, v in manifest.items() if k != "tokenizer"}))
+    with pytest.raises(RarecacheError, match="lacks tokenizer"):
+        read_settings(extra, tgt)
+    with pytest.raises(RarecacheError, match="manifests must be an object"):
+        read_settings({**extra, "manifests": {"other": str(pinned)}}, tgt)
+    with pytest.raises(RarecacheError, match="is not pinned"):
+        check_manifest({"kv_layout": {}}, {"kv_layout": {"source": {"layers": 2}}})
+    assert main(["inspect", str(map_path), "--source", str(tgt), "--target", str(src), "--manifest",
+                 str(pinned)]) == 2  # the pair the other way round: refused, one line
+    assert "is not the model the map was fitted for" in capsys.readouterr().err
 
 
 def test_claim_spends_the_budget_like_the_handoff():
@@ -345,11 +331,11 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from rarecache.adapters.vllm.connector import RarecacheConnector
-    from rarecache.adapters.vllm.store import RowStore, model_identity
+    from rarecache.adapters.vllm.store import model_identity, open_store
 
     prompt = vpair.prompts[0]
     src_id = model_identity(vpair.root / "src")
-    store = RowStore(tmp_path)
+    store = open_store(tmp_path)
     store.register_model(src_id, vpair.src.config)
     cache = vpair.src.new_cache(1, len(prompt))
     vpair.src.forward(*pad_batch([prompt]), cache, logits_at=None)
@@ -368,13 +354,19 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     assert handed(_request("b", prompt, "u1", {"scope": "conv"})) == 0  # the salt was used: refused
     assert handed(_request("c", prompt, "u2", {"scope": "conv"}, computed=32)) == 0  # a local hit: not fresh
     assert handed(_request("d", prompt, "u3", {"scope": "elsewhere"})) == 0  # no rows in that scope
+    assert (c._info["d"]["status"], c._info["d"]["fallback"]) == ("fallback_reprefill", "no_entry")
+    assert c._info["plain"]["status"] == "unsupported" and c._info["b"]["status"] == "unsupported"
     assert handed(_request("e", prompt, "u4", {"scope": "conv", "handoff": False})) == 0
+    assert "status" not in c._info["e"]  # the request asked for no handoff
     req = _request("a", prompt, "u1", {"scope": "conv"})
     blocks["a"] = [7, 6, 5, 9]
     c.update_state_after_alloc(req, _Blocks(blocks["a"]), 96)
     assert evicted == [[5, 6, 7]]  # unpublished at allocation, before any other lookup
     meta = c.build_connector_meta(None)
     assert [(s.req_id, s.block_ids, len(s.tokens), s.recompute) for s in meta.loads] == [("a", [7, 6, 5], 96, 26)]
+    assert list((tmp_path / "leases").iterdir())  # the entry is leased until the worker has read it
+    c.store.release(meta.loads[0].lease)
+    assert not list((tmp_path / "leases").iterdir())
     assert evicted[-1] == [5, 6, 7, 9]  # and every block of the request, every step
     delay, out = c.request_finished(req, [7, 6, 5, 9])
     assert delay is False and out["rarecache"]["captured"] == 0 and out["rarecache"]["handoff"]["tokens"] == 96
@@ -558,9 +550,9 @@ def test_capture_holds_the_sources_own_rows(vpair, source_run):
 def assert_captured(vpair, root, answers) -> None:
     """The store at `root` holds, for each prompt i answered under salt "s{i}", the rows our Runner
     computes for prompt + answer (but its last token), and the answer is our Runner's greedy one."""
-    from rarecache.adapters.vllm.store import RowStore, model_identity
+    from rarecache.adapters.vllm.store import model_identity, open_store
 
-    store = RowStore(root)
+    store = open_store(root)
     for i, (prompt, out) in enumerate(zip(vpair.prompts, answers)):
         assert out.info["captured"] == len(prompt) + NEW - 1
         seq = prompt + out.tokens[:-1]
@@ -625,7 +617,7 @@ def test_rank_recompute_through_vllms_weights(vpair, target, tmp_path):
     """ρ = 0.5, rank: the paged rows are those our own Runner computes by the same rule (the view
     over vLLM's modules recomputes what a separately loaded target does)."""
     from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import RowStore, model_identity
+    from rarecache.adapters.vllm.store import model_identity, open_store
 
     prompt = vpair.prompts[0]
     (h,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.5, "selector": "rank", "debug": True})
@@ -634,7 +626,7 @@ def test_rank_recompute_through_vllms_weights(vpair, target, tmp_path):
     assert k_re == 50 - (len(prompt) - n)
     target.collective_rpc("rarecache_dump_blocks", args=(info["all_block_ids"], str(tmp_path / "b.safetensors")))
     k, v = _paged_rows(tmp_path / "b.safetensors", info["all_block_ids"], n)
-    store = RowStore(vpair.store)
+    store = open_store(vpair.store)
     hit = store.lookup(model_identity(vpair.root / "src"), "s0", prompt)
     k_src, v_src = store.load(hit, n, vpair.src.config)
     ref = hand_rows(vpair.tgt, vpair.map, vpair.src.config, k_src, v_src, prompt[:n], k_re, "rank")
@@ -727,13 +719,15 @@ def test_serve_settings_and_records_are_checked(tmp_path):
     from rarecache.adapters.vllm.core import request_params
     from rarecache.adapters.vllm.records import check_record
     from rarecache.adapters.vllm.serving import VllmServeConfig
-    from rarecache.adapters.vllm.store import RowStore
+    from rarecache.adapters.vllm.store import open_store
 
     def check(rec):
         return check_record(rec, "a" * 32, ID_B, {"src": ID_A}, 100, 32)
 
     assert check(_record())["tokens"] == 64
     assert check(_record(status="failed", error="boom"))["error"] == "boom"
+    assert check(_record(status="failed", error="gone", reason="evicted"))["reason"] == "evicted"
+    assert check(_record(bytes_read=4096))["bytes_read"] == 4096
     for rec, match in [
         ("not a dict", "not a record of this request"), (_record(record="b" * 32), "not a record of this request"),
         (_record(format_version=2), "not a record"), (_record(model=ID_A), "names another model"),
@@ -741,6 +735,8 @@ def test_serve_settings_and_records_are_checked(tmp_path):
         (_record(prompt=99), "another prompt length"), (_record(rho=True), "no valid rho"),
         (_record(rho=1.5), "no valid rho"), (_record(selector="attn-source"), "no valid rho and selector"),
         (_record(status="maybe"), "no valid status"), (_record(status="failed"), "not why"),
+        (_record(status="failed", error="x", reason="cosmic rays"), "not why"),
+        (_record(bytes_read=-1), "no valid byte count"),
         (_record(tokens=100), "impossible counts"), (_record(tokens=48), "impossible counts"),
         (_record(recomputed=65), "impossible counts"), (_record(tokens=64.0), "impossible counts"),
         (_record(seconds={"store_read": float("nan"), "map_and_recompute": 0}), "no valid timings"),
@@ -748,7 +744,7 @@ def test_serve_settings_and_records_are_checked(tmp_path):
     ]:
         with pytest.raises(RarecacheError, match=match):
             check(rec)
-    store = RowStore(tmp_path)
+    store = open_store(tmp_path)
     assert store.take_record("c" * 32) is None
     store.put_record("c" * 32, _record())
     assert (tmp_path / "records" / f"{'c' * 32}.json").stat().st_mode & 0o777 == 0o600
@@ -872,9 +868,9 @@ def _chat(client, model, messages, salt, **kw):
 def _covered(vpair, model, salt, ids):
     """Positions of `ids` the store holds rows of, for `model` under the tenant `salt`."""
     from rarecache.adapters.vllm.serving import tenant_scope
-    from rarecache.adapters.vllm.store import RowStore, model_identity
+    from rarecache.adapters.vllm.store import model_identity, open_store
 
-    hit = RowStore(vpair.store).lookup(model_identity(vpair.root / model), tenant_scope(salt), ids)
+    hit = open_store(vpair.store).lookup(model_identity(vpair.root / model), tenant_scope(salt), ids)
     return hit.length if hit else 0
 
 

@@ -256,10 +256,14 @@ def run_vllm_switch_bench(svc, source: str, target: str, cfg: VllmSwitchConfig, 
                        statistics.median(x.seconds["first_token"] for x in hand),
                    "vllm_ttft_all_s": base, "handoff_ttft_all_s": [x.seconds["first_token"] for x in hand],
                    "handoff_worker_s": statistics.median(x.seconds.get("handoff", 0.0) for x in hand),
+                   "store_read_s": statistics.median(x.seconds.get("store_read", 0.0) for x in hand),
+                   "bytes_per_handoff": statistics.median(
+                       (getattr(x, "handoff", None) or {}).get("bytes_read") or 0 for x in hand),
                    "vllm_prefilled": b.prefilled, "vllm_reused": b.reused,
                    "same_answer": all(x.tokens == y.tokens for x, y in zip(hand, got[None])),
                    "agree_tokens": common_prefix(b.tokens, h.tokens), "new_tokens": len(b.tokens)}
             row["speedup"] = row["vllm_ttft_s"] / row["handoff_ttft_s"]
+            row["transfer_share"] = row["store_read_s"] / row["handoff_ttft_s"]  # of the TTFT, moving rows
             rows.append(row)
             emit(f"{T:>5} {P:>6} {rho:>4g} {h.handed_off:>7} {h.recomputed:>6} {tail:>5} {row['rho_spent']:>5.2f} "
                  f"{row['vllm_ttft_s'] * 1e3:>9.0f} {row['handoff_ttft_s'] * 1e3:>10.0f} {row['speedup']:>6.2f}x "
@@ -277,28 +281,43 @@ def run_vllm_switch_bench(svc, source: str, target: str, cfg: VllmSwitchConfig, 
 PER_RUN = ("lengths", "rhos", "repeats")
 
 
+def summary_group(result: dict) -> str:
+    """The summary's group of a switch run: "switch" (rows through a directory store) or
+    "switch_redis" (through a Redis server), each with keys of its own."""
+    return "switch_redis" if (result.get("settings") or {}).get("store") == "redis" else "switch"
+
+
 def switch_summary(result: dict, previous: dict | None = None) -> dict:
     """The summary's keys for the switch bench: vLLM alone / handoff, per "T/rho". `previous` (the
     summary file as it was): its cells are kept where this run measured none, if its switch settings
     are this run's but for PER_RUN (the same engines and environment), so the table can be run in
     parts; otherwise they are dropped. `settings` is this run's, with the lengths and rhos of every
-    cell kept."""
+    cell kept. Through a Redis store the keys end in `_redis` and add the bytes moved per handoff and
+    the share of the TTFT spent moving rows."""
+    group = summary_group(result)
+    suffix = group.removeprefix("switch")
+    key = f"switch_ttft_speedup{suffix}"
     cells = {f"{r['T']}/{r['rho']:g}": r["speedup"] for r in result["rows"]}
     settings = dict(result.get("settings") or {})
     old = ((previous or {}).get("settings") or {})
-    old = old.get("switch") if isinstance(old, dict) else None
+    old = old.get(group) if isinstance(old, dict) else None
     same = isinstance(old, dict) and {k: v for k, v in old.items() if k not in PER_RUN} == {
         k: v for k, v in settings.items() if k not in PER_RUN}
-    kept = previous.get("switch_ttft_speedup") if same else None
+    kept = previous.get(key) if same else None
     if isinstance(kept, dict):
         cells = {**{k: v for k, v in kept.items() if isinstance(k, str) and isinstance(v, (int, float))}, **cells}
         for k in ("lengths", "rhos"):
             settings[k] = sorted(set(old.get(k) or []) | set(settings.get(k) or []))
         if old.get("repeats") != settings.get("repeats"):
             settings["repeats"] = sorted({old.get("repeats"), settings.get("repeats")} - {None})
-    cells = dict(sorted(cells.items(), key=lambda kv: tuple(float(x) for x in kv[0].split("/"))))
-    return {"switch_ttft_speedup_T2048_rho0.3": cells.get("2048/0.3"), "switch_ttft_speedup": cells,
-            "settings": settings}
+    order = lambda kv: tuple(float(x) for x in kv[0].split("/"))  # noqa: E731
+    cells = dict(sorted(cells.items(), key=order))
+    if suffix:
+        return {key: cells, "settings": settings,
+                **{f"switch_{name}{suffix}": dict(sorted(({f"{r['T']}/{r['rho']:g}": r[name] for r in result["rows"]}
+                                                          ).items(), key=order))
+                   for name in ("bytes_per_handoff", "transfer_share")}}
+    return {"switch_ttft_speedup_T2048_rho0.3": cells.get("2048/0.3"), key: cells, "settings": settings}
 
 
 def update_summary(path: Path, keys: dict, bench: str, settings: dict) -> dict:

@@ -27,7 +27,7 @@ SERVE = {"rarecache": {"reverse_map": None, "schedule": ["source", "target", "ta
                        "passage_tokens": 1024, "rho": 0.3, "max_new_tokens": 32},
          "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "repeats": 3, "answer_tokens": 16,
                   "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
-                  "no_summary": False}}
+                  "no_summary": False, "store_gib": None, "store_ttl": None}}
 POISSON = {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
            "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": 0.3,
            "selector": "rank", "max_batch": 8, "saturation_batches": 3, "seed": 0}
@@ -35,7 +35,7 @@ LOAD = {"rarecache": {"model": "qwen2.5-coder-1.5b-instruct", "clients": 4, "req
                       "max_new_tokens": 32},
         "poisson": dict(POISSON),  # --engine rarecache --poisson: the same experiment on our own server
         "vllm": {**POISSON, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
-                 "no_summary": False}}
+                 "no_summary": False, "store_gib": None, "store_ttl": None}}
 POISSON_OUT = Path("docs/artifacts/bench-load-poisson.json")
 WHERE = {"rarecache": "--engine rarecache", "poisson": "--poisson", "vllm": "--engine vllm"}
 
@@ -61,7 +61,10 @@ def _common(g) -> None:
     g.add_argument("--block-size", type=int, default=None,
                    help="vLLM's block size (default: 32; CPU: a multiple of 32)")
     g.add_argument("--cache-gib", type=float, default=None, help="paged caches, split between the engines (default: 4)")
-    g.add_argument("--store", type=Path, default=None, help="row store (default: a fresh one under /dev/shm, removed)")
+    g.add_argument("--store", default=None, help="row store: a directory or redis://HOST:PORT/DB "
+                                                 "(default: a fresh directory under /dev/shm, removed)")
+    g.add_argument("--store-gib", type=float, default=None, help="cap a directory store (LRU beyond it)")
+    g.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives")
     g.add_argument("--summary", type=Path, default=None, help=f"update this bench's keys here (default: {SUMMARY})")
     g.add_argument("--no-summary", action="store_true", help="do not touch the summary file")
 
@@ -102,7 +105,8 @@ def _engine_kwargs(args) -> dict:
     if not args.cache_gib > 0:
         raise RarecacheError(f"--cache-gib must be > 0, not {args.cache_gib}")
     return {"dtype": args.dtype, "cache_dir": args.cache_dir, "block_size": args.block_size,
-            "kv_cache_bytes": int(args.cache_gib * (1 << 30)) // 2, "selector": args.selector, "store": args.store}
+            "kv_cache_bytes": int(args.cache_gib * (1 << 30)) // 2, "selector": args.selector, "store": args.store,
+            "store_gib": args.store_gib, "store_ttl": args.store_ttl}
 
 
 def _load_map(path: Path):
@@ -115,7 +119,7 @@ def _load_map(path: Path):
 
 def cmd_bench_serve_vllm(args) -> int:
     from ..bench.handoff import read_summary
-    from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, switch_summary, update_summary
+    from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, summary_group, switch_summary, update_summary
 
     cfg = VllmSwitchConfig(lengths=tuple(args.lengths), rhos=tuple(args.rhos), repeats=args.repeats,
                            answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens, corpus=args.corpus)
@@ -128,7 +132,7 @@ def cmd_bench_serve_vllm(args) -> int:
                                        emit=lambda line: print(line, flush=True))
     if not args.no_summary:
         keys = switch_summary(result, read_summary(args.summary))
-        update_summary(args.summary, keys, "switch", keys.pop("settings"))
+        update_summary(args.summary, keys, summary_group(result), keys.pop("settings"))
         print(f"summary updated: {args.summary}", file=sys.stderr)
     print_json(result, args.out or SWITCH_OUT, indent=1)
     return 0

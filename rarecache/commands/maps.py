@@ -303,6 +303,10 @@ def _add_inspect(sub) -> None:
     p.add_argument("--prompts", type=int, default=8, help="prompts for --diagnose (default: 8)")
     p.add_argument("--max-tokens", type=int, default=512, help="--diagnose cuts prompts to this length (default: 512)")
     p.add_argument("--diagnose-plot", type=Path, default=None, help="draw the --diagnose curves to this PNG")
+    p.add_argument("--manifest", type=Path, default=None,
+                   help="write the map's manifest (sha256, the pair's fingerprints, tokenizer hash, KV layouts) "
+                        "to this JSON file, for a deployment to pin (needs --source, --target)")
+    p.add_argument("--tensor-parallel", type=int, default=1, help="the target engine's ranks, for --manifest")
     add_model_options(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -332,7 +336,30 @@ def cmd_inspect(args) -> int:
         _strip(args, mapper)
     if args.diagnose:
         _diagnose(args, mapper)
+    if args.manifest:
+        _manifest(args, mapper)
     return 0
+
+
+def _manifest(args, mapper) -> None:
+    from ..models.config import ModelConfig
+    from ..models.loader import checkpoint_fingerprint
+    from ..models.store import resolve_model
+    from ..transfer.manifest import manifest_of
+
+    if not (args.source and args.target):
+        raise RarecacheError("--manifest needs --source and --target (their tokenizer and KV layout)")
+    if args.tensor_parallel < 1:
+        raise RarecacheError(f"--tensor-parallel must be >= 1, not {args.tensor_parallel}")
+    src, tgt = (resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target))
+
+    for side, path in (("source", src), ("target", tgt)):
+        mine = {"config": ModelConfig.from_dir(path).fingerprint(), "weights": checkpoint_fingerprint(path)}
+        if any(getattr(mapper.info, side).get(k) != v for k, v in mine.items()):
+            raise RarecacheError(f"--{side} {path} is not the model the map was fitted for ({mapper.info.direction})")
+    out = manifest_of(mapper, args.map, target_dir=tgt, source_dir=src, tensor_parallel=args.tensor_parallel)
+    args.manifest.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.manifest}", file=sys.stderr)
 
 
 def _diagnose(args, mapper) -> None:

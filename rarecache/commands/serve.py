@@ -90,8 +90,14 @@ def register(sub) -> None:
                    help="rarecache: our own runner (default); vllm: each model in a vLLM engine with "
                         "RarecacheConnector (the vllm extra; docs/VLLM.md), --cache-gib split between them")
     v = p.add_argument_group("with --engine vllm")
-    v.add_argument("--store", type=Path, default=None,
-                   help="row store directory the engines share (default: a fresh one under /dev/shm, removed at exit)")
+    v.add_argument("--store", default=None,
+                   help="row store the engines share: a directory, or a Redis server redis://HOST:PORT/DB or "
+                        "unix:///path.sock that engines on other hosts share too (default: a fresh directory "
+                        "under /dev/shm, removed at exit)")
+    v.add_argument("--store-gib", type=float, default=None,
+                   help="cap a directory store at this size, evicting the least recently used rows (default: none; "
+                        "a Redis store is bounded by the server's maxmemory)")
+    v.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives (default: until evicted)")
     v.add_argument("--block-size", type=int, default=None,
                    help="vLLM's block size; a handoff claims whole blocks (default: vLLM's; CPU: a multiple of 32)")
     v.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")
@@ -171,7 +177,8 @@ def cmd_serve(args) -> int:
         from ..adapters.vllm.launch import serve_vllm
 
         return serve_vllm(args, names, api_key)
-    given = [flag for flag, value in (("--store", args.store), ("--block-size", args.block_size),
+    given = [flag for flag, value in (("--store", args.store), ("--store-gib", args.store_gib),
+                                      ("--store-ttl", args.store_ttl), ("--block-size", args.block_size),
                                       ("--max-model-len", args.max_model_len), ("--compile", args.compile),
                                       ("--tensor-parallel-size", None if args.tensor_parallel_size == 1 else 1))
              if value not in (None, False)]

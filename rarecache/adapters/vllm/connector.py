@@ -8,6 +8,10 @@ Load it out of tree in every engine of a pair:
                      kv_connector_extra_config={"store": "/dev/shm/rc", "maps": {"small": "small-to-large.map"},
                                                 "rho": 0.3, "selector": "rank"})
 
+`store` is a directory (with `store_bytes`, its capacity) or a Redis address (`redis://HOST:PORT/DB`,
+`unix:///path.sock`; engines on different hosts share only it); `store_ttl` bounds an entry's
+life; `manifests` pins a map's manifest per peer (transfer/manifest.py). store.py has the rest.
+
 What each hook does (vLLM runs one connector per role: the scheduler half in the engine core,
 the worker half next to the model and its paged cache):
 
@@ -64,7 +68,7 @@ except ImportError as _e:
 
 from .core import Settings, describe, read_settings
 from .scheduler import LoadSpec, RarecacheMetadata, SaveSpec, SchedulerSide
-from .store import CHUNK, RowStore
+from .store import CHUNK, StoreDown, describe_store, open_store
 from .worker import WorkerSide
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
@@ -80,9 +84,13 @@ class RarecacheConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
                                  "tensor parallelism is supported (docs/VLLM.md)")
         model_cfg = getattr(vllm_config, "model_config", None)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self.settings: Settings = read_settings(extra, getattr(model_cfg, "model", None))
-        self.store = RowStore(self.settings.store)
-        self.store.register_model(self.settings.identity, self.settings.config)
+        self.settings: Settings = read_settings(extra, getattr(model_cfg, "model", None),
+                                                getattr(parallel, "tensor_parallel_size", 1))
+        self.store = open_store(self.settings.store, self.settings.store_bytes, self.settings.store_ttl)
+        try:
+            self.store.register_model(self.settings.identity, self.settings.config)
+        except StoreDown as e:  # refiled with every capture; handoffs fall back until the store is back
+            logger.warning("rarecache: %s", e)
         cache = getattr(vllm_config, "cache_config", None)
         self.block_size: int = cache.block_size
         if self.block_size % CHUNK:
@@ -95,7 +103,8 @@ class RarecacheConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._init_worker()
         what = ", ".join(f"{p.name}: {p.mapper.info.direction}" for p in self.settings.peers.values()) or "none"
         logger.info("RarecacheConnector (%s) for %s: store %s, maps %s, rho %g, selector %s",
-                    role.name, describe(self.settings.identity), self.settings.store, what, self.settings.rho,
+                    role.name, describe(self.settings.identity), describe_store(self.settings.store), what,
+                    self.settings.rho,
                     self.settings.selector)
 
     @property

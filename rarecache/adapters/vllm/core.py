@@ -36,11 +36,12 @@ from ...transfer.selectors import SELECTORS, SelectionContext
 from .sharding import HeadRange
 from .store import RECORD_NAME, model_identity, same_model
 
+
 RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = 0.3  # as `rarecache serve`
-KEYS = ("store", "model", "maps", "rho", "selector", "seed", "capture")
+KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture")
 REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug", "record")
 
 
@@ -51,6 +52,7 @@ class Peer:
     name: str
     path: Path
     mapper: Mapper
+    manifest: dict[str, Any] | None = None  # pinned (transfer/manifest.py); the peer's layout is checked late
 
     @property
     def identity(self) -> dict[str, str]:
@@ -61,7 +63,7 @@ class Peer:
 class Settings:
     """`kv_connector_extra_config`, checked."""
 
-    store: Path
+    store: str  # a directory, or redis://HOST:PORT/DB / unix:///path.sock (store.open_store)
     model: Path
     identity: dict[str, str]
     config: ModelConfig
@@ -70,6 +72,8 @@ class Settings:
     selector: str = "rank"
     seed: int = 0
     capture: bool = True
+    store_bytes: int | None = None  # a directory store's capacity (None: unbounded)
+    store_ttl: float | None = None  # seconds an entry lives (None: until evicted)
 
 
 def _number(value: Any, key: str, low: float, high: float) -> float:
@@ -106,7 +110,7 @@ def check_selector(name: Any, where: str = "selector") -> str:
     raise RarecacheError(f"{where} {name!r} {why}; the vLLM adapter runs {', '.join(ENGINE_SELECTORS)}")
 
 
-def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
+def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: int = 1) -> Settings:
     """Check the connector's extra config and load its maps (each must map a peer into this model).
 
     `engine_model` is the model vLLM was started with; `model` in the config overrides it (it
@@ -119,7 +123,12 @@ def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
     store = extra.get("store")
     if not isinstance(store, (str, Path)) or not str(store):
         raise RarecacheError("RarecacheConnector needs 'store': a directory shared by the engines "
-                             "(e.g. under /dev/shm)")
+                             "(e.g. under /dev/shm) or a Redis address (redis://HOST:PORT/DB)")
+    store_bytes = extra.get("store_bytes")
+    if store_bytes is not None and (type(store_bytes) is not int or store_bytes <= 0):
+        raise RarecacheError(f"store_bytes must be a positive integer, not {store_bytes!r}"[:200])
+    ttl = extra.get("store_ttl")
+    ttl = None if ttl is None else _number(ttl, "store_ttl", 1e-3, 1e9)
     model = Path(extra.get("model") or engine_model or "")
     if not (model / "config.json").is_file():
         raise RarecacheError(f"RarecacheConnector: {str(model) or 'the model'} is not a checkpoint directory "
@@ -136,16 +145,23 @@ def read_settings(extra: Any, engine_model: str | Path | None) -> Settings:
     if not isinstance(maps, dict) or not all(isinstance(k, str) and isinstance(v, (str, Path))
                                              for k, v in maps.items()):
         raise RarecacheError("maps must be an object {peer model name: map file fitted peer -> this model}")
+    manifests = extra.get("manifests") or {}
+    if not isinstance(manifests, dict) or not set(manifests) <= set(maps) or not all(
+            isinstance(v, (str, Path)) for v in manifests.values()):
+        raise RarecacheError("manifests must be an object {peer model name in maps: manifest file to pin}")
     peers = {}
     for name, path in maps.items():
         mapper = Mapper.load(path)
         check_map(mapper, identity, config, where=f"maps[{name!r}] ({path})")
-        peers[name] = Peer(name, Path(path), mapper)
+        pinned = None
+        if name in manifests:
+            pinned = pin_manifest(manifests[name], path, mapper, model, tensor_parallel, where=f"maps[{name!r}] ({path})")
+        peers[name] = Peer(name, Path(path), mapper, pinned)
     if selector is None:  # as `rarecache serve`: the general summary's pick through these maps, else rank
         from ...eval.mix import default_selector
 
         selector = default_selector([p.path for p in peers.values()], ENGINE_SELECTORS)[0]
-    return Settings(Path(store), model, identity, config, peers, rho, selector, seed, capture)
+    return Settings(str(store), model, identity, config, peers, rho, selector, seed, capture, store_bytes, ttl)
 
 
 def check_map(mapper: Mapper, identity: dict[str, str], config: ModelConfig, where: str = "the map") -> None:
@@ -171,6 +187,26 @@ def check_map(mapper: Mapper, identity: dict[str, str], config: ModelConfig, whe
 def check_peer_fits(mapper: Mapper, peer: ModelConfig, target: ModelConfig) -> None:
     """The map reads rows of the peer's shape (its config comes from the store)."""
     mapper.check_fits(SimpleNamespace(config=peer, path=None), SimpleNamespace(config=target, path=None))
+
+
+def pin_manifest(manifest: str | Path, map_path: str | Path, mapper: Mapper, model: Path, tensor_parallel: int,
+                 where: str) -> dict[str, Any]:
+    """Refuse the map unless it and this engine's model are what the pinned manifest says; returns the
+    manifest (the peer's KV layout is checked once its config is known: `check_peer_layout`)."""
+    from ...transfer.manifest import check_manifest, manifest_of, read_manifest
+
+    pinned = read_manifest(manifest)
+    check_manifest(pinned, manifest_of(mapper, map_path, target_dir=model, tensor_parallel=tensor_parallel),
+                   where=where)
+    return pinned
+
+
+def check_peer_layout(peer: Peer, cfg: ModelConfig) -> None:
+    """The peer's KV layout, as its config in the store gives it, is the one its pinned manifest names."""
+    if peer.manifest is not None:
+        from ...transfer.manifest import check_manifest, kv_layout
+
+        check_manifest(peer.manifest, {"kv_layout": {"source": kv_layout(cfg)}}, where=f"the map from {peer.name}")
 
 
 @dataclass(frozen=True)

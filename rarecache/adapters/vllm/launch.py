@@ -6,7 +6,9 @@ user can get wrong is refused before the first engine starts (each takes about a
 small CPU): the vLLM settings by VllmServeConfig, the maps by VllmChatService. vLLM's CPU
 thread settings are given defaults that use every core (engines.engine_environment), printed
 so they can be repeated or overridden. The row store is a fresh private directory unless
-`--store` names one to share (with another server, or to keep); a fresh one is removed at exit.
+`--store` names one to share (a directory, or a Redis server `redis://HOST:PORT/DB` that engines
+on other hosts share too); a fresh one is removed at exit. `--store-gib` bounds a directory
+store (LRU beyond it), `--store-ttl` every entry's life.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ...errors import RarecacheError
+from .store import is_url
 
 
 def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
@@ -37,12 +40,11 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
     from .engines import engine_environment
     from .serving import VllmChatService, VllmServeConfig
 
-    fresh = args.store is None
-    shm = Path("/dev/shm")
-    store = Path(tempfile.mkdtemp(prefix="rarecache-rows-", dir=shm if shm.is_dir() else None)) if fresh \
-        else args.store.expanduser()
+    fresh, scratch = args.store is None, None
+    store = _store_path(args.store, "rarecache-rows-")
     try:
-        cfg = VllmServeConfig(store=store, rho=args.rho, selector=args.selector, dtype=args.dtype,
+        cfg = VllmServeConfig(store=store, store_bytes=store_bytes(args.store_gib), store_ttl=args.store_ttl,
+                              rho=args.rho, selector=args.selector, dtype=args.dtype,
                               max_batch=args.max_batch, max_new_tokens=args.max_tokens_limit,
                               kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2, block_size=args.block_size,
                               max_model_len=args.max_model_len, compile=args.compile,
@@ -56,7 +58,9 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
                     raise RarecacheError(f"no map file {path}")
                 maps[pair] = Path(path)
         if args.map is None:  # the bundled pair: the demo's map (calibrated by our runner on first use)
-            maps[(names[0], names[1])] = _demo_map(args, store)
+            if is_url(store):  # beside a directory store, else in a private temp dir removed at exit
+                scratch = Path(tempfile.mkdtemp(prefix="rarecache-demo-map-"))
+            maps[(names[0], names[1])] = _demo_map(args, scratch or store)
         if not torch.cuda.is_available():
             settings = engine_environment(tensor_parallel_size=cfg.tensor_parallel_size)
             print("rarecache: vLLM CPU threads: " + " ".join(f"{k}={v}" for k, v in settings.items()),
@@ -74,7 +78,26 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
     finally:
         if fresh:
             shutil.rmtree(store, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return 0
+
+
+def _store_path(store: str | Path | None, prefix: str) -> str | Path:
+    """The row store a server or bench uses: the one named (a directory or a Redis address), else a
+    fresh private directory under /dev/shm (the caller removes it)."""
+    if store is not None:
+        return str(store) if is_url(store) else Path(store).expanduser()
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
+
+
+def store_bytes(gib: float | None) -> int | None:
+    if gib is None:
+        return None
+    if not gib > 0:
+        raise RarecacheError(f"--store-gib must be > 0, not {gib}")
+    return int(gib * (1 << 30))
 
 
 def _demo_map(args, store: Path) -> Path:
@@ -96,8 +119,9 @@ def _demo_map(args, store: Path) -> Path:
 @contextmanager
 def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache_dir: Path | None = None,
                   block_size: int = 32, kv_cache_bytes: int = 2 << 30, max_batch: int = 8,
-                  max_model_len: int | None = None, selector: str = "rank",
-                  store: Path | None = None) -> Iterator[tuple[Any, tuple[str, str], dict[str, Any]]]:
+                  max_model_len: int | None = None, selector: str = "rank", store: str | Path | None = None,
+                  store_gib: float | None = None,
+                  store_ttl: float | None = None) -> Iterator[tuple[Any, tuple[str, str], dict[str, Any]]]:
     """Both models in vLLM engines for the benches, the target taking handoffs from the source
     through `map_path`, on a fresh row store (removed after) unless `store` names one. Yields the
     service, the two served names and the settings both arms run under (vLLM's CPU threads, the
@@ -115,11 +139,10 @@ def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache
     if not Path(map_path).is_file():
         raise RarecacheError(f"no map file {map_path}")
     fresh = store is None
-    shm = Path("/dev/shm")
-    store = Path(tempfile.mkdtemp(prefix="rarecache-bench-rows-", dir=shm if shm.is_dir() else None)) if fresh \
-        else Path(store).expanduser()
+    store = _store_path(store, "rarecache-bench-rows-")
     try:
-        cfg = VllmServeConfig(store=store, selector=selector, dtype=dtype, max_batch=max_batch,
+        cfg = VllmServeConfig(store=store, store_bytes=store_bytes(store_gib), store_ttl=store_ttl,
+                              selector=selector, dtype=dtype, max_batch=max_batch,
                               kv_cache_bytes=kv_cache_bytes, block_size=block_size, max_model_len=max_model_len)
         paths = [resolve_model(m, cache_dir=cache_dir) for m in (source, target)]
         env = {} if torch.cuda.is_available() else engine_environment()
@@ -148,4 +171,5 @@ def engine_settings(service, name: str) -> dict[str, Any]:
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", None)),
             "scheduling_policy": str(getattr(sched, "policy", "fcfs")), "enforce_eager": not service.cfg.compile,
-            "selector": service.cfg.selector, "cores": len(os.sched_getaffinity(0))}
+            "selector": service.cfg.selector, "cores": len(os.sched_getaffinity(0)),
+            "store": "redis" if is_url(service.cfg.store) else "directory"}

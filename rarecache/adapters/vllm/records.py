@@ -1,4 +1,5 @@
-"""The worker's record of a handoff, as a reader must check it before believing it.
+"""The worker's record of a handoff, as a reader must check it before believing it, and the
+outcome of a request's handoff that the service makes of it (`account`, `outcome`).
 
 The worker half files a record of each load a request asked about (worker.py `_record`), in
 the row store, which any process with access to the directory could have written. What the
@@ -14,7 +15,7 @@ from typing import Any
 
 from ...errors import RarecacheError
 from .core import ENGINE_SELECTORS
-from .store import RECORD_VERSION, same_model
+from .store import REASONS, RECORD_VERSION, RowStore, same_model
 
 
 def _whole(x: Any, low: int, high: int) -> bool:
@@ -43,7 +44,7 @@ def check_record(rec: Any, name: str, model: dict[str, str], peers: dict[str, di
             or rec.get("selector") not in ENGINE_SELECTORS:
         bad("has no valid rho and selector")
     if rec.get("status") == "failed":
-        if not isinstance(rec.get("error"), str):
+        if not isinstance(rec.get("error"), str) or rec.get("reason", "no_entry") not in REASONS:
             bad("says the load failed but not why")
         return rec
     if rec.get("status") != "handed_off":
@@ -51,9 +52,65 @@ def check_record(rec: Any, name: str, model: dict[str, str], peers: dict[str, di
     n, k = rec.get("tokens"), rec.get("recomputed")
     if not _whole(n, 1, prompt_len - 1) or n % block_size or not _whole(k, 0, n):
         bad(f"holds impossible counts (tokens {str(n)[:20]}, recomputed {str(k)[:20]}, prompt {prompt_len})")
+    if "bytes_read" in rec and not _whole(rec["bytes_read"], 0, 1 << 50):
+        bad("has no valid byte count")
     seconds = rec.get("seconds")
     if not isinstance(seconds, dict) or set(seconds) != {"store_read", "map_and_recompute"} or not all(
             not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
             for v in seconds.values()):
         bad("has no valid timings")
     return rec
+
+
+OUTCOMES = ("applied", "fallback_reprefill", "unsupported", "not_needed")
+
+
+def outcome(status: str, reason: str | None = None, **more: Any) -> dict[str, Any]:
+    """What happened to a request's handoff, for the response's `rarecache.handoff` (and its header):
+    applied (approximate rows of a peer were reused), fallback_reprefill (the model read the prompt
+    itself; reason: store.REASONS or `gate`), unsupported (this model takes no handoffs, or the
+    request asked for none), not_needed (the model's own rows covered the prompt at least as far)."""
+    assert status in OUTCOMES
+    return {"status": status, "reason": reason, **more}
+
+
+def account(reply: Any, store: RowStore, record: str, model: dict[str, str], peers: dict[str, dict[str, str]],
+            prompt_len: int, block_size: int, peer: str, scheduler: dict[str, Any], seconds: dict[str, float]) -> None:
+    """Fill `reply` (serving.VllmReply) with what the handoff the service asked for did: the worker's
+    record (taken from the store, checked), or the scheduler's reason when the engine did not hand off."""
+    try:
+        rec = store.take_record(record)
+        if rec is not None:
+            rec = check_record(rec, record, model, peers, prompt_len, block_size)
+        claimed = scheduler.get("handoff")
+        if rec is None and claimed:
+            raise RarecacheError("is missing though the scheduler claimed the prompt")
+        if rec is not None and rec["status"] == "handed_off" and isinstance(claimed, dict) and (
+                claimed.get("peer"), claimed.get("tokens")) != (rec["peer"], rec["tokens"]):
+            raise RarecacheError("disagrees with the scheduler's")
+    except RarecacheError as e:  # rows may have been handed off: never reported as the model's own
+        reply.handed_off_from, reply.prefilled = peer, None
+        reply.note = f"{e}; whether the prompt was handed off is unknown"
+        reply.handoff = outcome("applied", None, approximate=True, verified=False)
+        return
+    if rec is None:
+        reply.note = str(scheduler.get("reason") or scheduler.get("error") or "the engine did not hand it off")
+        if scheduler.get("status") == "unsupported":
+            reply.handoff = outcome("unsupported", "engine", detail=reply.note[:300])
+        else:
+            fallback = scheduler.get("fallback")
+            reply.handoff = outcome("fallback_reprefill", fallback if fallback in REASONS else "no_entry",
+                                    detail=reply.note[:300])
+    elif rec["status"] == "failed":
+        reply.note = f"the handoff failed and vLLM prefilled the prompt itself: {rec['error'][:300]}"
+        reply.handoff = outcome("fallback_reprefill", rec.get("reason", "no_entry"), detail=rec["error"][:300])
+    else:
+        n = rec["tokens"]
+        reply.handed_off_from, reply.handed_off, reply.recomputed = rec["peer"], n, rec["recomputed"]
+        reply.rho, reply.selector = rec["rho"], rec["selector"]
+        reply.reused = max(0, reply.reused - n)  # vLLM counts the claimed tokens as cached
+        reply.prefilled = prompt_len - reply.reused - n
+        seconds["handoff"] = sum(rec["seconds"].values())
+        seconds["store_read"] = rec["seconds"]["store_read"]
+        reply.handoff = outcome("applied", None, approximate=n > rec["recomputed"], peer=rec["peer"],
+                                bytes_read=rec.get("bytes_read"))

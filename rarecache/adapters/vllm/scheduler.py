@@ -26,7 +26,8 @@ except ImportError as _e:
     raise RarecacheError(f"rarecache.adapters.vllm.scheduler needs vllm ({_e}); {INSTALL_HINT}") from None
 
 from .core import RequestParams, check_peer_fits, claim, request_params
-from .store import CHUNK, Hit
+from .core import check_peer_layout
+from .store import CHUNK, Hit, Miss, StoreDown
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
 
@@ -46,6 +47,7 @@ class LoadSpec:
     rho: float = 0.0  # as decided (for the record)
     prompt_len: int = 0
     record: str | None = None  # the request's record name: the worker files what the load did
+    lease: str | None = None  # the store's lease on the entry, released once it is read
 
 
 @dataclass
@@ -75,6 +77,7 @@ class _Decision:
     seed: int
     prompt_len: int
     params: RequestParams
+    lease: str | None = None
 
 
 class SchedulerSide:
@@ -95,9 +98,13 @@ class SchedulerSide:
             info = self._info.setdefault(rid, {})
             try:
                 self._decided[rid] = self._decide(request, num_computed_tokens, info)
+            except StoreDown as e:  # the store is down: the model prefills the prompt itself
+                self._decided[rid] = None
+                info.update(status="fallback_reprefill", fallback="store_down", reason=str(e))
+                logger.warning("rarecache: request %s: %s", rid, e)
             except (RarecacheError, OSError) as e:  # a bad parameter or store: no handoff, never a dead engine
                 self._decided[rid] = None
-                info["error"] = str(e)
+                info.update(status="unsupported", error=str(e))
                 logger.warning("rarecache: request %s: %s", rid, e)
         d = self._decided[rid]
         if d is None or d.tokens <= num_computed_tokens:
@@ -119,34 +126,51 @@ class SchedulerSide:
             self._salts.move_to_end(salt)
             while len(self._salts) > SEEN_SALTS:
                 self._salts.popitem(last=False)
-        if not self.settings.peers or not params.handoff:
+        if not params.handoff:
+            return None
+        if not self.settings.peers:
+            info.update(status="unsupported", reason="this engine has no map into its model")
             return None
         tokens = list(request.prompt_token_ids or [])
         if not salt:
-            info["reason"] = "no cache_salt: a handoff needs a salt unique to the request"
+            info.update(status="unsupported", reason="no cache_salt: a handoff needs a salt unique to the request")
             return None
         if reused or num_computed > 0:
-            info["reason"] = "the cache_salt was used by another request: a handoff needs a fresh one"
+            info.update(status="unsupported",
+                        reason="the cache_salt was used by another request: a handoff needs a fresh one")
             return None
         rho = self.settings.rho if params.rho is None else params.rho
         selector = params.selector or self.settings.selector
         seed = self.settings.seed if params.seed is None else params.seed
         scope = params.scope or salt
         best: tuple[str, Hit] | None = None
+        miss: Miss | None = None
         for name, peer in self.settings.peers.items():
-            hit = self.store.lookup(peer.identity, scope, tokens)
-            if hit is None or (best is not None and hit.length <= best[1].length):
+            found = self.store.find(peer.identity, scope, tokens)
+            if isinstance(found, Miss):
+                miss = found if miss is None or found.reason != "no_entry" else miss
                 continue
-            self._peer_config(name)  # refuses a peer whose rows the map cannot read
-            best = (name, hit)
+            if best is not None and found.length <= best[1].length:
+                continue
+            try:
+                self._peer_config(name)  # refuses a peer whose rows the map cannot read
+            except StoreDown:
+                raise
+            except RarecacheError as e:
+                miss = Miss("identity_mismatch", str(e))
+                continue
+            best = (name, found)
         if best is None:
-            info["reason"] = "no peer rows for this prompt in the store"
+            miss = miss or Miss("no_entry", "no peer rows for this prompt in the store")
+            info.update(status="fallback_reprefill", fallback=miss.reason, reason=miss.detail)
             return None
         n, k = claim(len(tokens), best[1].length, self.block_size, rho, selector)
         if n == 0:
-            info["reason"] = f"the peer rows cover {best[1].length} tokens: less than a block to claim"
+            info.update(status="fallback_reprefill", fallback="no_entry",
+                        reason=f"the peer rows cover {best[1].length} tokens: less than a block to claim")
             return None
-        return _Decision(best[0], best[1], n, k, rho, selector, seed, len(tokens), params)
+        lease = self.store.lease(best[1])  # kept from eviction until the worker has read it
+        return _Decision(best[0], best[1], n, k, rho, selector, seed, len(tokens), params, lease)
 
     def _peer_config(self, name: str):
         if name not in self._peer_configs:
@@ -155,6 +179,7 @@ class SchedulerSide:
             if cfg is None:
                 raise RarecacheError(f"the store has rows of {peer.name} but no record of its config")
             check_peer_fits(peer.mapper, cfg, self.settings.config)
+            check_peer_layout(peer, cfg)  # a pinned manifest names the peer's KV layout
             self._peer_configs[name] = cfg
         return self._peer_configs[name]
 
@@ -164,19 +189,22 @@ class SchedulerSide:
         if d is None:
             return
         if num_external_tokens == 0:
-            self._info.setdefault(rid, {})["reason"] = "vLLM did not take the claimed tokens"
+            self.store.release(d.lease)
+            self._info.setdefault(rid, {}).update(status="fallback_reprefill", fallback="no_entry",
+                                                  reason="vLLM did not take the claimed tokens")
             return
         block_ids = list(blocks.get_block_ids()[0])[: d.tokens // self.block_size]
         self._evict(block_ids)  # vLLM published them at allocation: unpublish before anyone looks
         self._handed.add(rid)
-        self._loads.append(LoadSpec(rid, str(d.hit.path), d.peer, list(request.prompt_token_ids[: d.tokens]),
+        self._loads.append(LoadSpec(rid, d.hit.entry, d.peer, list(request.prompt_token_ids[: d.tokens]),
                                     block_ids, d.recompute, d.selector, d.seed, d.rho, d.prompt_len,
-                                    d.params.record))
+                                    d.params.record, d.lease))
         done = {"peer": d.peer, "tokens": d.tokens, "prompt": d.prompt_len, "rho": d.rho, "selector": d.selector,
                 "recomputed": d.recompute, "tail": d.prompt_len - d.tokens}
         if d.params.debug:
             done["block_ids"] = block_ids
-        self._info.setdefault(rid, {})["handoff"] = done
+        # claimed: the worker's load makes it `applied` (its record says so), or a fallback with the reason
+        self._info.setdefault(rid, {}).update(handoff=done, status="claimed")
 
     def _evict(self, block_ids) -> None:
         if self._kv_cache_manager is not None and block_ids:

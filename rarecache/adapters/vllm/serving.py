@@ -48,8 +48,8 @@ from ...transfer.mapper import Mapper
 from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, check_selector, claim
 from .engines import Engine, Job, cut
-from .records import check_record
-from .store import CHUNK, RowStore, model_identity, same_model
+from .records import account, outcome
+from .store import CHUNK, Hit, Miss, model_identity, open_store, same_model
 
 CONNECTOR = "rarecache.adapters.vllm.connector"
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
@@ -57,7 +57,7 @@ CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it foll
 
 @dataclass(frozen=True)
 class VllmServeConfig:
-    store: Path  # the row store both engines share
+    store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (store.py)
     rho: float = 0.3
     selector: str = "rank"
     dtype: str = "bfloat16"
@@ -70,6 +70,8 @@ class VllmServeConfig:
     compile: bool = False  # let vLLM compile (torch.compile / CUDA graphs); eager is the tested path
     tensor_parallel_size: int = 1  # each engine's ranks (the connector writes each rank's KV heads)
     request_budget: bool = True  # a request may name its own rho and selector (False: only the service's)
+    store_bytes: int | None = None  # a directory store's capacity, LRU beyond it (None: unbounded)
+    store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
 
     def __post_init__(self):
         check_rho(self.rho)
@@ -83,12 +85,16 @@ class VllmServeConfig:
             raise RarecacheError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise RarecacheError(f"max_model_len must be >= 2, not {self.max_model_len}")
+        if self.store_bytes is not None and self.store_bytes <= 0 or self.store_ttl is not None and self.store_ttl <= 0:
+            raise RarecacheError("the store's capacity and entry lifetime must be > 0")
 
 
 @dataclass
 class VllmReply(Reply):
     prefilled: int | None = None  # prompt positions vLLM computed itself
     note: str | None = None  # why a handoff the service asked for did not happen, or is unverified
+    handoff: dict[str, Any] | None = None  # the outcome a router reads (`outcome`)
+
 
 
 def tenant_scope(salt: str | None) -> str:
@@ -132,7 +138,7 @@ class VllmChatService:
                 raise RarecacheError(f"the map {a} -> {b} ({path}) was fitted from {mapper.info.source['name']}, "
                                      f"not from {a}")
             check_peer_fits(mapper, self.models[a].config, self.models[b].config)
-        self.store = RowStore(cfg.store)
+        self.store = open_store(cfg.store, cfg.store_bytes, cfg.store_ttl)
         self._filing: dict[tuple[str, str], tuple[list[int], float]] = {}  # (model, scope) -> (tokens, deadline)
         self._lock = threading.Lock()
         self.engines: dict[str, Engine] = {}
@@ -154,7 +160,9 @@ class VllmChatService:
             raise RarecacheError(f"--engine vllm needs vllm ({e}); {INSTALL_HINT}") from None
         cfg = self.cfg
         extra = {"store": str(cfg.store), "rho": cfg.rho, "selector": cfg.selector,
-                 "maps": {a: str(p) for (a, b), p in self.maps.items() if b == name}}
+                 "maps": {a: str(p) for (a, b), p in self.maps.items() if b == name},
+                 **({"store_bytes": cfg.store_bytes} if cfg.store_bytes else {}),
+                 **({"store_ttl": cfg.store_ttl} if cfg.store_ttl else {})}
         ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR,
                                kv_role="kv_both", kv_connector_extra_config=extra,
                                kv_load_failure_policy="recompute")  # a failed handoff: vLLM prefills it itself
@@ -179,6 +187,10 @@ class VllmChatService:
 
     def held_bytes(self) -> int:
         return self.store.nbytes()
+
+    def store_stats(self) -> dict[str, Any]:
+        """The row store's counters (store.RowStore.stats: hits, misses by reason, bytes, evictions, entries)."""
+        return self.store.stats()
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -211,18 +223,38 @@ class VllmChatService:
     def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
                  selector: str | None = None) -> str | None:
         """The peer to hand `ids` off from: one whose rows cover more whole blocks than `model`'s own."""
+        return self.route(model, ids, salt, rho, selector)[0]
+
+    def route(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
+              selector: str | None = None) -> tuple[str | None, dict[str, Any]]:
+        """(the peer to hand `ids` off from, or None; the outcome if there is none)."""
         bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
         rho, selector = self.check_budget(rho, selector)
         self._settle(scope)
-        own = self.store.lookup(self.models[model].identity, scope, ids)
-        best, most = None, min(own.length if own else 0, P - 1) // bs * bs
-        for (a, b) in self.maps:
-            if b == model:
-                hit = self.store.lookup(self.models[a].identity, scope, ids)
-                n = claim(P, hit.length, bs, rho, selector)[0] if hit else 0
-                if n > most:
-                    best, most = a, n
-        return best
+        peers = [a for (a, b) in self.maps if b == model]
+        own = self.store.find(self.models[model].identity, scope, ids)
+        mine = min(own.length, P - 1) // bs * bs if isinstance(own, Hit) else 0
+        if not peers:
+            return None, outcome("unsupported", "no_map", detail=f"no map into {model}")
+        best, most, miss = None, mine, None
+        for a in peers:
+            found = self.store.find(self.models[a].identity, scope, ids)
+            if isinstance(found, Miss):
+                miss = found if miss is None or found.reason != "no_entry" else miss
+                continue
+            n = claim(P, found.length, bs, rho, selector)[0]
+            if n > most:
+                best, most = a, n
+            elif n == 0:
+                miss = miss or Miss("no_entry", f"the peer rows cover {found.length} tokens: less than a block")
+        if best is not None:
+            return best, {}
+        if mine > 0 and (miss is None or miss.reason == "no_entry"):
+            return None, outcome("not_needed", "own_rows", detail=f"{model}'s own rows cover {mine} tokens")
+        if isinstance(own, Miss) and own.reason == "store_down":
+            miss = own
+        miss = miss or Miss("no_entry", "no peer rows cover more of the prompt")
+        return None, outcome("fallback_reprefill", miss.reason, detail=miss.detail)
 
     def _settle(self, scope: str) -> None:
         """Wait (at most CAPTURE_WAIT) for the rows of answers in `scope` still being filed: vLLM files a
@@ -259,7 +291,8 @@ class VllmChatService:
         arrived = time.perf_counter()  # first_token counts the routing below too
         rho, selector = self.check_budget(rho, selector)
         m = self.models[model]
-        peer = None if reread else self.peer_for(model, ids, salt, rho, selector)
+        peer, routed = (None, outcome("unsupported", "reread")) if reread else \
+            self.route(model, ids, salt, rho, selector)
         record = uuid.uuid4().hex
         if reread:
             vsalt, rc = f"r:{uuid.uuid4().hex}", {"handoff": False, "capture": False}
@@ -278,7 +311,10 @@ class VllmChatService:
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return self._reply(model, ids, job, salt, peer, record if peer is not None else None)
+        reply = self._reply(model, ids, job, salt, peer, record if peer is not None else None)
+        if reply.handoff is None:
+            reply.handoff = routed
+        return reply
 
     def _reply(self, model: str, ids: list[int], job: Job, salt: str | None, peer: str | None,
                record: str | None) -> VllmReply:
@@ -317,32 +353,8 @@ class VllmChatService:
                  scheduler: dict[str, Any], seconds: dict[str, float]) -> None:
         """What the handoff the service asked for did, from the worker's record (checked)."""
         peers = {a: self.models[a].identity for (a, b) in self.maps if b == model}
-        try:
-            rec = self.store.take_record(record)
-            if rec is not None:
-                rec = check_record(rec, record, self.models[model].identity, peers, len(ids),
-                                   self.engines[model].block_size)
-            claimed = scheduler.get("handoff")
-            if rec is None and claimed:
-                raise RarecacheError("is missing though the scheduler claimed the prompt")
-            if rec is not None and rec["status"] == "handed_off" and isinstance(claimed, dict) and (
-                    claimed.get("peer"), claimed.get("tokens")) != (rec["peer"], rec["tokens"]):
-                raise RarecacheError("disagrees with the scheduler's")
-        except RarecacheError as e:  # rows may have been handed off: never reported as the model's own
-            reply.handed_off_from, reply.prefilled = peer, None
-            reply.note = f"{e}; whether the prompt was handed off is unknown"
-            return
-        if rec is None:
-            reply.note = str(scheduler.get("reason") or scheduler.get("error") or "the engine did not hand it off")
-        elif rec["status"] == "failed":
-            reply.note = f"the handoff failed and vLLM prefilled the prompt itself: {rec['error'][:300]}"
-        else:
-            n = rec["tokens"]
-            reply.handed_off_from, reply.handed_off, reply.recomputed = rec["peer"], n, rec["recomputed"]
-            reply.rho, reply.selector = rec["rho"], rec["selector"]
-            reply.reused = max(0, reply.reused - n)  # vLLM counts the claimed tokens as cached
-            reply.prefilled = len(ids) - reply.reused - n
-            seconds["handoff"] = sum(rec["seconds"].values())
+        account(reply, self.store, record, self.models[model].identity, peers, len(ids),
+                self.engines[model].block_size, peer, scheduler, seconds)
 
     def describe(self, reply: VllmReply) -> dict[str, Any]:
         """The response's `rarecache` object: ChatService's fields, plus what vLLM prefilled itself."""
@@ -352,6 +364,8 @@ class VllmChatService:
                 "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
         if reply.note is not None:
             info["note"] = reply.note
+        if reply.handoff is not None:
+            info["handoff"] = {k: v for k, v in reply.handoff.items() if v is not None}
         return info
 
     # -- raw requests (tests, diagnostics) ------------------------------------------------

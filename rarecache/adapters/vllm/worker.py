@@ -16,7 +16,6 @@ import re
 import sys
 import time
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from .core import hand_rows, target_namespace
 from .paged import Layout, slots
 from .sharding import HeadRange, Piece, join_rows, kv_head_range
 from .scheduler import SEEN_SALTS, LoadSpec, RarecacheMetadata
-from .store import RECORD_VERSION, Hit
+from .store import RECORD_VERSION, Hit, StoreDown
 
 logger = init_logger("vllm.rarecache")
 
@@ -112,8 +111,12 @@ class WorkerSide:
                 self._load(spec)
             except Exception as e:  # noqa: BLE001 - a failed load fails its request, never the engine
                 logger.exception("rarecache: handoff of request %s failed: %s", spec.req_id, e)
-                self._load_errors.update(spec.block_ids)
-                self._record(spec, {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500]}, strict=False)
+                self._load_errors.update(spec.block_ids)  # vLLM prefills them itself (kv_load_failure_policy)
+                reason = "store_down" if isinstance(e, StoreDown) else getattr(e, "reason", None)
+                self._record(spec, {"status": "failed", "error": f"{type(e).__name__}: {e}"[:500],
+                                    **({"reason": reason} if reason else {})}, strict=False)
+            finally:
+                self.store.release(spec.lease)
 
     def _load(self, spec: LoadSpec) -> None:
         peer = self.settings.peers[spec.peer]
@@ -123,7 +126,7 @@ class WorkerSide:
             peer_cfg = self.store.model_config(peer.identity)
             if peer_cfg is None:
                 raise RarecacheError(f"no record of {peer.name}'s config in the store")
-            k_src, v_src = self.store.load(Hit(Path(spec.entry), n, n), n, peer_cfg)
+            k_src, v_src = self.store.load(Hit(spec.entry, n, n), n, peer_cfg)  # EntryGone: evicted, corrupt
         except Exception:
             self._all_ok(False)  # every rank reaches this collective, so none waits in a later one
             raise
@@ -137,6 +140,7 @@ class WorkerSide:
         t2 = time.perf_counter()
         # filed before the rows go in (a failure here fails the load): rows written => a record says so
         self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
+                            "bytes_read": k_src.nbytes + v_src.nbytes,
                             "seconds": {"store_read": t1 - t0, "map_and_recompute": t2 - t1}})
         slot_mapping = slots(spec.block_ids, torch.arange(n), self.block_size)
         for layer, kv in self._kv.items():
