@@ -32,7 +32,12 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.bind}:{self.port}/0" if self.port else f"unix://{self.sock}?db=0"
+        """Its TCP address when it has a port (one bind address), else its unix socket."""
+        return f"redis://{self.bind}:{self.port}/0" if self.port else self.unix_url
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.sock}?db=0"
 
     def start(self) -> "RedisServer":
         cmd = [REDIS, "--port", str(self.port), "--bind", self.bind, "--unixsocket", str(self.sock),

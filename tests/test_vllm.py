@@ -1168,6 +1168,45 @@ def test_switch_summary_keeps_cells_of_the_same_setup():
         "2048/0.3": 2.7, "4096/0.3": 3.1}
 
 
+def test_switch_summary_through_redis_has_keys_of_its_own(vpair, tmp_path, monkeypatch):
+    """`bench serve --engine vllm --store redis://...`: the store reaches the service, and the summary
+    gets switch_ttft_speedup_redis, the bytes moved per handoff and the share of TTFT moving rows,
+    beside (never over) the directory store's keys (stand-ins: no engine, no server)."""
+    from contextlib import contextmanager
+
+    from rarecache.adapters.vllm import launch
+    from rarecache.bench import serve
+    from rarecache.cli import main
+
+    seen = {}
+
+    @contextmanager
+    def service(source, target, map_path, **kw):
+        seen["service"] = kw
+        yield SimpleNamespace(cfg=SimpleNamespace(max_batch=8)), ("src", "tgt"), {"e": 1, "store": "redis"}
+
+    def switch(svc, source, target, cfg, maps, settings, cache_dir=None, emit=print):
+        rows = [{"T": T, "rho": rho, "speedup": 2.0 + rho, "bytes_per_handoff": 1000 * T,
+                 "transfer_share": 0.02} for T in cfg.lengths for rho in cfg.rhos]
+        return {"bench": "vllm-switch", "settings": {**settings, "lengths": list(cfg.lengths)}, "rows": rows}
+
+    monkeypatch.setattr(launch, "bench_service", service)
+    monkeypatch.setattr(serve, "run_vllm_switch_bench", switch)
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"switch_ttft_speedup": {"2048/0.3": 3.14}, "settings": {"switch": {"e": 1}}}))
+    args = _bench_args(vpair, "serve", "--lengths", "2048", "--rhos", "0.3", "--store", "redis://127.0.0.1:7/0",
+                       "--summary", str(summary), "--out", str(tmp_path / "switch.json"))
+    assert main(args) == 0
+    assert seen["service"]["store"] == "redis://127.0.0.1:7/0"
+    s = json.loads(summary.read_text())
+    assert s["switch_ttft_speedup_redis"] == {"2048/0.3": 2.3}
+    assert s["switch_bytes_per_handoff_redis"] == {"2048/0.3": 2048000}
+    assert s["switch_transfer_share_redis"] == {"2048/0.3": 0.02}
+    assert s["switch_ttft_speedup"] == {"2048/0.3": 3.14} and s["settings"]["switch"] == {"e": 1}  # kept
+    assert s["settings"]["switch_redis"]["store"] == "redis"
+    assert main(args + ["--store-gib", "1"]) == 2  # a Redis store is bounded by its server, not by --store-gib
+
+
 def test_bench_baseline_must_be_vllm_reading_it_all():
     """The baseline arm is checked, not assumed: a reply that reused or was handed anything is refused."""
     from rarecache.bench.serve import ask_target
@@ -1217,6 +1256,9 @@ def test_vllm_switch_bench_arms_agree_at_rho_1(vpair, served, tmp_path):
         assert r["rho_spent"] == 1.0
         assert r["same_answer"] and r["agree_tokens"] == r["new_tokens"] == NEW
         assert len(r["vllm_ttft_all_s"]) == len(r["handoff_ttft_all_s"]) == 2 and r["speedup"] > 0
+        # the rows moved: k and v of the source's 2 layers, 1 KV head, head_dim 64, fp32, per claimed position
+        assert r["bytes_per_handoff"] == 2 * 2 * 1 * 64 * 4 * r["claimed"] and 0 < r["transfer_share"] < 1
+    assert settings["store"] == "directory"
     summary = update_summary(tmp_path / "summary.json", switch_summary(result), "switch", result["settings"])
     assert summary["switch_ttft_speedup_T2048_rho0.3"] is None  # not measured at these lengths
     assert set(summary["switch_ttft_speedup"]) == {"256/1", "320/1"}

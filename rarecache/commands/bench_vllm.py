@@ -102,8 +102,11 @@ def add_load_options(b) -> None:
 
 
 def _engine_kwargs(args) -> dict:
+    from ..adapters.vllm.launch import check_store_flags
+
     if not args.cache_gib > 0:
         raise RarecacheError(f"--cache-gib must be > 0, not {args.cache_gib}")
+    check_store_flags(args.store, args.store_gib, args.store_ttl)
     return {"dtype": args.dtype, "cache_dir": args.cache_dir, "block_size": args.block_size,
             "kv_cache_bytes": int(args.cache_gib * (1 << 30)) // 2, "selector": args.selector, "store": args.store,
             "store_gib": args.store_gib, "store_ttl": args.store_ttl}

@@ -40,6 +40,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
     from .engines import engine_environment
     from .serving import VllmChatService, VllmServeConfig
 
+    check_store_flags(args.store, args.store_gib, args.store_ttl)
     fresh, scratch = args.store is None, None
     store = _store_path(args.store, "rarecache-rows-")
     try:
@@ -90,6 +91,16 @@ def _store_path(store: str | Path | None, prefix: str) -> str | Path:
         return str(store) if is_url(store) else Path(store).expanduser()
     shm = Path("/dev/shm")
     return Path(tempfile.mkdtemp(prefix=prefix, dir=shm if shm.is_dir() else None))
+
+
+def check_store_flags(store: str | Path | None, gib: float | None, ttl: float | None) -> None:
+    """--store, --store-gib and --store-ttl, before anything starts."""
+    if gib is not None and store is not None and is_url(store):
+        raise RarecacheError("--store-gib caps a directory store; a Redis store is bounded by the server's own "
+                             "maxmemory (with --maxmemory-policy allkeys-lru)")
+    store_bytes(gib)
+    if ttl is not None and not ttl > 0:
+        raise RarecacheError(f"--store-ttl must be > 0 seconds, not {ttl}")
 
 
 def store_bytes(gib: float | None) -> int | None:

@@ -25,8 +25,7 @@ try:
 except ImportError as _e:
     raise RarecacheError(f"rarecache.adapters.vllm.scheduler needs vllm ({_e}); {INSTALL_HINT}") from None
 
-from .core import RequestParams, check_peer_fits, claim, request_params
-from .core import check_peer_layout
+from .core import RequestParams, check_peer_fits, check_peer_layout, claim, request_params
 from .store import CHUNK, Hit, Miss, StoreDown
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
