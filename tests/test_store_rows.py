@@ -297,3 +297,55 @@ def test_store_setting_picks_the_backend(tmp_path):
         open_store("redis://127.0.0.1:notaport/0")
     nowhere = open_store("redis://127.0.0.1:1/0")  # nothing listens: a miss that says so, never an error
     assert nowhere.find(ID_A, "s", list(range(32))).reason == "store_down"
+
+
+class _SoakStandIn:
+    """The vLLM service as `bench store-soak` drives it, without engines: each answer hands off from
+    the other model's rows when the store has them (read under a lease) and files its own, on a real
+    capped store."""
+
+    def __init__(self, store):
+        self.store, self.ids = store, {"small": ID_A, "large": ID_B}
+
+    def store_stats(self):
+        return self.store.stats()
+
+    def prepare(self, model, messages, sampling, salt=None):
+        return [sum(map(ord, w)) % 997 for m in messages for w in m["content"].split()]
+
+    def answer(self, model, ids, sampling, salt=None):
+        peer = "large" if model == "small" else "small"
+        found = self.store.find(self.ids[peer], salt, ids)
+        status = "fallback_reprefill"
+        if isinstance(found, Hit):
+            token = self.store.lease(found)
+            try:
+                self.store.load(found, found.length, CFG)
+                status = "applied"
+            except EntryGone:
+                pass
+            finally:
+                self.store.release(token)
+        answer = [(t * 31) % 997 for t in ids[-sampling.max_new_tokens:]]
+        seq = ids + answer
+        self.store.put(self.ids[model], salt, seq, *_rows(n=len(seq)))
+        return SimpleNamespace(text=" ".join(f"w{t}" for t in answer), handoff={"status": status})
+
+
+def test_store_soak_driver_keeps_the_store_under_its_cap(tmp_path):
+    """`bench store-soak`'s driver, a few seconds on a stand-in service over a capped directory store:
+    bytes never above the cap, evictions, no failure, handoffs applied, every field written."""
+    from rarecache.bench.store_soak import StoreSoakConfig, run_store_soak
+
+    cap = 120_000  # a few entries of up to ~300 rows of 128 bytes
+    svc = _SoakStandIn(open_store(tmp_path, cap_bytes=cap))
+    lines = []
+    cfg = StoreSoakConfig(duration_s=3.0, conversations=3, turn_words=24, max_new_tokens=8, max_prompt_tokens=300,
+                          max_rss_growth=1.0)
+    result = run_store_soak(svc, ("small", "large"), cfg, emit=lines.append)
+    assert result["store_cap_bytes"] == cap and 0 < result["store_bytes_max"] <= cap
+    assert result["samples_over_cap"] == 0 and result["failed"] == 0 and result["evictions"] > 0
+    assert result["outcomes"].get("applied", 0) > 0 and result["conversations_restarted"] > 0
+    assert isinstance(result["rss_growth"], float) and result["ok"] and "ok" in lines[-1]
+    with pytest.raises(RarecacheError, match="bounded store"):
+        run_store_soak(_SoakStandIn(open_store(tmp_path / "unbounded")), ("small", "large"), cfg)

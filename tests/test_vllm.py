@@ -891,6 +891,7 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     info = body["rarecache"]
     assert (info["engine"], info["handed_off_from"], info["reused_tokens"]) == ("vllm", None, 0)
     assert info["prefilled_tokens"] == body["usage"]["prompt_tokens"]
+    assert (info["handoff"]["status"], info["handoff"]["reason"]) == ("fallback_reprefill", "no_entry")
     msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "and the dog again"}]
     ids = tok.encode_chat(msgs)
     text2, body = _chat(client, "tgt", msgs, "A")
@@ -902,7 +903,10 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     assert info["handed_off_from"] == "src" and info["handed_off_tokens"] == n and info["recomputed_tokens"] == n
     assert (info["prefilled_tokens"], info["reused_tokens"], info["rho"], info["selector"]) == (P - n, 0, 1.0, "rank")
     assert info["seconds"]["handoff"] > 0 and "note" not in info
+    assert info["handoff"] == {"status": "applied", "approximate": False, "peer": "src",
+                               "bytes_read": 2 * 2 * 1 * 64 * 4 * n}  # ρ = 1: every claimed row recomputed
     assert ref["rarecache"]["handed_off_from"] is None and ref["rarecache"]["prefilled_tokens"] == P
+    assert ref["rarecache"]["handoff"]["status"] == "fallback_reprefill"  # another tenant's rows: none
     assert text2 == alone and body["usage"] == ref["usage"]
     # back to src: it keeps its own rows of turn 1 (vLLM's prefix cache), tgt filed nothing handed off
     msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": "one more"}]
@@ -911,6 +915,7 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     info = body["rarecache"]
     assert info["handed_off_from"] is None and info["reused_tokens"] >= len(tok.encode_chat(msgs[:1])) // BS * BS
     assert info["prefilled_tokens"] == len(tok.encode_chat(msgs)) - info["reused_tokens"] and text3 == alone
+    assert (info["handoff"]["status"], info["handoff"]["reason"]) == ("not_needed", "own_rows")
     # the other direction, through the map tgt -> src
     first = [{"role": "user", "content": " ".join(words[::-1] * 8)}]
     text1, _ = _chat(client, "tgt", first, "B")

@@ -80,7 +80,7 @@ def test_tp2_each_rank_holds_its_heads_of_the_transfer(vpair, tp_served, tp_sour
     """ρ = 0 and 0.5 (rank): rank r's paged cache holds KV head r of the rows our own (whole,
     one-process) Runner computes by the same rule from the same stored rows."""
     from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import RowStore, model_identity
+    from rarecache.adapters.vllm.store import model_identity, open_store
 
     svc, root = tp_served
     target = _Engine(svc, "tgt")
@@ -94,7 +94,7 @@ def test_tp2_each_rank_holds_its_heads_of_the_transfer(vpair, tp_served, tp_sour
     per_rank = [_paged_rows(p, info["all_block_ids"], n) for p in paths]  # each (L, 1, n, D)
     assert all(k.shape[1] == vpair.tgt.config.num_kv_heads // TP for k, _ in per_rank)
     k, v = torch.cat([k for k, _ in per_rank], dim=1), torch.cat([v for _, v in per_rank], dim=1)
-    store = RowStore(root)
+    store = open_store(root)
     k_src, v_src = store.load(store.lookup(model_identity(vpair.root / "src"), "s0", prompt), n, vpair.src.config)
     ref = hand_rows(vpair.tgt, vpair.map, vpair.src.config, k_src, v_src, prompt[:n], k_re, "rank")
     torch.testing.assert_close(k, ref.k, atol=1e-4, rtol=0)

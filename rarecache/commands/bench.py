@@ -1,5 +1,6 @@
 """`rarecache bench map / handoff / serve / load / ablate`: speed, as ratios to a baseline timed in the same run;
-`rarecache bench soak`: the server under overload, killed and restarted (counts, not speed)."""
+`rarecache bench soak`: the server under overload, killed and restarted (counts, not speed);
+`rarecache bench store-soak`: the vLLM row store capped small under switching traffic (bench_vllm.py)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ def register(sub) -> None:
     _add_ablate(bench)
     _add_soak(bench)
     add_gpu(bench)
+    from .bench_vllm import add_store_soak
+
+    add_store_soak(bench)
 
 
 def _add_map(bench) -> None:

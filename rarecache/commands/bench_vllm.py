@@ -205,3 +205,51 @@ def cmd_bench_load_vllm(args) -> int:
         print(f"summary updated: {args.summary}", file=sys.stderr)
     print_json(result, args.out or LOAD_OUT, indent=1)
     return 0
+
+
+def add_store_soak(bench) -> None:
+    from .common import add_model_options
+
+    b = bench.add_parser("store-soak", help="the vLLM row store capped small under switching traffic (counts)",
+                         description="Start both models in vLLM engines on a small row store (--store-gib, or a Redis "
+                                     "server with maxmemory), send multi-turn conversations that switch model every "
+                                     "turn for --duration seconds, and check that the store never grows past its "
+                                     "cap, that no request fails, that rows were evicted and that memory stays flat. "
+                                     "Writes store_cap_bytes, store_bytes_max, failed, evictions, rss_growth to "
+                                     "--out; exit 1 if a check fails.")
+    b.add_argument("--source", required=True, help="model whose rows are handed off (name or checkpoint dir)")
+    b.add_argument("--target", required=True, help="the other model")
+    b.add_argument("--map", type=Path, required=True, help="map fitted source -> target")
+    b.add_argument("--duration", type=float, default=1800.0, help="seconds of traffic (default: 1800)")
+    b.add_argument("--conversations", type=int, default=8, help="tenants in flight, round robin (default: 8)")
+    b.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default: 16)")
+    b.add_argument("--max-prompt-tokens", type=int, default=1024,
+                   help="a conversation past this starts again under a new tenant (default: 1024)")
+    b.add_argument("--selector", default="rank", help="default: rank")
+    b.add_argument("--block-size", type=int, default=32, help="vLLM's block size (default: 32)")
+    b.add_argument("--cache-gib", type=float, default=4.0, help="paged caches, split between the engines (default: 4)")
+    b.add_argument("--store", default=None, help="a directory or redis://HOST:PORT/DB (default: a fresh directory)")
+    b.add_argument("--store-gib", type=float, default=0.05, help="cap of a directory store (default: 0.05)")
+    b.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives")
+    b.add_argument("--out", type=Path, default=None, help="write the JSON here")
+    add_model_options(b)
+    b.set_defaults(func=cmd_bench_store_soak)
+
+
+def cmd_bench_store_soak(args) -> int:
+    from ..adapters.vllm.launch import bench_service, check_store_flags
+    from ..adapters.vllm.store import is_url
+    from ..bench.store_soak import StoreSoakConfig, run_store_soak
+
+    gib = None if args.store is not None and is_url(args.store) else args.store_gib
+    check_store_flags(args.store, gib, args.store_ttl)
+    cfg = StoreSoakConfig(duration_s=args.duration, conversations=args.conversations,
+                          max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    with bench_service(args.source, args.target, args.map, dtype=args.dtype, cache_dir=args.cache_dir,
+                       block_size=args.block_size, kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2,
+                       selector=args.selector, store=args.store, store_gib=gib, store_ttl=args.store_ttl) as (
+            svc, names, settings):
+        result = run_store_soak(svc, names, cfg, emit=lambda line: print(line, flush=True))
+    result["settings"] = settings
+    print_json(result, args.out, indent=1)
+    return 0 if result["ok"] else 1

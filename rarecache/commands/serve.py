@@ -97,7 +97,8 @@ def register(sub) -> None:
     v.add_argument("--store-gib", type=float, default=None,
                    help="cap a directory store at this size, evicting the least recently used rows (default: none; "
                         "a Redis store is bounded by the server's maxmemory)")
-    v.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives (default: until evicted)")
+    v.add_argument("--store-ttl", type=float, default=None,
+                   help="seconds a stored entry lives (default: until evicted)")
     v.add_argument("--block-size", type=int, default=None,
                    help="vLLM's block size; a handoff claims whole blocks (default: vLLM's; CPU: a multiple of 32)")
     v.add_argument("--max-model-len", type=int, default=None, help="vLLM's max_model_len (default: the model's)")

@@ -155,7 +155,8 @@ def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: 
         check_map(mapper, identity, config, where=f"maps[{name!r}] ({path})")
         pinned = None
         if name in manifests:
-            pinned = pin_manifest(manifests[name], path, mapper, model, tensor_parallel, where=f"maps[{name!r}] ({path})")
+            pinned = pin_manifest(manifests[name], path, mapper, model, tensor_parallel,
+                                  where=f"maps[{name!r}] ({path})")
         peers[name] = Peer(name, Path(path), mapper, pinned)
     if selector is None:  # as `rarecache serve`: the general summary's pick through these maps, else rank
         from ...eval.mix import default_selector

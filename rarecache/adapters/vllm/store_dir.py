@@ -185,7 +185,8 @@ class DirStore(RowStore):
                 continue
             for p in os.scandir(prefix):
                 try:
-                    if now - p.stat().st_mtime > DANGLING and not (Path(bucket.path) / Path(p.path).read_text()).is_file():
+                    named = Path(bucket.path) / Path(p.path).read_text().strip()
+                    if now - p.stat().st_mtime > DANGLING and not named.is_file():
                         os.unlink(p.path)
                 except OSError:
                     pass

@@ -3,7 +3,7 @@
 `redis://[:password@]HOST:PORT/DB` or `unix:///path/redis.sock?db=N`, through the `redis`
 client (the vllm extra). The keys are store.py's schema under a versioned namespace:
 
-    rc2:e:<bucket>:<entry>    an entry's bytes (store.py's format: safetensors + JSON header)
+    rc2:e:<bucket>:<entry>    an entry's bytes (entry.py: safetensors + JSON header)
     rc2:p:<bucket>            a hash: chain -> the entry holding a sequence's first 16·i tokens
     rc2:m:<model key>         a model's record (refiled with each of its entries)
     rc2:r:<name>              one handoff's record (RECORD_TTL, taken with GETDEL)
@@ -13,11 +13,11 @@ before each command, never inside a transaction), with the store's lifetime (`EX
 EXPIRE on the bucket's prefix hash, renewed by each write). The prefix index of a bucket is one
 hash, not a key per chunk: an LRU server evicts keys, and a surviving entry whose first chunk's
 key was evicted could never be found again; the hash is used by every lookup of its tenant, so
-it is the last thing the LRU drops while the tenant is active. Memory is the server's to bound: run it with `maxmemory` and an LRU policy
-(`allkeys-lru`), and an entry it evicted is a miss with the reason `evicted` (the prefix hash
-still names it). A lookup reads an entry's header with GETRANGE, a load reads
-it in one GET: nothing is half-read. A server that is down or slow (timeouts of a few
-seconds) is `StoreDown`: the lookup misses with the reason `store_down`, never an error to the
+it is the last thing the LRU drops while the tenant is active. Memory is the server's to bound:
+run it with `maxmemory` and an LRU policy (`allkeys-lru`); an entry it evicted is a miss with the
+reason `evicted` (the prefix hash still names it). A lookup reads an entry's header with
+GETRANGE, a load reads it in one GET: nothing is half-read. A server that is down or slow
+(timeouts of a few seconds) is `StoreDown`: the lookup misses with the reason `store_down`, never an error to the
 request. Counters for `stats()` come from the server (INFO) and SCAN.
 """
 
