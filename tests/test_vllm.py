@@ -764,6 +764,67 @@ def test_serve_settings_and_records_are_checked(tmp_path):
             VllmServeConfig(store=tmp_path, **kw)
 
 
+def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
+    """The service's routing (no engine): which peer to hand off from, or the outcome that goes into the
+    response instead, in the store's words (`handoff_detail`) and the serving layer's (`handoff`,
+    `fallback_reason`, serve/outcome.py), for each reason a store gives."""
+    import threading
+
+    from rarecache.adapters.vllm.records import outcome, settle
+    from rarecache.adapters.vllm.serving import VllmChatService, VllmReply, VllmServeConfig, tenant_scope
+    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.serve import outcome as served
+
+    def service(store, maps):
+        svc = object.__new__(VllmChatService)  # the routing's state only: no engine starts
+        svc.cfg, svc.maps, svc._filing, svc._lock = VllmServeConfig(store=store, rho=1.0), maps, {}, threading.Lock()
+        svc.models = {m: SimpleNamespace(identity=model_identity(vpair.root / m)) for m in ("src", "tgt")}
+        svc.engines = {m: SimpleNamespace(block_size=BS) for m in ("src", "tgt")}
+        svc.store = open_store(store)
+        return svc
+
+    def rows(model, n):
+        cfg = (vpair.src if model == "src" else vpair.tgt).config
+        return torch.zeros(cfg.num_layers, cfg.num_kv_heads, n, cfg.head_dim), torch.zeros(
+            cfg.num_layers, cfg.num_kv_heads, n, cfg.head_dim)
+
+    svc = service(tmp_path / "rows", {("src", "tgt"): vpair.root / "src-tgt.map"})
+    ids = list(range(3, 103))
+    assert svc.route("src", ids, "A")[1] == {"status": "unsupported", "reason": "no_map", "detail": "no map into src"}
+    assert svc.route("tgt", ids, "A")[1]["reason"] == "no_entry"
+    entry = svc.store.put(model_identity(vpair.root / "src"), tenant_scope("A"), ids[:80], *rows("src", 80))
+    assert svc.route("tgt", ids, "A") == ("src", {})
+    svc.store.put(model_identity(vpair.root / "tgt"), tenant_scope("A"), ids[:90], *rows("tgt", 90))
+    assert svc.route("tgt", ids, "A")[1]["status"] == "not_needed"  # its own rows reach as far, in whole blocks
+    assert svc.route("tgt", ids, "B")[1]["reason"] == "no_entry"  # another tenant
+    (tmp_path / "rows" / "rows" / entry).unlink()  # the peer's entry evicted, its prefix index left
+    assert svc.route("tgt", ids, "C")[1]["reason"] == "no_entry"
+    svc.store.put(model_identity(vpair.root / "src"), tenant_scope("C"), ids[:80], *rows("src", 80))
+    for f in (tmp_path / "rows" / "rows").glob("*/*"):
+        if f.is_file() and f.stat().st_size > 10_000:
+            f.unlink()
+    assert svc.route("tgt", ids, "C")[1]["reason"] == "evicted"
+    down = service("redis://127.0.0.1:1/0", {("src", "tgt"): vpair.root / "src-tgt.map"})
+    assert svc.route("tgt", ids, "D")[1]["reason"] == "no_entry" and down.route("tgt", ids, "D")[1]["reason"] == \
+        "store_down"
+    # each outcome, as the response and its header say it
+    for detail, status, reason in [
+            (outcome("applied", None, approximate=True, peer="src", bytes_read=8), "applied", None),
+            (outcome("fallback_reprefill", "evicted"), "fallback_reprefill", "evicted"),
+            (outcome("fallback_reprefill", "corrupt_entry"), "fallback_reprefill", "identity_mismatch"),
+            (outcome("fallback_reprefill", "store_down"), "fallback_reprefill", "store_down"),
+            (outcome("not_needed", "own_rows"), "fallback_reprefill", "no_entry"),
+            (outcome("unsupported", "reread"), "unsupported", None)]:
+        reply = VllmReply(model="tgt", text="", tokens=[], finish_reason="stop", prompt_tokens=100, reused=0,
+                          handed_off_from=None, recomputed=None, handed_off=None, seconds={})
+        settle(reply, detail)
+        fields = served.outcome(reply, True)
+        assert (fields["handoff"], fields["fallback_reason"]) == (status, reason)
+        info = {**svc.describe(reply), **fields}  # as serve/app.py joins them
+        assert info["handoff_detail"]["status"] == detail["status"] and info["handoff"] == status
+        assert served.header(fields).startswith(status)
+
+
 def test_engine_environment_keeps_what_the_user_set():
     from rarecache.adapters.vllm.engines import engine_environment
 
@@ -891,7 +952,8 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     info = body["rarecache"]
     assert (info["engine"], info["handed_off_from"], info["reused_tokens"]) == ("vllm", None, 0)
     assert info["prefilled_tokens"] == body["usage"]["prompt_tokens"]
-    assert (info["handoff"]["status"], info["handoff"]["reason"]) == ("fallback_reprefill", "no_entry")
+    assert (info["handoff"], info["fallback_reason"], info["handoff_detail"]["status"]) == (
+        "fallback_reprefill", "no_entry", "fallback_reprefill")
     msgs += [{"role": "assistant", "content": text1}, {"role": "user", "content": "and the dog again"}]
     ids = tok.encode_chat(msgs)
     text2, body = _chat(client, "tgt", msgs, "A")
@@ -903,10 +965,11 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     assert info["handed_off_from"] == "src" and info["handed_off_tokens"] == n and info["recomputed_tokens"] == n
     assert (info["prefilled_tokens"], info["reused_tokens"], info["rho"], info["selector"]) == (P - n, 0, 1.0, "rank")
     assert info["seconds"]["handoff"] > 0 and "note" not in info
-    assert info["handoff"] == {"status": "applied", "approximate": False, "peer": "src",
-                               "bytes_read": 2 * 2 * 1 * 64 * 4 * n}  # ρ = 1: every claimed row recomputed
+    assert (info["handoff"], info["fallback_reason"], info["approximate_rows_reused"]) == ("applied", None, False)
+    assert info["handoff_detail"] == {"status": "applied", "approximate": False, "peer": "src",
+                                      "bytes_read": 2 * 2 * 1 * 64 * 4 * n}  # ρ = 1: every claimed row recomputed
     assert ref["rarecache"]["handed_off_from"] is None and ref["rarecache"]["prefilled_tokens"] == P
-    assert ref["rarecache"]["handoff"]["status"] == "fallback_reprefill"  # another tenant's rows: none
+    assert ref["rarecache"]["handoff"] == "fallback_reprefill"  # another tenant's rows: none
     assert text2 == alone and body["usage"] == ref["usage"]
     # back to src: it keeps its own rows of turn 1 (vLLM's prefix cache), tgt filed nothing handed off
     msgs += [{"role": "assistant", "content": text2}, {"role": "user", "content": "one more"}]
@@ -915,7 +978,8 @@ def test_serve_switched_conversation_at_rho_1_is_the_target_alone(vpair, served)
     info = body["rarecache"]
     assert info["handed_off_from"] is None and info["reused_tokens"] >= len(tok.encode_chat(msgs[:1])) // BS * BS
     assert info["prefilled_tokens"] == len(tok.encode_chat(msgs)) - info["reused_tokens"] and text3 == alone
-    assert (info["handoff"]["status"], info["handoff"]["reason"]) == ("not_needed", "own_rows")
+    assert (info["handoff"], info["fallback_reason"]) == ("fallback_reprefill", "no_entry")  # its own rows won
+    assert (info["handoff_detail"]["status"], info["handoff_detail"]["reason"]) == ("not_needed", "own_rows")
     # the other direction, through the map tgt -> src
     first = [{"role": "user", "content": " ".join(words[::-1] * 8)}]
     text1, _ = _chat(client, "tgt", first, "B")

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from ...errors import RarecacheError
+from ...serve.outcome import REASONS as SERVED_REASONS
 from .core import ENGINE_SELECTORS
 from .store import REASONS, RECORD_VERSION, RowStore, same_model
 
@@ -66,12 +67,27 @@ OUTCOMES = ("applied", "fallback_reprefill", "unsupported", "not_needed")
 
 
 def outcome(status: str, reason: str | None = None, **more: Any) -> dict[str, Any]:
-    """What happened to a request's handoff, for the response's `rarecache.handoff` (and its header):
-    applied (approximate rows of a peer were reused), fallback_reprefill (the model read the prompt
-    itself; reason: store.REASONS or `gate`), unsupported (this model takes no handoffs, or the
-    request asked for none), not_needed (the model's own rows covered the prompt at least as far)."""
+    """What happened to a request's handoff, in the store's words (`handoff_detail` of the response):
+    applied (a peer's rows were reused), fallback_reprefill (the model read the prompt itself; reason:
+    store.REASONS), unsupported (this model takes no handoffs, or the request asked for none),
+    not_needed (the model's own rows covered the prompt at least as far)."""
     assert status in OUTCOMES
     return {"status": status, "reason": reason, **more}
+
+
+def settle(reply: Any, detail: dict[str, Any]) -> None:
+    """Give `reply` its outcome: `handoff` (the detail) and the serving layer's `handoff_status` and
+    `fallback_reason` (serve/outcome.py's words, which every engine's response shares: own rows that
+    covered the prompt are a fallback with no longer entry elsewhere, a corrupt entry a mismatch)."""
+    status, reason = detail["status"], detail.get("reason")
+    if status == "not_needed":
+        status, reason = "fallback_reprefill", "no_entry"
+    elif status == "fallback_reprefill":
+        reason = {"corrupt_entry": "identity_mismatch"}.get(reason, reason)
+        reason = reason if reason in SERVED_REASONS else "no_entry"
+    else:
+        reason = None
+    reply.handoff, reply.handoff_status, reply.fallback_reason = detail, status, reason
 
 
 def account(reply: Any, store: RowStore, record: str, model: dict[str, str], peers: dict[str, dict[str, str]],
@@ -91,19 +107,19 @@ def account(reply: Any, store: RowStore, record: str, model: dict[str, str], pee
     except RarecacheError as e:  # rows may have been handed off: never reported as the model's own
         reply.handed_off_from, reply.prefilled = peer, None
         reply.note = f"{e}; whether the prompt was handed off is unknown"
-        reply.handoff = outcome("applied", None, approximate=True, verified=False)
+        settle(reply, outcome("applied", None, approximate=True, verified=False))
         return
     if rec is None:
         reply.note = str(scheduler.get("reason") or scheduler.get("error") or "the engine did not hand it off")
         if scheduler.get("status") == "unsupported":
-            reply.handoff = outcome("unsupported", "engine", detail=reply.note[:300])
+            settle(reply, outcome("unsupported", "engine", detail=reply.note[:300]))
         else:
             fallback = scheduler.get("fallback")
-            reply.handoff = outcome("fallback_reprefill", fallback if fallback in REASONS else "no_entry",
-                                    detail=reply.note[:300])
+            settle(reply, outcome("fallback_reprefill", fallback if fallback in REASONS else "no_entry",
+                                  detail=reply.note[:300]))
     elif rec["status"] == "failed":
         reply.note = f"the handoff failed and vLLM prefilled the prompt itself: {rec['error'][:300]}"
-        reply.handoff = outcome("fallback_reprefill", rec.get("reason", "no_entry"), detail=rec["error"][:300])
+        settle(reply, outcome("fallback_reprefill", rec.get("reason", "no_entry"), detail=rec["error"][:300]))
     else:
         n = rec["tokens"]
         reply.handed_off_from, reply.handed_off, reply.recomputed = rec["peer"], n, rec["recomputed"]
@@ -112,5 +128,5 @@ def account(reply: Any, store: RowStore, record: str, model: dict[str, str], pee
         reply.prefilled = prompt_len - reply.reused - n
         seconds["handoff"] = sum(rec["seconds"].values())
         seconds["store_read"] = rec["seconds"]["store_read"]
-        reply.handoff = outcome("applied", None, approximate=n > rec["recomputed"], peer=rec["peer"],
-                                bytes_read=rec.get("bytes_read"))
+        settle(reply, outcome("applied", None, approximate=n > rec["recomputed"], peer=rec["peer"],
+                              bytes_read=rec.get("bytes_read")))

@@ -48,7 +48,7 @@ from ...transfer.mapper import Mapper
 from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, check_selector, claim
 from .engines import Engine, Job, cut
-from .records import account, outcome
+from .records import account, outcome, settle
 from .store import CHUNK, Hit, Miss, model_identity, open_store, same_model
 
 CONNECTOR = "rarecache.adapters.vllm.connector"
@@ -93,7 +93,7 @@ class VllmServeConfig:
 class VllmReply(Reply):
     prefilled: int | None = None  # prompt positions vLLM computed itself
     note: str | None = None  # why a handoff the service asked for did not happen, or is unverified
-    handoff: dict[str, Any] | None = None  # the outcome a router reads (`outcome`)
+    handoff: dict[str, Any] | None = None  # the outcome in the store's words (records.outcome, settle)
 
 
 
@@ -313,7 +313,7 @@ class VllmChatService:
             raise job.error
         reply = self._reply(model, ids, job, salt, peer, record if peer is not None else None)
         if reply.handoff is None:
-            reply.handoff = routed
+            settle(reply, routed)
         return reply
 
     def _reply(self, model: str, ids: list[int], job: Job, salt: str | None, peer: str | None,
@@ -364,8 +364,8 @@ class VllmChatService:
                 "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
         if reply.note is not None:
             info["note"] = reply.note
-        if reply.handoff is not None:
-            info["handoff"] = {k: v for k, v in reply.handoff.items() if v is not None}
+        if reply.handoff is not None:  # (the response's `handoff` and `fallback_reason`: serve/outcome.py)
+            info["handoff_detail"] = {k: v for k, v in reply.handoff.items() if v is not None}
         return info
 
     # -- raw requests (tests, diagnostics) ------------------------------------------------

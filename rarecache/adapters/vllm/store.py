@@ -308,22 +308,23 @@ class RowStore(ABC):
 
     # -- what an operator sees -----------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """hits and misses (this process's lookups; misses by reason), bytes held, evictions and
-        entries (the store's; a Redis server's bytes are its used_memory, its evictions its
-        evicted_keys), cap_bytes (None: unbounded), up (False: the counters of the store are None)."""
+    def counters(self) -> dict[str, Any]:
+        """This process's lookups: hits, misses, misses by reason."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counts)
-            out["misses_by_reason"] = dict(self._reasons)
-        try:
-            out.update(self._backend_stats(), up=True)
-        except StoreDown as e:  # a scrape of a store that is down says so, never fails
-            out.update(bytes=None, entries=None, evictions=None, cap_bytes=None, up=False, error=str(e))
-        return out
+            return {**self._counts, "misses_by_reason": dict(self._reasons)}
+
+    def stats(self) -> dict[str, Any]:
+        """`counters` and the store's own: bytes held, evictions, entries (a Redis server's bytes are
+        its used_memory, its evictions its evicted_keys), cap_bytes (None: unbounded). StoreDown if
+        the store cannot be read (serve/metrics.py shows it as rarecache_store_up 0)."""
+        return {**self.counters(), **self._backend_stats()}
 
     def nbytes(self) -> int:
         """Bytes the store holds (0 while it cannot be reached)."""
-        return int(self.stats()["bytes"] or 0)
+        try:
+            return int(self._backend_stats()["bytes"])
+        except StoreDown:
+            return 0
 
     # -- the backend ---------------------------------------------------------------------
 
