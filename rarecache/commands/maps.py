@@ -342,22 +342,13 @@ def cmd_inspect(args) -> int:
 
 
 def _manifest(args, mapper) -> None:
-    from ..models.config import ModelConfig
-    from ..models.loader import checkpoint_fingerprint
     from ..models.store import resolve_model
-    from ..transfer.manifest import manifest_of
+    from ..transfer.manifest import deployed_manifest
 
     if not (args.source and args.target):
         raise RarecacheError("--manifest needs --source and --target (their tokenizer and KV layout)")
-    if args.tensor_parallel < 1:
-        raise RarecacheError(f"--tensor-parallel must be >= 1, not {args.tensor_parallel}")
     src, tgt = (resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target))
-
-    for side, path in (("source", src), ("target", tgt)):
-        mine = {"config": ModelConfig.from_dir(path).fingerprint(), "weights": checkpoint_fingerprint(path)}
-        if any(getattr(mapper.info, side).get(k) != v for k, v in mine.items()):
-            raise RarecacheError(f"--{side} {path} is not the model the map was fitted for ({mapper.info.direction})")
-    out = manifest_of(mapper, args.map, target_dir=tgt, source_dir=src, tensor_parallel=args.tensor_parallel)
+    out = deployed_manifest(mapper, args.map, src, tgt, args.tensor_parallel)
     args.manifest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.manifest}", file=sys.stderr)
 

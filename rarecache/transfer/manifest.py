@@ -65,6 +65,21 @@ def manifest_of(mapper: Any, map_path: str | Path, *, target_dir: str | Path, so
             "tokenizer": tokenizer_hash(target_dir), "kv_layout": layout}
 
 
+def deployed_manifest(mapper: Any, map_path: str | Path, source_dir: str | Path, target_dir: str | Path,
+                      tensor_parallel: int = 1) -> dict[str, Any]:
+    """`manifest_of` for the pair in these checkpoint directories, which must be the map's own."""
+    from ..models.loader import checkpoint_fingerprint
+
+    if type(tensor_parallel) is not int or tensor_parallel < 1:
+        raise RarecacheError(f"the tensor-parallel size must be >= 1, not {tensor_parallel}")
+    for side, path in (("source", source_dir), ("target", target_dir)):
+        mine = {"config": ModelConfig.from_dir(path).fingerprint(), "weights": checkpoint_fingerprint(path)}
+        if any(getattr(mapper.info, side).get(k) != v for k, v in mine.items()):
+            raise RarecacheError(f"--{side} {path} is not the model the map was fitted for ({mapper.info.direction})")
+    return manifest_of(mapper, map_path, target_dir=target_dir, source_dir=source_dir,
+                       tensor_parallel=tensor_parallel)
+
+
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """A pinned manifest file, checked for form (its values are compared by `check_manifest`)."""
     try:
