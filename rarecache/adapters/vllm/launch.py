@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ...errors import RarecacheError
-from .store import is_url
+from .store import describe_store, is_url
 
 
 def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
@@ -71,7 +71,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
             app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
                              api_key=api_key)
             print(f"serving {' and '.join(names)} in vLLM (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, "
-                  f"rho {cfg.rho:g}, {cfg.selector}; row store {store}) on "
+                  f"rho {cfg.rho:g}, {cfg.selector}; row store {describe_store(store)}) on "
                   f"http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         finally:
