@@ -25,7 +25,7 @@ def test_smoke_run_of_the_gpu_script(tmp_path):
     """SMOKE=1 bash scripts/gpu.sh: the CUDA tests' CPU subset and the bench's toy grid, summary written."""
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh")], env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "passed" in (tmp_path / "test_cuda.txt").read_text()
     summary = json.loads((tmp_path / "handoff-summary.json").read_text())
