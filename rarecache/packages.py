@@ -34,6 +34,12 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "rarecache"
 
 
+def results_path(name: str, cache_dir: Path | None = None) -> Path:
+    """Where a command writes `name` when the user named no --out/--summary: the cache folder's
+    results/ (``$RARECACHE_HOME/results``), never the current folder."""
+    return Path(cache_dir or default_cache_dir()).expanduser() / "results" / name
+
+
 def sha256_file(path: Path, progress: bool = False, desc: str | None = None) -> str:
     """The sha256 of the file at `path` (hex), read in 1 MiB chunks; with a progress bar on
     stderr when `progress`."""

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
+from rarecache.defaults import SERVED
 from rarecache.errors import RarecacheError
-from rarecache.eval import mix
+from rarecache.eval import disjoint, mix
 from rarecache.eval.tasks.base import Item, Task
 from rarecache.transfer.mapper import Mapper
 
@@ -52,11 +52,11 @@ def test_general_corpus_drops_documents_that_share_a_line_with_an_evaluated_item
     assert dropped == 1 and corpus.ids == ("m:1",) and corpus.chat
     # whitespace is normalised: the evaluated prompt's second item matched despite its padding
     with pytest.raises(RarecacheError, match="toy-1 of toy"):
-        mix.check_disjoint_from_tasks(mix.Corpus("general", (docs[0][1],), chat=True), {"toy": _Toy(["x", QUESTION])})
+        disjoint.check_disjoint_from_tasks(mix.Corpus("general", (docs[0][1],), chat=True), {"toy": _Toy(["x", QUESTION])})
     # lines shorter than MIN_LINE (instructions, answer letters) are shared by design
     short = "Answer:"
-    assert len(short) < mix.MIN_LINE
-    assert mix.check_disjoint_from_tasks(mix.Corpus("general", (short,), chat=True), {"toy": _Toy([short])}) == {"toy": 1}
+    assert len(short) < disjoint.MIN_LINE
+    assert disjoint.check_disjoint_from_tasks(mix.Corpus("general", (short,), chat=True), {"toy": _Toy([short])}) == {"toy": 1}
 
 
 def test_mix_order_is_deterministic(monkeypatch):
@@ -66,35 +66,6 @@ def test_mix_order_is_deterministic(monkeypatch):
     one, _ = mix.general_corpus({})
     two, _ = mix.general_corpus({})
     assert one.ids == two.ids and one.fingerprint == two.fingerprint and sorted(one.ids) == sorted(i for i, _ in docs)
-
-
-def test_the_general_map_has_a_default_place_and_other_maps_need_out(tmp_path, pair_dir, capsys):
-    from rarecache.cli import main
-    from rarecache.eval.mix import general_map_path
-
-    path = general_map_path("qwen2.5-coder-0.5b-instruct", str(tmp_path / "m" / "big.gguf"), tmp_path)
-    assert path == tmp_path / "maps" / "general-qwen2.5-coder-0.5b-instruct-to-big.safetensors"
-    src, tgt = str(pair_dir / "src"), str(pair_dir / "tgt")
-    assert main(["calibrate", "--source", src, "--target", tgt, "--corpus", str(pair_dir / "corpus.txt")]) == 2
-    assert "give --out FILE" in capsys.readouterr().err
-
-
-def test_serve_finds_the_general_map_made_else_the_one_a_checkout_ships(tmp_path, monkeypatch):
-    from rarecache.eval.mix import SHIPPED_GENERAL, find_general_map, general_map_path
-    from rarecache.packages import sha256_file
-
-    src, tgt, rel, sha = SHIPPED_GENERAL
-    shipped = Path(__file__).resolve().parents[1] / rel
-    assert shipped.is_file() and sha256_file(shipped) == sha  # the committed map is the recorded one
-    assert find_general_map(src, tgt, tmp_path) == shipped  # nothing made: the checkout's
-    assert find_general_map(src, "other-model", tmp_path) is None  # another pair: none
-    monkeypatch.setattr(mix, "SHIPPED_GENERAL", (src, tgt, rel, "0" * 64))
-    assert find_general_map(src, tgt, tmp_path) is None  # a file that is not the recorded map: not used
-    monkeypatch.undo()
-    made = general_map_path(src, tgt, tmp_path)
-    made.parent.mkdir(parents=True)
-    made.write_bytes(b"made here")
-    assert find_general_map(src, tgt, tmp_path) == made  # what calibrate made comes first
 
 
 def _rows(n):
@@ -129,64 +100,6 @@ def test_math_chains_are_worked_examples_then_a_problem_answered_by_its_own_solu
     assert mix._math_chains(None) == chains  # deterministic
     # the math component keeps only what no chain can use
     assert [i for i, _ in mix._math(None)] == ["math:geometry:0"]
-
-
-def test_serve_defaults_to_the_selector_the_summary_measured_through_the_same_map(tmp_path):
-    import json
-
-    from rarecache.eval.mix import measured_selector
-    from rarecache.packages import sha256_file
-
-    served, other = tmp_path / "served.safetensors", tmp_path / "other.safetensors"
-    served.write_bytes(b"the map served")
-    other.write_bytes(b"another map")
-    summary = tmp_path / "summary.json"
-
-    def pick(**fields):
-        summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "suffix", **fields}))
-        return measured_selector(served, summary)
-
-    assert pick() == "suffix"
-    assert pick(map=sha256_file(other)) is None  # measured through another map: not this one's default
-    assert pick(default_selector="l2-oracle") is None and pick(default_selector="magic") is None
-    assert pick(default_selector=["rank"]) is None
-    summary.write_text("{not json")
-    assert measured_selector(served, summary) is None
-    assert measured_selector(tmp_path / "missing.safetensors", summary) is None
-    assert measured_selector(served, tmp_path / "no-summary.json") is None
-
-
-def test_the_committed_summary_was_measured_through_the_map_a_checkout_serves():
-    """The served file and the summary that picks its selector change together: `serve` from a checkout
-    defaults to the summary's pick, measured through that very file (its sha256), not rank."""
-    src, tgt, rel, sha = mix.SHIPPED_GENERAL
-    root = Path(__file__).resolve().parents[1]
-    shipped = root / rel
-    assert json.loads((root / mix.SUMMARY).read_text())["map"] == sha
-    assert mix.measured_selector(shipped) is not None
-
-
-def test_the_default_selector_is_the_summarys_pick_where_the_engine_runs_it(tmp_path):
-    """One rule for `serve` and the vLLM connector's own settings: the summary's pick through every
-    map given, when the engine runs it; else rank, saying why."""
-    import json
-
-    from rarecache.eval.mix import default_selector
-    from rarecache.packages import sha256_file
-
-    served, other = tmp_path / "served.safetensors", tmp_path / "other.safetensors"
-    served.write_bytes(b"the map served")
-    other.write_bytes(b"another map")
-    summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "attn-source"}))
-    assert default_selector([served], None, summary)[0] == "attn-source"
-    name, why = default_selector([served], ("rank", "random", "suffix"), summary)
-    assert name == "rank" and "attn-source does not run" in why
-    assert default_selector([served, other], None, summary)[0] == "rank"  # not measured through every map
-    assert default_selector([], None, summary)[0] == "rank"
-    summary.write_text(json.dumps({"map": sha256_file(served), "default_selector": "suffix"}))
-    assert default_selector([served, served], ("rank", "suffix"), summary) == (
-        "suffix", "the one the general summary measured best through this map")
 
 
 def test_the_general_preset_sharpens_plain_transfer_only_and_a_head_matched_map_whole():
@@ -234,12 +147,12 @@ def test_general_is_the_v3_mix_and_each_mix_records_the_name_its_committed_maps_
     names = {p: mix.general_corpus({}, preset=p)[0].name for p in ("general", "general-v2", "general-v3")}
     assert names == {"general": "general-v3", "general-v2": "general", "general-v3": "general-v3"}
     committed = {"general-v2": "docs/artifacts/maps/general-64k.safetensors",
-                 "general-v3": "docs/artifacts/maps/general-v3-64k.safetensors"}
+                 "general-v3": "rarecache/data/general-v3-64k.safetensors"}
     root = Path(__file__).resolve().parents[1]
     for preset, rel in committed.items():
         assert Mapper.load(root / rel).info.corpus["name"] == names[preset], rel
         assert mix.preset_of(names[preset]) == preset  # what makes it again
-    assert mix.SHIPPED_GENERAL[2] == committed[mix.SERVED_MIX]  # the served file is the served mix's
+    assert "rarecache/" + SERVED.file == committed[mix.SERVED_MIX]  # the served file is the served mix's
 
 
 def test_the_cli_offers_every_preset_and_only_those():

@@ -100,12 +100,13 @@ def test_the_word_chains_share_no_line_with_any_evaluated_item(ours):
     """general-v3's word component reads GSM8K's held-apart pool; its prompts and replies share no line with
     any evaluated item of any task (GSM8K's instruction and eight exemplars are in every evaluated prompt)."""
     from rarecache.eval import mix
+    from rarecache.eval.disjoint import check_disjoint_from_tasks
     from rarecache.eval.tasks import TASKS
 
     docs = mix._word_chains(None)
     assert len(docs) == 319 and all(k.startswith("word:gsm8k-") and int(k.rsplit("-", 1)[1]) >= 1000 for k, _ in docs)
     corpus = mix.Corpus("word", tuple(d for _, d in docs), chat=True)
-    checked = mix.check_disjoint_from_tasks(corpus, {n: T(tokenizer=ours.tokenizer) for n, T in TASKS.items()})
+    checked = check_disjoint_from_tasks(corpus, {n: T(tokenizer=ours.tokenizer) for n, T in TASKS.items()})
     assert checked["gsm8k"] == 1000
 
 
@@ -114,16 +115,14 @@ def test_the_conversion_reproduces_the_pair_the_shipped_map_was_fitted_on(ours):
     every published run through it) was fitted on: same config and weight fingerprints. A dependency
     that changed the GGUF conversion (transformers, gguf) would make the shipped map refuse this pair.
     Pulls the 1.5B too (as test_real_vllm does)."""
-    from pathlib import Path
-
-    from rarecache.eval.mix import SHIPPED_GENERAL
+    from rarecache.defaults import SERVED
     from rarecache.models.config import ModelConfig
     from rarecache.models.loader import checkpoint_fingerprint
     from rarecache.transfer.mapper import Mapper
 
-    src, tgt, rel, _ = SHIPPED_GENERAL
+    src, tgt = SERVED.source, SERVED.target
     assert src == NAME
-    info = Mapper.load(Path(__file__).resolve().parents[1] / rel).info
+    info = Mapper.load(SERVED.path).info
     for name, recorded in ((src, info.source), (tgt, info.target)):
         path = pull(name)
         got = {"config": ModelConfig.from_dir(path).fingerprint(), "weights": checkpoint_fingerprint(path)}

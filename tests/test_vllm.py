@@ -227,21 +227,10 @@ def test_settings_are_checked(vpair, tmp_path):
 
     tgt = vpair.root / "tgt"
     ok = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
-    assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (0.3, "rank")
-    # a map the committed general summary measured: its pick, as `rarecache serve` takes it
-    import json
+    # the served defaults, as `rarecache serve` takes them
+    from rarecache.defaults import SERVED
 
-    from rarecache.eval import mix
-    from rarecache.packages import sha256_file
-
-    summary = tmp_path / "summary.json"
-    summary.write_text(json.dumps({"map": sha256_file(vpair.root / "src-tgt.map"), "default_selector": "suffix"}))
-    old, mix.SUMMARY = mix.SUMMARY, str(summary)  # (absolute: the checkout's root joins it unchanged)
-    try:
-        measured = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
-    finally:
-        mix.SUMMARY = old
-    assert measured.selector == "suffix"
+    assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (SERVED.rho, SERVED.selector)
     for extra, match in [
         ({}, "needs 'store'"),
         ({"store": str(tmp_path), "rh0": 1}, "unknown RarecacheConnector setting.*'rh0'"),
@@ -899,7 +888,7 @@ def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypa
             "--max-batch", "3", "--port", "8124"]
     assert main([*args, "--store", str(tmp_path / "rows")]) == 0
     cfg = seen["cfg"]
-    assert (cfg.rho, cfg.selector, cfg.block_size, cfg.kv_cache_bytes, cfg.max_batch) == (0.5, "rank", 64, 1 << 29, 3)
+    assert (cfg.rho, cfg.selector, cfg.block_size, cfg.kv_cache_bytes, cfg.max_batch) == (0.5, "suffix", 64, 1 << 29, 3)
     assert seen["models"] == {"src": vpair.root / "src", "tgt": vpair.root / "tgt"}
     assert seen["maps"] == {("src", "tgt"): fwd, ("tgt", "src"): back}
     assert seen["port"] == 8124 and seen["host"] == "127.0.0.1" and seen["closed"]

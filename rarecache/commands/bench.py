@@ -8,11 +8,13 @@ import json
 import sys
 from pathlib import Path
 
+from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
+from ..packages import results_path
 from .bench_gpu import add_gpu
 from .common import add_model_options, add_pair_options, load_pair, print_json, with_map_dtype, write_out
 
-SUMMARY = Path("docs/artifacts/bench-handoff-summary.json")
+SUMMARY = "bench-handoff-summary.json"  # under $RARECACHE_HOME/results unless --summary names a file
 
 
 def register(sub) -> None:
@@ -66,14 +68,12 @@ def _add_handoff(bench) -> None:
     b.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 4096])
     b.add_argument("--rhos", type=float, nargs="+", default=[0.2, 0.3, 0.5])
     b.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    b.add_argument("--selector", default="rank",
-                   help="which positions the target recomputes (default: rank, the seed paper's; suffix scores "
-                        "nothing)")
+    b.add_argument("--selector", default=SERVED.selector, help=selector_help() + "; suffix scores nothing")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    b.add_argument("--summary", type=Path, default=SUMMARY,
+    b.add_argument("--summary", type=Path, default=None,
                    help=f"write the per-cell summary (share of the sparse ceiling, map + score share, peak memory) "
-                        f"here (default: {SUMMARY})")
+                        f"here (default: $RARECACHE_HOME/results/{SUMMARY})")
     b.add_argument("--no-summary", action="store_true", help="do not write the summary file")
     add_pack_option(b)
     add_model_options(b)
@@ -163,6 +163,7 @@ def cmd_bench_handoff(args) -> int:
               "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
               "memory": memory_kind(args.device)}
     if not args.no_summary:
+        args.summary = args.summary or results_path(SUMMARY, args.cache_dir)
         written = summary(rows, read_summary(args.summary), **header)
         write_out(args.summary, json.dumps(written, indent=1) + "\n")
         kept = len(written["rows"]) - len(rows)
@@ -194,8 +195,8 @@ def _add_serve(bench) -> None:
                                      "Prints a row per turn, the median speed-up on switched turns, then one JSON line. "
                                      "With --engine vllm: a switched turn of T tokens on two vLLM engines, the "
                                      "connector's handoff at each rho vs vLLM reading the whole prompt itself, "
-                                     "interleaved, medians; writes docs/artifacts/bench-vllm-switch.json and the "
-                                     "summary's switch keys.")
+                                     "interleaved, medians; writes the JSON (--out) and the summary's switch keys "
+                                     "(--summary), by default under $RARECACHE_HOME/results.")
     add_pair_options(b)
     b.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
                    help="rarecache: our chat service (default); vllm: two vLLM engines with RarecacheConnector")
@@ -206,10 +207,11 @@ def _add_serve(bench) -> None:
     b.add_argument("--passage-tokens", type=int, default=None, help="passage length in the first turn (default: 1024)")
     b.add_argument("--max-new-tokens", type=int, default=None, help="default: 32; with --engine vllm: 8")
     b.add_argument("--corpus", default="wiki", help="passages from this corpus's unused documents (default: wiki)")
-    b.add_argument("--rho", type=float, default=None, help="default: 0.3 (--engine vllm: --rhos)")
-    b.add_argument("--selector", default="rank", help="default: rank")
+    b.add_argument("--rho", type=float, default=None, help=f"default: {SERVED.rho:g} (--engine vllm: --rhos)")
+    b.add_argument("--selector", default=None, help=selector_help())
     b.add_argument("--out", type=Path, default=None,
-                   help="also write the JSON here (--engine vllm: default docs/artifacts/bench-vllm-switch.json)")
+                   help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
+                        "bench-vllm-switch.json)")
     add_serve_options(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_serve)
@@ -253,9 +255,10 @@ def _add_load(bench) -> None:
                                      "With --engine vllm: switched conversations arriving as a Poisson process at "
                                      "each offered load (over the target's measured saturation rate), vLLM alone vs "
                                      "vLLM + handoff under the same traces: TTFT p50/p99 and throughput; writes "
-                                     "docs/artifacts/bench-vllm-load.json and the summary's saturation keys. With --poisson "
-                                     "(our own server): the same experiment on one ChatService, target alone vs with "
-                                     "handoffs; writes docs/artifacts/bench-load-poisson.json.")
+                                     "$RARECACHE_HOME/results/bench-vllm-load.json (or --out) and the summary's "
+                                     "saturation keys. With --poisson (our own server): the same experiment on one "
+                                     "ChatService, target alone vs with handoffs; writes "
+                                     "$RARECACHE_HOME/results/bench-load-poisson.json (or --out).")
     b.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
                    help="rarecache: our chat service (default); vllm: two vLLM engines with RarecacheConnector")
     b.add_argument("--model", default=None, help="model to load (default: the bundled qwen2.5-coder-1.5b-instruct)")
@@ -269,7 +272,8 @@ def _add_load(bench) -> None:
                    help="tokens per answer, no early end (default: 32; --engine vllm: 1)")
     b.add_argument("--corpus", default="wiki", help="passages from this corpus (default: wiki)")
     b.add_argument("--out", type=Path, default=None,
-                   help="also write the JSON here (--engine vllm: default docs/artifacts/bench-vllm-load.json)")
+                   help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
+                        "bench-vllm-load.json)")
     add_load_options(b)
     add_model_options(b)
     b.set_defaults(func=cmd_bench_load)
@@ -299,7 +303,7 @@ def _add_ablate(bench) -> None:
     b = bench.add_parser("ablate", help="each optimisation vs the reference it replaces, in the same run")
     add_bench_pair_options(b)
     b.add_argument("--length", type=int, default=2048, help="prompt length (default: 2048)")
-    b.add_argument("--rho", type=float, default=0.3, help="default: 0.3")
+    b.add_argument("--rho", type=float, default=SERVED.rho, help=f"default: {SERVED.rho:g}, the served default")
     b.add_argument("--batch", type=int, default=4, help="requests in the batching comparison (default: 4)")
     b.add_argument("--repeats", type=int, default=3)
     add_pack_option(b)

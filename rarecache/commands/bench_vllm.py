@@ -15,28 +15,31 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
+from ..packages import results_path
 from .common import print_json
 
-SWITCH_OUT = Path("docs/artifacts/bench-vllm-switch.json")
-LOAD_OUT = Path("docs/artifacts/bench-vllm-load.json")
-SUMMARY = Path("docs/artifacts/bench-vllm-summary.json")
+# what the benches write when no --out/--summary names a file: under $RARECACHE_HOME/results (packages.results_path)
+SWITCH_OUT = "bench-vllm-switch.json"
+LOAD_OUT = "bench-vllm-load.json"
+SUMMARY = "bench-vllm-summary.json"
+POISSON_OUT = "bench-load-poisson.json"
 
 # per command and engine: the flags only that engine takes, with their defaults
 SERVE = {"rarecache": {"reverse_map": None, "schedule": ["source", "target", "target"], "conversations": 3,
-                       "passage_tokens": 1024, "rho": 0.3, "max_new_tokens": 32},
-         "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "repeats": 3, "answer_tokens": 16,
-                  "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
-                  "no_summary": False, "store_gib": None, "store_ttl": None}}
+                       "passage_tokens": 1024, "rho": SERVED.rho, "selector": SERVED.selector, "max_new_tokens": 32},
+         "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "selector": SERVED.selector, "repeats": 3,
+                  "answer_tokens": 16, "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None,
+                  "summary": None, "no_summary": False, "store_gib": None, "store_ttl": None}}
 POISSON = {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
-           "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": 0.3,
-           "selector": "rank", "max_batch": 8, "saturation_batches": 3, "seed": 0}
+           "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": SERVED.rho,
+           "selector": SERVED.selector, "max_batch": 8, "saturation_batches": 3, "seed": 0}
 LOAD = {"rarecache": {"model": "qwen2.5-coder-1.5b-instruct", "clients": 4, "requests": 2, "prompt_tokens": 128,
                       "max_new_tokens": 32},
         "poisson": dict(POISSON),  # --engine rarecache --poisson: the same experiment on our own server
-        "vllm": {**POISSON, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": SUMMARY,
+        "vllm": {**POISSON, "block_size": 32, "cache_gib": 4.0, "store": None, "summary": None,
                  "no_summary": False, "store_gib": None, "store_ttl": None}}
-POISSON_OUT = Path("docs/artifacts/bench-load-poisson.json")
 WHERE = {"rarecache": "--engine rarecache", "poisson": "--poisson", "vllm": "--engine vllm"}
 
 
@@ -65,7 +68,8 @@ def _common(g) -> None:
                                                  "(default: a fresh directory under /dev/shm, removed)")
     g.add_argument("--store-gib", type=float, default=None, help="cap a directory store (LRU beyond it)")
     g.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives")
-    g.add_argument("--summary", type=Path, default=None, help=f"update this bench's keys here (default: {SUMMARY})")
+    g.add_argument("--summary", type=Path, default=None,
+                   help=f"update this bench's keys here (default: $RARECACHE_HOME/results/{SUMMARY})")
     g.add_argument("--no-summary", action="store_true", help="do not touch the summary file")
 
 
@@ -83,7 +87,7 @@ def add_load_options(b) -> None:
     g = b.add_argument_group("with --engine vllm or --poisson (the RaReCache paper's serving experiment, §4.6)")
     g.add_argument("--poisson", action="store_true",
                    help="with --engine rarecache: the serving experiment on our own server (the target alone vs "
-                        "with handoffs, one ChatService); writes docs/artifacts/bench-load-poisson.json")
+                        f"with handoffs, one ChatService); writes $RARECACHE_HOME/results/{POISSON_OUT} (or --out)")
     g.add_argument("--source", default=None, help="model whose rows are handed off (name or checkpoint dir)")
     g.add_argument("--target", default=None, help="model that serves the load")
     g.add_argument("--map", type=Path, default=None, help="map fitted source -> target")
@@ -91,8 +95,8 @@ def add_load_options(b) -> None:
                    help="offered loads, λ over the target's measured saturation rate (default: 0.25 0.5 0.75 0.98)")
     g.add_argument("--discard", type=int, default=None, help="first arrivals not counted (default: 5)")
     g.add_argument("--answer-tokens", type=int, default=None, help="the source's first answer (default: 16)")
-    g.add_argument("--rho", type=float, default=None, help="default: 0.3")
-    g.add_argument("--selector", default=None, help="default: rank")
+    g.add_argument("--rho", type=float, default=None, help=f"default: {SERVED.rho:g}, the served default")
+    g.add_argument("--selector", default=None, help=selector_help())
     g.add_argument("--max-batch", type=int, default=None,
                    help="vLLM's max_num_seqs per engine, or our service's max_batch (default: 8)")
     g.add_argument("--saturation-batches", type=int, default=None,
@@ -134,10 +138,11 @@ def cmd_bench_serve_vllm(args) -> int:
         result = run_vllm_switch_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
                                        emit=lambda line: print(line, flush=True))
     if not args.no_summary:
+        args.summary = args.summary or results_path(SUMMARY, args.cache_dir)
         keys = switch_summary(result, read_summary(args.summary))
         update_summary(args.summary, keys, summary_group(result), keys.pop("settings"))
         print(f"summary updated: {args.summary}", file=sys.stderr)
-    print_json(result, args.out or SWITCH_OUT, indent=1)
+    print_json(result, args.out or results_path(SWITCH_OUT, args.cache_dir), indent=1)
     return 0
 
 
@@ -183,7 +188,7 @@ def cmd_bench_load_poisson(args) -> int:
     finally:
         svc.close()
     result["summary"] = load_summary(result)
-    print_json(result, args.out or POISSON_OUT, indent=1)
+    print_json(result, args.out or results_path(POISSON_OUT, args.cache_dir), indent=1)
     return 0
 
 
@@ -200,10 +205,11 @@ def cmd_bench_load_vllm(args) -> int:
         result = run_vllm_load_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
                                      emit=lambda line: print(line, flush=True))
     if not args.no_summary:
+        args.summary = args.summary or results_path(SUMMARY, args.cache_dir)
         update_summary(args.summary, load_summary(result), "load",
                        {**result["settings"], "ttft_ratios_at_load": result["ttft_ratios_at_load"]})
         print(f"summary updated: {args.summary}", file=sys.stderr)
-    print_json(result, args.out or LOAD_OUT, indent=1)
+    print_json(result, args.out or results_path(LOAD_OUT, args.cache_dir), indent=1)
     return 0
 
 
@@ -225,7 +231,7 @@ def add_store_soak(bench) -> None:
     b.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default: 16)")
     b.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="a conversation past this starts again under a new tenant (default: 1024)")
-    b.add_argument("--selector", default="rank", help="default: rank")
+    b.add_argument("--selector", default=SERVED.selector, help=selector_help())
     b.add_argument("--block-size", type=int, default=32, help="vLLM's block size (default: 32)")
     b.add_argument("--cache-gib", type=float, default=4.0, help="paged caches, split between the engines (default: 4)")
     b.add_argument("--store", default=None, help="a directory or redis://HOST:PORT/DB (default: a fresh directory)")

@@ -79,3 +79,23 @@ def print_json(result: dict, out: Path | None = None, indent: int | None = None)
     if out:
         write_out(out, line + "\n" if indent is None else json.dumps(result, indent=indent))
     print(line)
+
+
+def fill_served_defaults(args, source: str | None, target: str | None,
+                         runs: tuple[str, ...] | None = None) -> dict[str, str]:
+    """Fill the handoff flags left unset (`args.map`, `args.selector`, `args.rho` None) from the served
+    defaults (rarecache/defaults.py), as serve and generate do; `runs`: the selectors the engine runs.
+    Returns what was filled and why ({"map": ..., "selector": ...}), to tell the user."""
+    from ..defaults import SERVED, default_selector, pair_map
+
+    notes = {}
+    if getattr(args, "map", "") is None and source is not None and target is not None:
+        args.map = pair_map(source, target, args.cache_dir)
+        if args.map is not None:
+            notes["map"] = f"using the map {args.map}"
+    if args.selector is None:
+        args.selector, why = default_selector(runs)
+        notes["selector"] = f"selector {args.selector}: {why}"
+    if args.rho is None:
+        args.rho = SERVED.rho
+    return notes

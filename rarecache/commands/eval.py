@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..defaults import SELECTOR_NAMES, SERVED
 from ..errors import RarecacheError
 from .common import add_model_options
 
@@ -62,8 +63,8 @@ def _add_run(ev) -> None:
     e.add_argument("--rhos", nargs="+", type=float, default=[0.0, 0.3],
                    help="rank-disagreement budgets (default: 0 0.3)")
     e.add_argument("--selectors", nargs="+", default=["random"],
-                   help="other selectors to run at --selector-rho: random attn-source attn-target l2-oracle "
-                        "layer-prefix (default: random)")
+                   help=f"other selectors to run at --selector-rho: {' '.join(SELECTOR_NAMES)} (default: random; "
+                        f"served: {SERVED.selector} at {SERVED.rho:g})")
     e.add_argument("--selector-rho", type=float, default=0.3, help="budget of --selectors (default: 0.3)")
     e.add_argument("--arms", nargs="+", default=None,
                    help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")

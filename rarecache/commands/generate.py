@@ -6,8 +6,9 @@ import json
 import sys
 from pathlib import Path
 
+from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
-from .common import add_model_options, add_sampling_options
+from .common import add_model_options, add_sampling_options, fill_served_defaults
 
 
 def register(sub) -> None:
@@ -17,13 +18,14 @@ def register(sub) -> None:
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (default: read stdin)")
     p.add_argument("--model", "--target", dest="model", required=True,
                    help="the model that answers: bundled name, HF directory or .gguf file")
-    p.add_argument("--source", default=None, help="hand off from this model's cache (needs --map)")
-    p.add_argument("--map", type=Path, default=None, help="map file fitted for source -> target")
-    p.add_argument("--rho", type=float, default=0.3, help="share of prompt positions the target recomputes "
-                                                         "(default: 0.3; 0 = plain transfer, 1 = full prefill)")
-    p.add_argument("--selector", default="rank",
-                   help="which positions to recompute: rank (default), random, attn-source, layer-prefix, "
-                        "or the oracles attn-target and l2-oracle")
+    p.add_argument("--source", default=None,
+                   help="hand off from this model's cache (through --map; the bundled pair has a default map)")
+    p.add_argument("--map", type=Path, default=None,
+                   help="map file fitted for source -> target (default for the bundled pair: the map serve uses)")
+    p.add_argument("--rho", type=float, default=None,
+                   help=f"share of prompt positions the target recomputes (default: {SERVED.rho:g}, the served "
+                        "default; 0 = plain transfer, 1 = full prefill)")
+    p.add_argument("--selector", default=None, help=selector_help())
     p.add_argument("--compare", action="store_true",
                    help="also print the target-alone and source-alone answers and the token agreement")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn in the chat template")
@@ -71,8 +73,12 @@ def _generate_handoff(args, prompts, sampling) -> int:
     from ..transfer.mapper import Mapper
     from ..transfer.pipeline import Pipeline
 
-    if not (args.source and args.map):
-        raise RarecacheError("a handoff needs both --source and --map (and --model/--target)")
+    if not args.source:
+        raise RarecacheError("a handoff needs --source (and --model/--target)")
+    if "map" in (notes := fill_served_defaults(args, args.source, args.model)):  # (the selector: on the last line)
+        print(notes["map"], file=sys.stderr)
+    if args.map is None:
+        raise RarecacheError(f"give --map: only the bundled pair ({SERVED.source} -> {SERVED.target}) has a default")
     cfg = HandoffConfig.named(args.rho, args.selector, args.seed)
     mapper = Mapper.load(args.map)  # a damaged map fails here, in a second, before the weights load (as serve)
     pipe = Pipeline(args.source, args.model, mapper, dtype=args.dtype, cache_dir=args.cache_dir)

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..defaults import SELECTOR_NAMES
 from ..errors import RarecacheError
 from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
 
@@ -137,7 +138,7 @@ def _check_corpus_flags(args) -> None:
     if getattr(args, "out", "") is None:
         if args.preset != "general":
             raise RarecacheError("give --out FILE (only --preset general has a default place)")
-        from ..eval.mix import general_map_path
+        from ..defaults import general_map_path
 
         args.out = general_map_path(args.source, args.target, args.cache_dir)
 
@@ -295,7 +296,8 @@ def _add_inspect(sub) -> None:
     p.add_argument("--chat", action="store_true", help="render --prompt as a user turn")
     p.add_argument("--rho", type=float, default=0.3, help="budget for --strip (default: 0.3)")
     p.add_argument("--selectors", nargs="+", default=["rank", "random", "attn-source"],
-                   help="selectors to draw (default: rank random attn-source; add attn-target l2-oracle for oracles)")
+                   help=f"selectors to draw: {' '.join(n for n in SELECTOR_NAMES if n != 'layer-prefix')} "
+                        "(default: rank random attn-source; attn-target and l2-oracle are oracles)")
     p.add_argument("--diagnose", metavar="TASK", default=None,
                    help="the mapping paper's diagnostics on TASK's first evaluation prompts (needs --source, "
                         "--target): attention-output cosine, K/V error concentration and top-rho agreement per "

@@ -7,18 +7,24 @@ import os
 import sys
 from pathlib import Path
 
+from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
-from .common import add_model_options
+from .common import add_model_options, fill_served_defaults
 
 
 def register_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the bundled pair end to end: pull, calibrate (cached), hand off, time",
-                       description="Pull Qwen2.5-Coder 0.5B and 1.5B if needed, calibrate a small map or load the "
-                                   "cached one, hand fixed prompts from 0.5B to 1.5B at several rho, and print the "
-                                   "answers, phase timings and speed-up over the 1.5B's own prefill.")
-    p.add_argument("--rhos", type=float, nargs="+", default=[0.0, 0.3, 1.0], help="default: 0 0.3 1")
-    p.add_argument("--selector", default="rank", help="default: rank")
-    p.add_argument("--tokens", type=int, default=16384, help="calibration tokens for the demo map (default: 16384)")
+    p = sub.add_parser("demo", help="the bundled pair end to end through the shipped map: hand off, time, compare",
+                       description="Pull Qwen2.5-Coder 0.5B and 1.5B if needed, load the general map rarecache ships "
+                                   "(the map, selector and budget `serve` uses; nothing is calibrated), hand fixed "
+                                   "prompts from 0.5B to 1.5B at rho 0, the served budget and 1, and print the "
+                                   "answers, the speed-up over the 1.5B's own prefill timed in the same run and the "
+                                   "agreement of the greedy tokens with the 1.5B's own.")
+    p.add_argument("--rhos", type=float, nargs="+", default=[0.0, SERVED.rho, 1.0],
+                   help=f"default: 0 {SERVED.rho:g} 1 (the served budget in the middle)")
+    p.add_argument("--selector", default=SERVED.selector, help=selector_help())
+    p.add_argument("--tokens", type=int, default=16384,
+                   help="calibration tokens of a quick map, made only if the shipped map does not fit the models "
+                        "as converted here (default: 16384)")
     p.add_argument("--max-new-tokens", type=int, default=24, help="default: 24")
     add_model_options(p)
     p.set_defaults(func=cmd_demo)
@@ -40,17 +46,18 @@ def register(sub) -> None:
                                    "Running answers are decoded together in one batched step (--max-batch); "
                                    "GET /v1/models lists the names, GET /health the load and held cache size, "
                                    "GET /metrics Prometheus metrics (handoffs, fallbacks by reason, store, TTFT).")
-    p.add_argument("--source", default="qwen2.5-coder-0.5b-instruct",
-                   help="model whose cache is mapped (default: the bundled qwen2.5-coder-0.5b-instruct)")
-    p.add_argument("--target", default="qwen2.5-coder-1.5b-instruct",
-                   help="model that receives it (default: the bundled qwen2.5-coder-1.5b-instruct)")
+    p.add_argument("--source", default=SERVED.source,
+                   help=f"model whose cache is mapped (default: the bundled {SERVED.source})")
+    p.add_argument("--target", default=SERVED.target,
+                   help=f"model that receives it (default: the bundled {SERVED.target})")
     p.add_argument("--map", type=Path, default=None,
                    help="map fitted source -> target (default for the bundled pair: its general map, from "
-                        "`rarecache calibrate --preset general --source S --target T`, if it has been made, or the one "
-                        "a checkout ships; else the demo's quick map, fitted on chat-formatted prompts on first use)")
+                        "`rarecache calibrate --preset general --source S --target T` if it has been made, else the "
+                        "one rarecache ships)")
     p.add_argument("--reverse-map", type=Path, default=None, help="map fitted target -> source, to hand back too")
-    p.add_argument("--rho", default="0.3",
-                   help="share of handed-off positions recomputed (default: 0.3), or auto: the quality gate "
+    p.add_argument("--rho", default=None,
+                   help=f"share of handed-off positions recomputed (default: {SERVED.rho:g}, the served default), "
+                        "or auto: the quality gate "
                         "picks it per request and falls back to the model's own prefill (--gate-policy)")
     p.add_argument("--gate-policy", type=Path, default=None,
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
@@ -60,10 +67,7 @@ def register(sub) -> None:
                         "a policy fitted with --loss accuracy, the accuracy lost) on the policy's held-apart "
                         "multiple-choice items (its bpb bound scales with it); picks the policy file's fitted "
                         "level at most SHARE (default: the level it was fitted at)")
-    p.add_argument("--selector", default=None,
-                   help="position selector (default: the one the committed general summary measured best through "
-                        "the map served, docs/artifacts/general-map-summary.json, if it was measured through it; "
-                        "else rank)")
+    p.add_argument("--selector", default=None, help=selector_help())
     p.add_argument("--no-request-budget", dest="request_budget", action="store_false",
                    help="refuse a request naming a budget other than the server's (its body's rarecache.rho and "
                         "selector); by default a request may name its own, e.g. {\"rho\": 1} for the model's own "
@@ -119,7 +123,7 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
                              "pip install 'rarecache[serve]'") from None
-    from ..demo import SOURCE, TARGET, DemoConfig, demo_map
+    from ..demo import DemoConfig, demo_map
     from ..engine.llm import LLM
     from ..serve.names import model_id
     from ..serve.service import ChatService, ServiceConfig
@@ -138,33 +142,17 @@ def cmd_serve(args) -> int:
     if api_key is None and not _loopback(args.host):
         print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
               "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
-    shipped = False  # serving the general map committed to this checkout
-    if args.map is None and (args.source, args.target) != (SOURCE, TARGET):
-        raise RarecacheError("give --map: without it only the bundled pair is served (with its general map, "
-                             "else the demo's chat map)")
-    if args.map is None:
-        from ..eval.mix import find_general_map, general_map_path
-
-        made = general_map_path(SOURCE, TARGET, args.cache_dir)
-        general = find_general_map(SOURCE, TARGET, args.cache_dir)
-        if general is not None:
-            args.map, shipped = general, general != made
-            print(f"using the general map {general}", file=sys.stderr)
-        else:
-            print(f"no general map at {made} (make it with `rarecache calibrate --preset general --source {SOURCE} "
-                  f"--target {TARGET}`, about 40 minutes on 2 cores; an editable install of a checkout serves the "
-                  "committed one when its sha256 is the recorded one); serving through the demo's quick map",
-                  file=sys.stderr)
-    if args.selector is None:  # what the general summary measured best through this map, else rank
-        from ..eval.mix import default_selector
-
-        runs = None
-        if args.engine == "vllm":
-            from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
-            runs = ENGINE_SELECTORS
-        args.selector, why = default_selector([args.map] if args.map is not None else [], runs)
-        if args.rho != "auto":  # (the gate policy names its own)
-            print(f"selector {args.selector}: {why}", file=sys.stderr)
+    if args.map is None and (args.source, args.target) != (SERVED.source, SERVED.target):
+        raise RarecacheError("give --map: without it only the bundled pair is served (with its general map)")
+    runs = None
+    if args.engine == "vllm":
+        from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
+        runs = ENGINE_SELECTORS
+    gated = args.rho == "auto"  # (the gate policy names its own selector)
+    for kind, note in fill_served_defaults(args, args.source, args.target, runs).items():
+        if not (gated and kind == "selector"):
+            print(note, file=sys.stderr)
+    shipped = args.map == SERVED.path  # the map rarecache ships: for the pair as the recorded environment converted it
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
     names = model_id(args.source), model_id(args.target)
@@ -200,7 +188,7 @@ def cmd_serve(args) -> int:
         try:
             maps[(names[0], names[1])].check_pair(models[names[0]].runner, models[names[1]].runner)
         except RarecacheError as e:
-            print(f"the committed general map does not fit the models as converted here ({e}); serving through the "
+            print(f"the shipped general map does not fit the models as converted here ({e}); serving through the "
                   "demo's quick map", file=sys.stderr)
             del maps[(names[0], names[1])]
             args.map = None

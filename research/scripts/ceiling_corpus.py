@@ -6,7 +6,7 @@ every evaluated prompt, 763 of its ~830 tokens: it has seen the exact rows it wi
 eight "Question: … Answer: … So the answer is N." exemplars, then one question) but draw all nine problems from the
 held-apart pool (test items 1000–1318, which no task evaluates), so a map fitted on them knows the task's
 distribution and layout and none of its evaluated text. Disjointness from every evaluated item of every task is
-checked line by line, as the general mix is (`eval.mix.check_disjoint_from_tasks`).
+checked line by line, as the general mix is (`eval.disjoint.check_disjoint_from_tasks`).
 
     python research/scripts/ceiling_corpus.py OUT.jsonl     # then: calibrate --corpus OUT.jsonl:text --chat --seq-len 1024
 
@@ -22,7 +22,8 @@ import json
 import random
 from pathlib import Path
 
-from rarecache.eval.mix import check_disjoint_from_tasks, word_chain_prompts, word_problems
+from rarecache.eval.disjoint import check_disjoint_from_tasks
+from rarecache.eval.mix import word_chain_prompts, word_problems
 from rarecache.eval.tasks import TASKS
 from rarecache.models.store import resolve_model
 from rarecache.models.tokenizer import Tokenizer

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...defaults import SERVED, default_selector
 from ...engine.cache import KVCache
 from ...engine.runner import Runner
 from ...errors import RarecacheError
@@ -40,7 +41,7 @@ from .store import RECORD_NAME, model_identity, same_model
 RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
-DEFAULT_RHO = 0.3  # as `rarecache serve`
+DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
 KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture")
 REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug", "record")
 
@@ -158,10 +159,8 @@ def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: 
             pinned = pin_manifest(manifests[name], path, mapper, model, tensor_parallel,
                                   where=f"maps[{name!r}] ({path})")
         peers[name] = Peer(name, Path(path), mapper, pinned)
-    if selector is None:  # as `rarecache serve`: the general summary's pick through these maps, else rank
-        from ...eval.mix import default_selector
-
-        selector = default_selector([p.path for p in peers.values()], ENGINE_SELECTORS)[0]
+    if selector is None:  # as `rarecache serve`: the served default
+        selector = default_selector(ENGINE_SELECTORS)[0]
     return Settings(str(store), model, identity, config, peers, rho, selector, seed, capture, store_bytes, ttl)
 
 

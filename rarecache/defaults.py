@@ -1,0 +1,100 @@
+"""The served defaults: the map, selector and budget a handoff uses when nobody names them.
+
+`rarecache serve`, `generate`, `demo`, the benches and the vLLM connector all read `SERVED`, so
+one command does not hand off differently from another. The map ships inside the package
+(package data, found in the package's own directory), so a regular install resolves the same
+defaults as an editable one; nothing here reads docs/ or depends on the current folder.
+
+The selector and budget are what the general summary measured best through this very map
+(tests/test_defaults.py holds them, and the file's sha256, equal to the committed summary's).
+Light on purpose: `--help` reads it, so it must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+
+from .errors import RarecacheError
+
+
+@dataclass(frozen=True)
+class ServedMap:
+    file: str  # package-relative path of the map file
+    sha256: str
+    source: str  # the pair it maps, by bundled model name
+    target: str
+    calibrate: str  # the command that made it (the map's own metadata records the same settings)
+    selector: str  # the default position selector
+    rho: float  # the default share of handed-off positions recomputed
+
+    @property
+    def path(self) -> Path:
+        """The map file inside the installed package."""
+        return Path(str(files(__package__).joinpath(self.file)))
+
+
+# v3 of the general calibration mix (eval/mix.py), float32 statistics, plain transfer's sharpening recorded.
+SERVED = ServedMap(
+    file="data/general-v3-64k.safetensors",
+    sha256="f13342397623b22055a78e2ed0a6f2c41d9ade53d3783506bc1558517ea29067",
+    source="qwen2.5-coder-0.5b-instruct",
+    target="qwen2.5-coder-1.5b-instruct",
+    calibrate="rarecache calibrate --source qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct "
+              "--preset general-v3 --tokens 65536 --heldout-tokens 8192 --dtype float32",
+    selector="suffix",
+    rho=0.2,
+)
+
+# The selector registry's names (transfer/selectors.py SELECTORS, then the layer-prefix schedule), spelled
+# here so that `--help` lists them without importing torch; tests/test_defaults.py holds them equal.
+SELECTOR_NAMES = ("rank", "random", "attn-source", "suffix", "attn-rank", "attn+rank", "suffix+attn",
+                  "attn-target", "l2-oracle", "layer-prefix")
+ORACLES = ("attn-target", "l2-oracle")  # they read the target's own prefill: evaluation only
+
+
+def selector_help(names: tuple[str, ...] = SELECTOR_NAMES) -> str:
+    """One `--selector` help for every command: the registry (oracles marked) and the default."""
+    listed = ", ".join(f"{n} (oracle)" if n in ORACLES else n for n in names)
+    return f"position selector: {listed} (default: {SERVED.selector}, the served default)"
+
+
+def default_selector(runs: tuple[str, ...] | None = None) -> tuple[str, str]:
+    """The selector a handoff uses when nobody names one, and why: SERVED's, where the engine runs it
+    (`runs`: the selectors it can; None: all), else rank disagreement."""
+    if runs is not None and SERVED.selector not in runs:
+        return "rank", f"rank disagreement (the served default, {SERVED.selector}, does not run in this engine)"
+    return SERVED.selector, "the served default (measured best through the served general map)"
+
+
+def general_map_path(source: str, target: str, cache_dir: Path | None = None) -> Path:
+    """Where `calibrate --preset general` writes a pair's general map by default, and `serve` looks for it."""
+    from .packages import default_cache_dir
+
+    name = lambda m: Path(m).name.removesuffix(".gguf")  # noqa: E731  (a model name, HF dir or .gguf)
+    return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
+
+
+def served_map_file() -> Path:
+    """SERVED's file, checked against its recorded sha256 (a damaged install is refused, not served)."""
+    from .packages import sha256_file
+
+    path = SERVED.path
+    if not path.is_file():
+        raise RarecacheError(f"the served map {path} is missing from this install of rarecache: reinstall it, "
+                             f"or make the map with `{SERVED.calibrate} --out FILE` and pass --map FILE")
+    if sha256_file(path) != SERVED.sha256:
+        raise RarecacheError(f"the served map {path} is not the recorded one (sha256 differs): reinstall rarecache")
+    return path
+
+
+def pair_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:
+    """The map a handoff source -> target uses when none is named: the general map `calibrate --preset
+    general` made for the pair (`general_map_path`), else SERVED's file for the pair it maps; else None."""
+    made = general_map_path(source, target, cache_dir)
+    if made.is_file():
+        return made
+    if (source, target) == (SERVED.source, SERVED.target):
+        return served_map_file()
+    return None

@@ -1,0 +1,123 @@
+"""The served defaults (rarecache/defaults.py): one map, selector and budget for every command, held to
+the committed summary that measured them and to the file the package ships."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from rarecache import defaults
+from rarecache.defaults import SELECTOR_NAMES, SERVED, default_selector, general_map_path, pair_map
+from rarecache.errors import RarecacheError
+from rarecache.packages import sha256_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY = ROOT / "docs" / "artifacts" / "general-map-summary.json"  # (tests may read docs/; the package never does)
+
+
+def test_served_selector_budget_and_file_are_what_the_committed_summary_measured():
+    summary = json.loads(SUMMARY.read_text())
+    assert SERVED.selector == summary["default_selector"]
+    budgets = {float(k.removeprefix("gap_closed_default_rho")) for task in summary["tasks"].values()
+               for k in task if k.startswith("gap_closed_default_rho")}
+    assert budgets == {SERVED.rho}
+    assert SERVED.sha256 == summary["map"] == summary["served"]["sha256"]
+    assert Path(SERVED.file).name == summary["served"]["file"]
+
+
+def test_the_served_map_ships_in_the_package_and_is_the_recorded_file():
+    assert SERVED.path == ROOT / "rarecache" / SERVED.file  # the package's own directory, not docs/
+    assert SERVED.path.is_file() and sha256_file(SERVED.path) == SERVED.sha256
+    assert defaults.served_map_file() == SERVED.path
+
+
+def test_the_recorded_calibrate_command_is_what_the_map_itself_records():
+    from rarecache.eval.mix import preset_of
+    from rarecache.transfer.mapper import Mapper
+
+    info = Mapper.load(SERVED.path).info
+    words = shlex.split(SERVED.calibrate)
+    flags = dict(zip(words[2::2], words[3::2]))
+    assert words[:2] == ["rarecache", "calibrate"] and len(words) % 2 == 0
+    assert (flags["--source"], flags["--target"]) == (SERVED.source, SERVED.target)
+    assert (info.source["name"], info.target["name"]) == (SERVED.source, SERVED.target)
+    assert flags["--preset"] == preset_of(info.corpus["name"])
+    assert int(flags["--tokens"]) == info.tokens
+    assert int(flags["--heldout-tokens"]) == info.calibration["heldout_tokens"]
+    assert flags["--dtype"] == info.calibration["dtype"]
+
+
+def test_the_selector_names_are_the_registry():
+    from rarecache.transfer.handoff import LAYER_PREFIX
+    from rarecache.transfer.selectors import SELECTORS
+
+    assert SELECTOR_NAMES == (*SELECTORS, LAYER_PREFIX)
+    assert set(defaults.ORACLES) == {n for n, s in SELECTORS.items() if s.oracle}
+    assert SERVED.selector in SELECTORS and not SELECTORS[SERVED.selector].oracle
+
+
+def test_every_selector_flag_lists_the_registry_and_names_the_default(capsys):
+    from rarecache.cli import main
+
+    for words in (["generate"], ["serve"], ["demo"], ["bench", "handoff"], ["bench", "serve"], ["bench", "load"]):
+        with pytest.raises(SystemExit):
+            main([*words, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"(default: {SERVED.selector}, the served default)" in text, words
+        assert all(n in text for n in SELECTOR_NAMES), words
+
+
+def test_the_default_selector_is_the_served_one_where_the_engine_runs_it():
+    assert default_selector() == (SERVED.selector, "the served default (measured best through the served general map)")
+    assert default_selector(("rank", SERVED.selector))[0] == SERVED.selector
+    name, why = default_selector(("rank", "random"))
+    assert name == "rank" and f"{SERVED.selector}, does not run" in why
+
+
+def test_a_pairs_map_is_the_one_calibrate_made_else_the_shipped_one(tmp_path, monkeypatch):
+    assert general_map_path("qwen2.5-coder-0.5b-instruct", str(tmp_path / "m" / "big.gguf"), tmp_path) == (
+        tmp_path / "maps" / "general-qwen2.5-coder-0.5b-instruct-to-big.safetensors")
+    assert pair_map(SERVED.source, SERVED.target, tmp_path) == SERVED.path  # nothing made: the shipped one
+    assert pair_map(SERVED.source, "other-model", tmp_path) is None  # another pair: none
+    made = general_map_path(SERVED.source, SERVED.target, tmp_path)
+    made.parent.mkdir(parents=True)
+    made.write_bytes(b"made here")
+    assert pair_map(SERVED.source, SERVED.target, tmp_path) == made  # what calibrate made comes first
+    made.unlink()
+    monkeypatch.setattr(defaults, "SERVED", dataclasses.replace(SERVED, sha256="0" * 64))
+    with pytest.raises(RarecacheError, match="not the recorded one"):
+        pair_map(SERVED.source, SERVED.target, tmp_path)  # a damaged install is refused, not served
+    monkeypatch.setattr(defaults, "SERVED", dataclasses.replace(SERVED, file="data/none.safetensors"))
+    with pytest.raises(RarecacheError, match="missing from this install"):
+        pair_map(SERVED.source, SERVED.target, tmp_path)
+
+
+def test_calibrate_writes_the_general_map_to_its_place_and_other_maps_need_out(tmp_path, pair_dir, capsys):
+    from rarecache.cli import main
+
+    src, tgt = str(pair_dir / "src"), str(pair_dir / "tgt")
+    assert main(["calibrate", "--source", src, "--target", tgt, "--corpus", str(pair_dir / "corpus.txt")]) == 2
+    assert "give --out FILE" in capsys.readouterr().err
+
+
+def test_serve_and_generate_resolve_the_served_defaults(tmp_path, monkeypatch):
+    """What `rarecache serve` and `generate` hand off with when no flag names it (tests/test_install.py
+    checks a regular install resolves the same)."""
+    from rarecache.cli import build_parser
+    from rarecache.commands.common import fill_served_defaults
+
+    monkeypatch.setenv("RARECACHE_HOME", str(tmp_path))
+    parser = build_parser()
+    serve = parser.parse_args(["serve"])
+    fill_served_defaults(serve, serve.source, serve.target)
+    generate = parser.parse_args(["generate", "--source", SERVED.source, "--target", SERVED.target, "hi"])
+    fill_served_defaults(generate, generate.source, generate.model)
+    for args in (serve, generate):
+        assert (args.map, args.selector, float(args.rho)) == (SERVED.path, SERVED.selector, SERVED.rho)
+    other = parser.parse_args(["generate", "--source", "a", "--target", "b", "--selector", "rank", "--rho", "0.5"])
+    fill_served_defaults(other, other.source, other.model)
+    assert (other.map, other.selector, other.rho) == (None, "rank", 0.5)  # named flags stay; no map for another pair
