@@ -106,6 +106,22 @@ def test_wrong_direction_is_refused(mapped, capsys):
     assert code == 2 and "fit a map in that direction" in capsys.readouterr().err
 
 
+def test_mlp_adds_the_nonlinear_option_on_the_maps_own_text_only(mapped, tmp_path, capsys):
+    from rarecache.transfer.mapper import Mapper
+
+    base = ["mlp", str(mapped / "m.safetensors"), "--source", str(mapped / "src"), "--target", str(mapped / "tgt"),
+            "--tokens", "96", "--heldout-tokens", "48", "--seq-len", "48", "--hidden", "8", "--epochs", "2",
+            "--dtype", "float32", "--out", str(tmp_path / "mlp.safetensors")]
+    assert main([*base, "--corpus", str(mapped / "corpus.txt")]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["hidden"] == 8 and set(res["heldout_r2"]) == {"k", "v"}
+    assert Mapper.load(tmp_path / "mlp.safetensors").info.corpus == Mapper.load(mapped / "m.safetensors").info.corpus
+    other = tmp_path / "other.txt"
+    other.write_text((mapped / "corpus.txt").read_text()[::-1])
+    assert main([*base, "--corpus", str(other)]) == 2  # not the map's calibration text
+    assert "m.safetensors was calibrated on" in capsys.readouterr().err
+
+
 def test_ppl_and_its_disjointness_check(mapped, capsys):
     base = ["ppl", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
             str(mapped / "m.safetensors"), "--corpus", str(mapped / "corpus.txt"), "--passages", "2",

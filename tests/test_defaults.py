@@ -121,3 +121,24 @@ def test_serve_and_generate_resolve_the_served_defaults(tmp_path, monkeypatch):
     other = parser.parse_args(["generate", "--source", "a", "--target", "b", "--selector", "rank", "--rho", "0.5"])
     fill_served_defaults(other, other.source, other.model)
     assert (other.map, other.selector, other.rho) == (None, "rank", 0.5)  # named flags stay; no map for another pair
+
+
+def test_the_package_exports_the_public_objects_lazily():
+    import subprocess
+    import sys
+
+    import rarecache
+    from rarecache.transfer.conversation import Conversation
+    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.handoff import HandoffConfig
+    from rarecache.transfer.mapper import Mapper
+    from rarecache.transfer.pipeline import Pipeline
+
+    assert (rarecache.Pipeline, rarecache.HandoffConfig, rarecache.Mapper, rarecache.Conversation,
+            rarecache.GatePolicy, rarecache.SERVED) == (Pipeline, HandoffConfig, Mapper, Conversation, GatePolicy,
+                                                        SERVED)
+    assert all(getattr(rarecache, name) is not None for name in rarecache.__all__)
+    code = ("import sys, rarecache; rarecache.SERVED; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    assert out.strip() == "[]"  # the package and its defaults import no torch

@@ -173,7 +173,7 @@ def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True, request_budge
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from rarecache.eval.drift import DriftServer
+    from rarecache.eval.drift_server import DriftServer
     from rarecache.serve.app import create_app
     from rarecache.serve.service import ChatService, ServiceConfig
 
@@ -199,7 +199,7 @@ def test_drift_through_the_server_equals_the_conversation_path(chat, tmp_path):
     (models alternating in the `model` field): every turn's bpb agrees, as do how many positions were
     kept, handed off and recomputed and what the gate decided; the server's rows say so, and its
     run resumes like the other."""
-    from rarecache.eval.drift import run_drift_server
+    from rarecache.eval.drift_server import run_drift_server
 
     source, target, maps = _pair(chat)
     convs = [("s1", TURNS), ("s2", TURNS[::-1])]
@@ -233,7 +233,7 @@ def test_drift_through_the_server_refuses_what_it_would_not_measure(chat, tmp_pa
     request names, a server without the map, a results file of the other path: refused before a row is
     written."""
     from rarecache.errors import RarecacheError
-    from rarecache.eval.drift import DriftServer, run_drift_server
+    from rarecache.eval.drift_server import DriftServer, run_drift_server
 
     source, target, maps = _pair(chat)
     out = tmp_path / "x.jsonl"
@@ -279,19 +279,20 @@ def test_drift_cli_through_a_server(chat, tmp_path, monkeypatch, capsys):
     from fastapi.testclient import TestClient
 
     import rarecache.eval.drift as drift
+    import rarecache.eval.drift_server as drift_server
     from rarecache.cli import main
     from rarecache.serve.app import create_app
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
     app = create_app(ChatService(models, maps, ServiceConfig(HandoffConfig(0.2))), api_key="k1")
-    made, real = {}, drift.DriftServer
+    made, real = {}, drift_server.DriftServer
 
     def server(url, source, target, api_key):
         made.update(url=url, api_key=api_key)
         return real(url, source, target, api_key, client=TestClient(app))
 
-    monkeypatch.setattr(drift, "DriftServer", server)
+    monkeypatch.setattr(drift_server, "DriftServer", server)
     monkeypatch.setattr(drift, "conversations", lambda cache_dir, stories: [("s1", TURNS)][:stories])
     monkeypatch.delenv("RARECACHE_API_KEY", raising=False)
     out = tmp_path / "drift.jsonl"

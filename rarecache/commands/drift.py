@@ -82,7 +82,8 @@ def cmd_drift_run(args) -> int:
 
 
 def _run_on_server(args) -> int:
-    from ..eval.drift import DriftServer, conversations, run_drift_server
+    from ..eval.drift import conversations
+    from ..eval.drift_server import DriftServer, run_drift_server
 
     given = [flag for flag, value in (("--map", args.map), ("--reverse-map", args.reverse_map),
                                       ("--gate-policy", args.gate_policy)) if value is not None]

@@ -1,4 +1,5 @@
-"""Map files: `rarecache calibrate` fits one, `inspect` shows it, `ppl` scores what it keeps."""
+"""Map files: `rarecache calibrate` fits one, `refit` and `mlp` make another from it, `inspect` shows it
+(`ppl`, which scores what a map keeps, is an evaluation: commands/ppl.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from ..defaults import SELECTOR_NAMES
 from ..errors import RarecacheError
-from .common import add_model_options, add_pair_options, load_models, load_pair, write_out
+from .common import add_model_options, load_models
 
 # general (the served mix) and eval.mix.MIXES' names: --help imports no evaluation code; a test holds them equal
 PRESETS = ("general", "general-v2", "general-v3")
@@ -19,7 +20,6 @@ def register(sub) -> None:
     _add_refit(sub)
     _add_mlp(sub)
     _add_inspect(sub)
-    _add_ppl(sub)
 
 
 def _add_calibrate(sub) -> None:
@@ -243,9 +243,9 @@ def _add_mlp(sub) -> None:
 
 
 def cmd_mlp(args) -> int:
-    from ..transfer.fit import Layout
-    from ..transfer.mapper import SIDES, Mapper
-    from ..transfer.mlp import MLPConfig, collect_rows, train_side
+    from ..transfer.mapper import Mapper
+    from ..transfer.mlp import MLPConfig
+    from ..transfer.mlp_train import fit_mlp
 
     _check_corpus_flags(args)
     if args.tokens < 1 or args.heldout_tokens < 1:
@@ -258,22 +258,10 @@ def cmd_mlp(args) -> int:
     source, target, tokenizer = load_models(args)
     mapper.check_pair(source, target)
     corpus = _corpus(args, tokenizer)
-    if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
-        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
-                             f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}): "
-                             "give the map's own calibration text")
-    train = collect_rows(source, target, tokenizer, corpus, args.tokens, args.seq_len)
-    held = collect_rows(source, target, tokenizer, corpus, args.heldout_tokens, args.seq_len,
-                        first_document=mapper.info.calibration.get("documents_used", 0))
-    src = Layout(source.num_layers, source.config.kv_dim)
-    tgt = Layout(target.num_layers, target.config.kv_dim)
-    mlps, r2 = {}, {}
-    for s in SIDES:
-        fit = mapper.sides[s]
-        mlps[s], r2[s] = train_side(fit, *train[s], *held[s], src, tgt, cfg)
-    out = mapper.with_mlp(mlps, cfg.hidden)
+    out, r2 = fit_mlp(mapper, source, target, tokenizer, corpus, cfg, args.tokens, args.heldout_tokens, args.seq_len,
+                      str(args.map))
     out.save(args.out)
-    print(f"held-out R2, mean over {tgt.layers} target layers ({args.heldout_tokens} positions after the map's "
+    print(f"held-out R2, mean over {target.num_layers} target layers ({args.heldout_tokens} positions after the map's "
           f"fit documents):")
     for s, name in (("k", "keys"), ("v", "values")):
         ridge, mlp = (sum(r2[s][k]) / len(r2[s][k]) for k in ("ridge", "mlp"))
@@ -415,45 +403,3 @@ def _strip(args, mapper) -> None:
     plot_strip(tokens, picks, scores, args.rho, args.strip)
     print(json.dumps({"tokens": tokens, "rho": args.rho, "picks": picks, "rank_scores": scores}))
     print(f"wrote {args.strip}", file=sys.stderr)
-
-
-def _add_ppl(sub) -> None:
-    p = sub.add_parser("ppl", help="prefix-conditioned perplexity: own prefix vs mapped prefix vs source alone",
-                       description="Score each held-out passage's continuation with the target conditioned on its "
-                                   "own prefix cache, on the mapped source cache, and with the source alone. "
-                                   "Passages come from documents the map was not fitted on.")
-    add_pair_options(p)
-    p.add_argument("--corpus", default="wiki", help="corpus to cut passages from (default: wiki)")
-    p.add_argument("--passages", type=int, default=20, help="number of passages (default: 20)")
-    p.add_argument("--prefix", type=int, default=512, help="prefix tokens (default: 512)")
-    p.add_argument("--continuation", type=int, default=512, help="scored continuation tokens (default: 512)")
-    p.add_argument("--first-document", type=int, default=None,
-                   help="start at this document (default: the first one the map did not see)")
-    p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
-    add_model_options(p)
-    p.set_defaults(func=cmd_ppl)
-
-
-def cmd_ppl(args) -> int:
-    from ..eval.perplexity import ARMS, heldout_passages, prefix_perplexity
-    from ..transfer.corpus import load_corpus
-
-    source, target, mapper, tokenizer = load_pair(args)
-    corpus = load_corpus(args.corpus, cache_dir=args.cache_dir)
-    passages, first = heldout_passages(corpus, tokenizer, mapper, args.passages, args.prefix + args.continuation,
-                                       args.first_document)
-    res = prefix_perplexity(source, target, mapper, passages, args.prefix, first)
-    labels = {"target": "target, own prefix prefill", "mapped": "target, mapped prefix cache",
-              "source": "source alone"}
-    print(f"prefix-conditioned perplexity: {res.passages} passages of {corpus.name} from document {first} on, "
-          f"prefix {res.prefix} + continuation {res.continuation} tokens, {args.dtype}")
-    for arm in ARMS:
-        print(f"  {labels[arm]:30s} ppl {res.ppl(arm):8.3f}")
-    if args.out:
-        write_out(args.out, json.dumps({"map": str(args.map), "corpus": corpus.describe(), "first_document": first,
-                                        "prefix": res.prefix, "continuation": res.continuation,
-                                        "dtype": args.dtype, "map_dtype": args.map_dtype or args.dtype,
-                                        "ppl": {a: res.ppl(a) for a in ARMS},
-                                        "nll_per_passage": res.nll}, indent=1))
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 0

@@ -35,6 +35,7 @@ from ..engine.generate import SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
+from ..transfer.conversation import common_prefix
 from ..transfer.gate import RUNGS, GatePolicy, js_bits
 from ..transfer.gate_pass import gated_handoff
 from ..transfer.handoff import handoff_variants
@@ -43,7 +44,7 @@ from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
 from .arms import Arm
 from .gate import answer_key
 from .results import check_meta, read_done
-from .scoring import common_prefix, continuation_logprobs, template_mask
+from .scoring import continuation_logprobs, template_mask
 from .tasks.base import Item, Task
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.runner import Runner
+from ..transfer.conversation import common_prefix
 
 SCORE_TOKENS = 512  # padded continuation tokens per scoring pass (bounds the (rows, width, vocab) logits)
 
@@ -54,14 +55,6 @@ def continuation_logprobs(runner: Runner, cache: KVCache, first: torch.Tensor, s
             cont = continuations[c]
             out[a][c] += lp[r, torch.arange(len(cont) - 1), torch.tensor(cont[1:])].tolist()
     return out
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens a and b share."""
-    p = 0
-    while p < min(len(a), len(b)) and a[p] == b[p]:
-        p += 1
-    return p
 
 
 def template_mask(ids: list[int], reference: list[int]) -> list[bool]:

@@ -99,6 +99,7 @@ class Turn:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (the one helper: evaluation, serving and benches use it)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

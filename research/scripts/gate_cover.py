@@ -18,7 +18,7 @@ from pathlib import Path
 
 from rarecache.eval.gate import read_ladders
 from rarecache.eval.metrics import paired_diff_ci
-from rarecache.eval.scoring import common_prefix
+from rarecache.transfer.conversation import common_prefix
 from rarecache.eval.tasks import open_task
 from rarecache.models.store import resolve_model
 from rarecache.models.tokenizer import Tokenizer
