@@ -49,7 +49,7 @@ def median_time(fn, repeats: int, device: torch.device) -> float:
 
 def map_unshared(source: Runner, source_cache, target: Runner, cache, positions, mapper: Mapper, dtype) -> None:
     """Reference mapping: de-rotate each source layer again for every target layer that reads it
-    (the seed paper's reference implementation). Batch of one."""
+    (the RaReCache paper's reference implementation, arXiv 2610.11358). Batch of one."""
     out = {}
     for side in SIDES:
         f = mapper.sides[side]

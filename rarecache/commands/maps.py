@@ -221,8 +221,9 @@ def _add_mlp(sub) -> None:
                        description="Collect both models' rows on the map's own calibration text (its fit documents "
                                    "for training, the documents after them for early stopping and held-out R2), "
                                    "train an MLP per target layer and side on ridge's residual, and write a map "
-                                   "that applies ridge + MLP (seed 002, §4.4). Give the same text as the map's "
-                                   "calibration (--preset, --task or --corpus): it is checked by fingerprint.")
+                                   "that applies ridge + MLP (the closed-form KV mapping paper, arXiv 2608.03893, "
+                                   "§4.4). Give the same text as the map's calibration (--preset, --task or "
+                                   "--corpus): it is checked by fingerprint.")
     p.add_argument("map", type=Path, help="ridge map fitted by `rarecache calibrate`")
     p.add_argument("--source", required=True, help="the map's source model")
     p.add_argument("--target", required=True, help="the map's target model")

@@ -1,5 +1,6 @@
-"""Accuracy against ρ with target and source reference lines (seed 000 fig. 6), and selectors side by
-side at one budget (fig. 7), drawn from results files; one series per map when a run has several."""
+"""Accuracy against ρ with target and source reference lines (the RaReCache paper, arXiv 2610.11358,
+fig. 6), and selectors side by side at one budget (fig. 7), drawn from results files; one series per map
+when a run has several."""
 
 from __future__ import annotations
 

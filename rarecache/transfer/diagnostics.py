@@ -1,4 +1,5 @@
-"""Where a map's error lands, as the target's attention sees it (seed 002, §4.5).
+"""Where a map's error lands, as the target's attention sees it (the closed-form KV mapping paper,
+arXiv 2608.03893, §4.5).
 
 R² weighs every K and V channel alike; attention does not. These diagnostics look at
 a map through the target's own attention, on prompts the map did not see:

@@ -1,4 +1,5 @@
-"""The nonlinear map option (seed 002, §4.4): a per-(target layer, K|V) MLP on top of ridge.
+"""The nonlinear map option (the closed-form KV mapping paper, arXiv 2608.03893, §4.4): a per-(target
+layer, K|V) MLP on top of ridge.
 
 The paper trains an MLP on the same MSE loss as ridge and uses it as a drop-in
 replacement. Here the MLP learns ridge's residual: ŷ = ridge(x) + MLP(x), with the

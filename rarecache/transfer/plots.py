@@ -42,7 +42,8 @@ def plot_r2(mapper, out: Path) -> None:
 
 def plot_strip(tokens: list[str], picks: dict[str, list[int]], scores: list[float] | None, rho: float,
                out: Path, title: str = "") -> None:
-    """Token strip (seed 000, fig. 13): which positions each selector recomputes, and rank scores."""
+    """Token strip (the RaReCache paper, arXiv 2610.11358, fig. 13): which positions each selector
+    recomputes, and rank scores."""
     matplotlib = use_matplotlib()
     import matplotlib.pyplot as plt
     import numpy as np

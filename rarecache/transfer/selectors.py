@@ -18,7 +18,7 @@ from ..engine.cache import KVCache
 from ..engine.runner import AttnCapture, Runner
 from .mapper import Mapper
 
-ATTN_QUERIES = 32  # last queries whose attention is summed (seed 000 §4.3)
+ATTN_QUERIES = 32  # last queries whose attention is summed (the RaReCache paper, arXiv 2610.11358, §4.3)
 
 
 @dataclass

@@ -3,8 +3,8 @@
 An item is one turn t of one story: the passage and the first question open the
 chat, the earlier turns follow with their gold answers, and turn t's question
 ends the prompt. The switch happens at that turn: the conversation so far was
-read by the source and is handed to the target, which answers (seed 002 §4.6
-measures drift as the gap to the target alone, turn by turn; every row records
+read by the source and is handed to the target, which answers (the closed-form KV mapping paper,
+arXiv 2608.03893, §4.6, measures drift as the gap to the target alone, turn by turn; every row records
 its turn). `coqa` generates the answer (F1 against the annotators' answers, as
 the CoQA/SQuAD scorer normalises them); `coqa_bpb` scores the gold answer's bits
 per byte instead (no generation). The data (OLMES' CoQA validation, 500 stories)
@@ -29,7 +29,7 @@ from .base import Item, Task, gold_bpb
 
 INSTRUCTION = "Read the passage, then answer each question in a few words, using the passage.\n\n"
 PASSAGE_INSTRUCTION = "Read the passage, then answer the question in a few words, using the passage.\n\n"
-MAX_TURNS = 10  # turns evaluated per story (seed 002 plots turns 1-10)
+MAX_TURNS = 10  # turns evaluated per story (the closed-form KV mapping paper plots turns 1-10)
 CALIBRATION_STORIES = 100  # the last stories of the file
 
 

@@ -1,4 +1,5 @@
-"""MMLU, 57 subjects: 0-shot, direct answer (seed 000 §4.1), scored by the likelihood of the letter.
+"""MMLU, 57 subjects: 0-shot, direct answer (the RaReCache paper, arXiv 2610.11358, §4.1), scored by
+the likelihood of the letter.
 
 The chat prompt states the subject, the question and four lettered options and
 asks for the letter; each letter is a continuation of the assistant turn and the

@@ -1,4 +1,5 @@
-"""Prefix-conditioned perplexity on Wikipedia text (seed 002's protocol), as a registry task.
+"""Prefix-conditioned perplexity on Wikipedia text (the protocol of the closed-form KV mapping paper,
+arXiv 2608.03893), as a registry task.
 
 Each item is a passage of a packed token stream: a 512-token prefix is the
 handed-off prompt (raw text, no chat template) and the next 512 tokens are the
