@@ -142,3 +142,23 @@ def test_the_package_exports_the_public_objects_lazily():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert out.strip() == "[]"  # the package and its defaults import no torch
+
+
+def test_a_bench_writes_under_the_cache_folder_unless_told_where(fitted, pair_dir, tmp_path, monkeypatch, capsys):
+    """Nothing is written where the user did not ask: with no --summary, `bench handoff` writes its summary
+    under $RARECACHE_HOME/results, not into the current folder (a checkout's committed artifacts)."""
+    from rarecache.cli import main
+
+    _, _, mapper, _ = fitted
+    mapper.save(tmp_path / "m.safetensors")
+    here, home = tmp_path / "here", tmp_path / "home"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("RARECACHE_HOME", str(home))
+    assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
+                 str(tmp_path / "m.safetensors"), "--lengths", "24", "--rhos", "0.3", "--batches", "1",
+                 "--repeats", "1", "--dtype", "float32"]) == 0
+    assert list(here.iterdir()) == []
+    written = json.loads((home / "results" / "bench-handoff-summary.json").read_text())
+    assert written["selector"] == SERVED.selector  # the served default
+    assert f"summary written to {home / 'results'}" in capsys.readouterr().out
