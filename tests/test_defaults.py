@@ -162,3 +162,28 @@ def test_a_bench_writes_under_the_cache_folder_unless_told_where(fitted, pair_di
     written = json.loads((home / "results" / "bench-handoff-summary.json").read_text())
     assert written["selector"] == SERVED.selector  # the served default
     assert f"summary written to {home / 'results'}" in capsys.readouterr().out
+
+
+def test_the_demo_hands_off_through_the_served_map_and_calibrates_nothing(fitted, pair_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    """`rarecache demo` on the tiny pair standing in for the bundled one (its map as the shipped file): the
+    table has ρ 0, the served budget and 1, nothing is calibrated, and ρ = 1 answers as the target alone."""
+    from rarecache import demo
+
+    _, _, mapper, _ = fitted
+    mapper.save(tmp_path / "served.safetensors")
+    monkeypatch.setattr(demo, "SOURCE", str(pair_dir / "src"))
+    monkeypatch.setattr(demo, "TARGET", str(pair_dir / "tgt"))
+    monkeypatch.setattr(demo, "pull", lambda name, cache_dir=None: None)
+    monkeypatch.setattr(demo, "served_map_file", lambda: tmp_path / "served.safetensors")
+    monkeypatch.setattr(demo, "Calibration", None)  # calibrating would fail
+    monkeypatch.setattr(demo, "PROMPTS", ["the quick brown fox", "def add return tokens"])
+    monkeypatch.setattr(demo, "long_prompt", lambda cfg, mapper: "the lazy dog jumps over the quick brown fox " * 3)
+    cfg = demo.DemoConfig(dtype="float32", max_new_tokens=4, cache_dir=tmp_path)
+    assert (cfg.rhos, cfg.selector) == ((0.0, SERVED.rho, 1.0), SERVED.selector)
+    assert demo.run_demo(cfg) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().startswith(("0 ", f"{SERVED.rho:g}*", "1 "))}
+    assert set(rows) == {"0", f"{SERVED.rho:g}*", "1"}
+    assert rows["1"][-1] == "100%" and all(r[-2].endswith("x") for r in rows.values())
+    assert f"handoff rho={SERVED.rho:g} (served)" in out
