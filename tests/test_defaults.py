@@ -183,7 +183,8 @@ def test_the_demo_hands_off_through_the_served_map_and_calibrates_nothing(fitted
     assert (cfg.rhos, cfg.selector) == ((0.0, SERVED.rho, 1.0), SERVED.selector)
     assert demo.run_demo(cfg) == 0
     out = capsys.readouterr().out
-    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().startswith(("0 ", f"{SERVED.rho:g}*", "1 "))}
+    table = [line.split() for line in out.splitlines() if line.strip().startswith(("0 ", f"{SERVED.rho:g}*", "1 "))]
+    rows = {words[0]: words for words in table}
     assert set(rows) == {"0", f"{SERVED.rho:g}*", "1"}
     assert rows["1"][-1] == "100%" and all(r[-2].endswith("x") for r in rows.values())
     assert f"handoff rho={SERVED.rho:g} (served)" in out

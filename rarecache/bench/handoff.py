@@ -121,7 +121,7 @@ SUMMARY_KEYS = ("T", "rho", "batch", "of_sparse_ceiling", "map_score_share_of_pr
 
 
 def summary(rows: list[dict], previous: dict | None = None, **header) -> dict:
-    """docs/artifacts/bench-handoff-summary.json: per cell the share of the sparse ceiling, the fixed cost
+    """The bench-handoff summary (`bench handoff --summary`): per cell the share of the sparse ceiling, the fixed cost
     and both peaks (`header`: pair, dtype, threads, ... of the run).
 
     `previous` (the file as it was): its cells are kept where this run measured no cell of the same

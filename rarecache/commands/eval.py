@@ -176,7 +176,7 @@ def _add_report(ev) -> None:
     e.add_argument("--general-summary", type=Path, default=None, metavar="JSON",
                    help="also pick the default selector across the files (highest mean share of the source-to-"
                         "target gap kept at rho 0.1, 0.2, 0.3; eval/summary.py says why not gap closed) and "
-                        "write the summary there (e.g. docs/artifacts/general-map-summary.json)")
+                        "write the summary there (e.g. general-map-summary.json)")
     e.add_argument("--fidelity-summary", type=Path, default=None, metavar="JSON",
                    help="also write what one handoff (--arm) through one map (--map-label) changes against the "
                         "target on each file's task, beside --previous-label's map: per task the target, the source "
