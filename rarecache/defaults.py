@@ -73,7 +73,8 @@ def general_map_path(source: str, target: str, cache_dir: Path | None = None) ->
     from .packages import default_cache_dir
 
     name = lambda m: Path(m).name.removesuffix(".gguf")  # noqa: E731  (a model name, HF dir or .gguf)
-    return Path(cache_dir or default_cache_dir()).expanduser() / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
+    root = Path(cache_dir or default_cache_dir()).expanduser()
+    return root / "maps" / f"general-{name(source)}-to-{name(target)}.safetensors"
 
 
 def served_map_file() -> Path:

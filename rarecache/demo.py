@@ -116,7 +116,8 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"{'rho':>7} {'recomputed':>11} {'map ms':>8} {'score ms':>9} {'recompute ms':>13} {'handoff ms':>11} "
           f"{'speed-up':>9} {'agreement':>10}")
     for rho, n_rec, t, handoff_s, agree in timing_rows:
-        print(f"{rho:>5g}{'*' if rho == SERVED.rho else ' ':<2}{n_rec:>5}/{n_prompt:<5} {t['map'] * 1e3:>8.0f} {t['score'] * 1e3:>9.0f} "
+        mark = "*" if rho == SERVED.rho else ""
+        print(f"{rho:>5g}{mark:<2}{n_rec:>5}/{n_prompt:<5} {t['map'] * 1e3:>8.0f} {t['score'] * 1e3:>9.0f} "
               f"{t['recompute'] * 1e3:>13.0f} {handoff_s * 1e3:>11.0f} {prefill / handoff_s:>8.2f}x {agree:>10.0%}")
     print(f"speed-up = the 1.5B's own prefill / (map + score + recompute), timed in this run; the 0.5B's prefill "
           f"({timing_rows[0][2]['source_prefill'] * 1e3:.0f} ms) is paid before the switch in a cascade. "

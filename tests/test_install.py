@@ -75,6 +75,8 @@ def test_a_regular_install_resolves_the_serving_defaults_of_an_editable_one(tmp_
     for command in ("serve", "generate"):
         here, there = editable[command], installed[command]
         assert Path(there["map"]).is_file() and Path(there["map"]).is_relative_to(site / "rarecache")
-        assert Path(there["map"]).relative_to(installed["package"]) == Path(here["map"]).relative_to(editable["package"])
-        assert {k: there[k] for k in ("sha256", "selector", "rho")} == {k: here[k] for k in ("sha256", "selector", "rho")}
+        where = Path(there["map"]).relative_to(installed["package"])
+        assert where == Path(here["map"]).relative_to(editable["package"])
+        same = ("sha256", "selector", "rho")
+        assert {k: there[k] for k in same} == {k: here[k] for k in same}
     assert installed["serve"] == installed["generate"]
