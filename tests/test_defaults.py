@@ -60,9 +60,10 @@ def test_the_selector_names_are_the_registry():
     assert SERVED.selector in SELECTORS and not SELECTORS[SERVED.selector].oracle
 
 
-def test_every_selector_flag_lists_the_registry_and_names_the_default(capsys):
+def test_every_selector_flag_lists_the_registry_and_names_the_default(capsys, monkeypatch):
     from rarecache.cli import main
 
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a name (argparse breaks lines at hyphens)
     for words in (["generate"], ["serve"], ["demo"], ["bench", "handoff"], ["bench", "serve"], ["bench", "load"]):
         with pytest.raises(SystemExit):
             main([*words, "--help"])
