@@ -8,10 +8,10 @@ at the top, so building the parser, and `--help`, loads no model code.
 
 from __future__ import annotations
 
-from . import bench, generate, maps, models, ppl, serve
+from . import bench, generate, inspect, maps, models, ppl, serve
 from . import eval as evaluation
 
-REGISTER = (serve.register_demo, models.register, generate.register, maps.register, ppl.register,
+REGISTER = (serve.register_demo, models.register, generate.register, maps.register, inspect.register, ppl.register,
             evaluation.register, serve.register, bench.register)
 
 __all__ = ["REGISTER"]
