@@ -5,11 +5,12 @@
 # relative path, so their headers name runs/eval/NAME.jsonl. results.sh and general.sh seed a later run from
 # what this commits (lib.sh).
 #   bash research/scripts/publish.sh runs/eval/gsm8k_bpb-300.jsonl [NAME]   (NAME: the artifacts' name, e.g. general-mmlu-100)
+# ART=DIR publishes into DIR instead (research/fidelity/runs for screens of candidate maps).
 # LABELS=v3,... publishes only the arms through those map labels and the map-free ones (target, source), and
 # records only those maps: one map's arms out of a results file several maps share (general_v3.sh step 2).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-src=$1; name=${2:-$(basename "${src%.jsonl}")}; art=$PWD/docs/artifacts
+src=$1; name=${2:-$(basename "${src%.jsonl}")}; art=${ART:-$PWD/docs/artifacts}; mkdir -p "$art"
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/runs/eval"
 python - "${src%.jsonl}" "$tmp/runs/eval/$name" "${LABELS:-}" <<'PY'
