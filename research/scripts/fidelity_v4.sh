@@ -11,6 +11,7 @@
 # recorded command (deterministic on one machine only: research/scripts/rebase_map.py), the map is never
 # committed (issue #41 item 6). Run from a frozen copy so edits under a running queue change nothing:
 #   N=100 nohup bash research/scripts/frozen.sh research/scripts/fidelity_v4.sh >> ~/.cache/rarecache/runs/fidelity_v4.log 2>&1 &
+#   STEP2=1 N=100 nohup bash ... (step 1 is then already done and skips)
 # Publish as the other queues do (research/scripts/publish.sh) into research/fidelity/.
 set -euxo pipefail
 cd "$(dirname "$0")/../.."
@@ -29,3 +30,12 @@ for task in mmlu coqa_passage arc_challenge hellaswag; do
       --arms target source 0:rank@v3 0:rank@v4 0.2:suffix@v3 0.2:suffix@v4 0.2:rank@v4 0.2:suffix+rank@v4 \
       --limit "${N:-100}" --out "$E/fid-$task.jsonl" > /dev/null
 done
+# Step 2 (STEP2=1, after step 1 is read): MMLU to the acceptance's 300 items with the default arm through both
+# maps, then the passage task's budgets through v4 (rank and suffix at 0.3 and 0.5), for the choice of the
+# default arm by agreement (research/fidelity/ADOPTION.md 4).
+[ "${STEP2:-0}" = 1 ] || exit 0
+rarecache eval run --task mmlu --source $S --target $T --map "${MAPS[@]}" \
+    --arms target source 0:rank@v3 0:rank@v4 0.2:suffix@v3 0.2:suffix@v4 --limit 300 --out "$E/fid-mmlu.jsonl" > /dev/null
+rarecache eval run --task coqa_passage --source $S --target $T --map "${MAPS[@]}" \
+    --arms target source 0.3:rank@v4 0.5:rank@v4 0.3:suffix@v4 0.5:suffix@v4 --limit "${N:-100}" \
+    --out "$E/fid-coqa_passage.jsonl" > /dev/null
