@@ -329,7 +329,9 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     cache = vpair.src.new_cache(1, len(prompt))
     vpair.src.forward(*pad_batch([prompt]), cache, logits_at=None)
     store.put(src_id, "conv", prompt, cache.k[:, 0, :, : len(prompt)], cache.v[:, 0, :, : len(prompt)])
-    extra = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}
+    # rank at 0.3 named, not the served default: the block counts below are rank's (suffix hands fewer blocks)
+    extra = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}, "rho": 0.3,
+             "selector": "rank"}
     c = RarecacheConnector(_stand_in_config(extra, vpair.root / "tgt"), KVConnectorRole.SCHEDULER, None)
     evicted, blocks = [], {}
     c._kv_cache_manager = SimpleNamespace(evict_blocks=lambda ids: evicted.append(sorted(ids)),
