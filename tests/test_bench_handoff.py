@@ -138,8 +138,8 @@ def test_handoff_with_fused_map_equals_reference_pipeline(fitted, name, monkeypa
     cfg = HandoffConfig.named(0.3, name)
     cache, logits, res = handoff(source, target, mapper, prompts, cfg)
 
-    def reference(self, source, source_cache, target, target_cache, positions, dtype=None, rank=True):
-        centred = self.apply_reference(source, source_cache, target, target_cache, positions, dtype)
+    def reference(self, source, source_cache, target, target_cache, positions, dtype=None, rank=True, tokens=None):
+        centred = self.apply_reference(source, source_cache, target, target_cache, positions, dtype, tokens)
         return rank_scores(self, centred) if rank else None
 
     monkeypatch.setattr(type(mapper), "apply_scored", reference)

@@ -56,8 +56,8 @@ def test_exact_cache_has_cosine_one_and_a_worse_map_lower(fitted):
 
     exact = copy.copy(mapper)
 
-    def true_rows(source_, source_cache, target_, target_cache, positions, dtype=None):
-        out = mapper.apply(source_, source_cache, target_, target_cache, positions, dtype)
+    def true_rows(source_, source_cache, target_, target_cache, positions, dtype=None, tokens=None):
+        out = mapper.apply(source_, source_cache, target_, target_cache, positions, dtype, tokens)
         n = int(positions.max()) + 1
         own, _ = target_.prefill([exact.ids[:n]])
         for layer in range(target_.num_layers):

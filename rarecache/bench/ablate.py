@@ -27,6 +27,7 @@ import torch
 
 from ..engine.attention import attend, attend_reference
 from ..engine.runner import Runner, pack_float32
+from ..errors import RarecacheError
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset
@@ -86,6 +87,9 @@ def _row(name: str, before: float, after: float) -> dict:
 def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int,
            pack: bool = False) -> list[dict]:
     """Every row, in the order printed. `pack`: also time float32 packing (packs `target` in place)."""
+    if mapper.needs_tokens:  # its row references (map_unshared, map_rows_flat) map source rows alone
+        raise RarecacheError("bench ablate times a map that reads source rows alone; this one reads the tokens "
+                             "(token inputs or exact layer 0): time it with `bench handoff`")
 
     def _median(fn, n: int) -> float:
         return median_time(fn, n, target.device)

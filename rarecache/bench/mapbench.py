@@ -51,7 +51,7 @@ def time_map(source: Runner, target: Runner, mapper: Mapper, length: int, repeat
         cache = target.new_cache(1, length)
         prefill = _timed(lambda: target.forward(tokens, pos, target.new_cache(1, length)))
         z = {}
-        mapping = _timed(lambda: z.update(mapper.apply(source, src_cache, target, cache, pos)))
+        mapping = _timed(lambda: z.update(mapper.apply(source, src_cache, target, cache, pos, tokens=tokens)))
         scoring = _timed(lambda: rank_scores(mapper, z))
         if i:
             res.prefill_s.append(prefill)

@@ -58,6 +58,12 @@ def _add_calibrate(sub) -> None:
                    help="fit each target KV head only from the same head of the source layers (both models need "
                         "the same number of KV heads): 1/H of the statistics memory and of the map file")
     add_sharpen_option(p, "none", "--sharpen's; --preset general: keys 1, values 0.5 (handoffs: plain ridge)")
+    p.add_argument("--token-inputs", action="store_true",
+                   help="every target layer's ridge also reads the target's own layer-0 K and V rows of the token "
+                        "(computed exactly from the token), beside the source rows; recorded in the map")
+    p.add_argument("--exact-layer0", action="store_true",
+                   help="the target's layer-0 K/V rows are computed from the token (embedding, norm, projection), "
+                        "not mapped; recorded in the map")
     p.add_argument("--out", type=Path, default=None,
                    help="map file to write (.safetensors); with --preset general the default is the general "
                         "map's place, where `rarecache serve` looks for it: "
@@ -192,8 +198,8 @@ def cmd_calibrate(args) -> int:
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens,
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
-                            rank=args.rank, head_matched=args.head_matched,
-                            **_sharpening(args, general))
+                            rank=args.rank, head_matched=args.head_matched, token_inputs=args.token_inputs,
+                            exact_layer0=args.exact_layer0, **_sharpening(args, general))
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)

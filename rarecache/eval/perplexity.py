@@ -80,7 +80,8 @@ def passage_nll(source: Runner, target: Runner, mapper: Mapper, ids: list[int], 
     src_cache = source.new_cache(1, prefix)
     source.forward(tokens[:, :prefix], torch.arange(prefix)[None], src_cache, logits_at=None)
     cache = target.new_cache(1, n)
-    mapper.plain().apply(source, src_cache, target, cache, torch.arange(prefix)[None])  # plain transfer
+    mapper.plain().apply(source, src_cache, target, cache, torch.arange(prefix)[None],
+                         tokens=tokens[:, :prefix])  # plain transfer
     pos = torch.arange(prefix - 1, n - 1)[None]
     logits = target.forward(tokens[:, prefix - 1 : n - 1], pos, cache, logits_at="all").logits[0]
     out["mapped"] = _nll(logits, scored)

@@ -32,14 +32,15 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
-from .features import rows
+from .features import rows, token_block, token_rows
 from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads,
                   sharpen, unsharpen)
 from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
 from .stats import RegressionStats
 
 
-FIT_ONLY = ("sharpen", "plain_sharpen")  # choices made after the statistics: a state resumes under any of them
+# choices made after the statistics: a state resumes under any of them
+FIT_ONLY = ("sharpen", "plain_sharpen", "exact_layer0")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class CalibrationConfig:
     head_matched: bool = False  # each target KV head from the same head of the source layers (fit.py)
     sharpen: tuple[float, float] = (0.0, 0.0)  # keys', values' power p: centred predictions scaled by R²^-p (fit.py)
     plain_sharpen: tuple[float, float] | None = None  # the powers plain transfer uses (Mapper.plain); None: sharpen's
-
+    token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token (mapper.py)
+    exact_layer0: bool = False  # the target's layer-0 rows are computed from the token, not mapped
     def __post_init__(self):
         if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
             raise RarecacheError("calibration needs tokens >= 1, heldout >= 0, seq_len >= 2, stride >= 1, k >= 1")
@@ -67,11 +69,21 @@ class CalibrationConfig:
             check_sharpen(self.plain_sharpen)
             if self.head_matched:
                 raise RarecacheError("a head-matched map has one sharpening for every budget (no plain_sharpen)")
+        if self.token_inputs and self.head_matched:
+            raise RarecacheError("token inputs need a dense map (not head-matched)")
 
 
-def layouts(source: Runner, target: Runner) -> tuple[Layout, Layout]:
-    return (Layout(source.config.num_layers, source.config.kv_dim),
+def layouts(source: Runner, target: Runner, token_inputs: bool = False) -> tuple[Layout, Layout]:
+    """The statistics' row layouts: the source's (with the token block after its layers when `token_inputs`)
+    and the target's."""
+    return (Layout(source.config.num_layers, source.config.kv_dim, 2 * target.config.kv_dim if token_inputs else 0),
             Layout(target.config.num_layers, target.config.kv_dim))
+
+
+def run_config(cfg: CalibrationConfig) -> dict:
+    """What of `cfg` a state is tied to: the statistics' choices (token inputs only when on, so states
+    written before the option resume)."""
+    return {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY and not (k == "token_inputs" and not v)}
 
 
 def features(runner: Runner, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -90,18 +102,18 @@ class Calibration:
             raise RarecacheError("source and target have different vocabularies: not one family")
         self.source, self.target, self.tokenizer, self.corpus, self.cfg = source, target, tokenizer, corpus, cfg
         self.out, self.state_path = Path(out), Path(str(out) + ".state")
-        self.src, self.tgt = layouts(source, target)
+        self.src, self.tgt = layouts(source, target, cfg.token_inputs)
         self.device = device
         self.rank = cfg.rank if cfg.rank is not None else max(1, self.tgt.width // 8)
         if self.rank > self.tgt.width:
             raise RarecacheError(f"rank {self.rank} exceeds the target row width {self.tgt.width}")
         self.run_id = {"source": identity(source), "target": identity(target), "corpus": corpus.describe(),
-                       "config": {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY},
+                       "config": run_config(cfg),
                        "dtype": str(source.dtype),
                        "kv_heads": [source.config.num_kv_heads, target.config.num_kv_heads]}
         # dense statistics (0), or one set per KV head (head-matched)
         self.heads = matched_heads(*self.run_id["kv_heads"]) if cfg.head_matched else 0
-        dx, dy = self.src.layers * self.src.width, self.tgt.layers * self.tgt.width
+        dx, dy = self.src.layers * self.src.width + self.src.extra, self.tgt.layers * self.tgt.width
         self.stats = {name: RegressionStats(dx // max(1, self.heads), dy // max(1, self.heads), device)
                       for name in self._names()}
         self.sequences_done = 0
@@ -124,6 +136,15 @@ class Calibration:
             for h in range(self.heads):
                 self.stats[f"{part}.{s}.h{h}"].update(head_rows(xs[s], self.src, self.heads, h),
                                                       head_rows(ys[s], self.tgt, self.heads, h))
+
+    def _inputs(self, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The regression's inputs at positions `keep` per side (N, dx): the source's rows, then with token
+        inputs the target's own layer-0 rows of the tokens, computed as `Mapper.own_rows` does."""
+        xs = features(self.source, ids, keep)
+        if not self.cfg.token_inputs:
+            return xs
+        block = token_block(token_rows(self.target, torch.tensor(ids)[keep][None]))[0]  # (N, 2·dt)
+        return {s: torch.cat([x, block.to(x.device, x.dtype)], dim=1) for s, x in xs.items()}
 
     # -- state -------------------------------------------------------------------------
 
@@ -183,7 +204,7 @@ class Calibration:
             if part == "heldout" and doc < self.fit_documents:
                 keep = keep[:0]  # held-out data never shares a document with the fit
             if len(keep):
-                self._update(part, features(self.source, ids, keep), features(self.target, ids, keep))
+                self._update(part, self._inputs(ids, keep), features(self.target, ids, keep))
                 bar.update(len(keep))
             self.sequences_done, self.documents_used = i + 1, doc + 1
             if part == "fit":
@@ -212,7 +233,8 @@ class Calibration:
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
                        lam=cfg.lam, rank=self.rank, tokens=self._counter("fit").n,
                        corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads,
-                       sharpen=sharpen_info(cfg.sharpen), plain_sharpen=plain_info(cfg.plain_sharpen))
+                       sharpen=sharpen_info(cfg.sharpen), plain_sharpen=plain_info(cfg.plain_sharpen),
+                       token_inputs=cfg.token_inputs, exact_layer0=cfg.exact_layer0)
         return Mapper(info, sides)
 
 
@@ -303,8 +325,12 @@ except by a head-matched refit, which has none. Seconds, not hours."""
     if stats[names[0]].n != info.tokens:
         raise RarecacheError(f"{state} holds {stats[names[0]].n} fit positions, the map {info.tokens}: "
                              "not the state this map was fitted from")
+    if bool(run.get("config", {}).get("token_inputs", False)) != info.token_inputs:
+        raise RarecacheError(f"{state} and the map disagree on token inputs: not the state this map was fitted from")
+    if head_matched and info.token_inputs:
+        raise RarecacheError("a token-input map has no head-matched refit (its token block spans every head)")
     fit = mapper.sides["k"]
-    src = Layout(fit.r2_single.shape[1], fit.weight.shape[1] // info.k)
+    src = Layout(fit.r2_single.shape[1], (fit.weight.shape[1] - mapper.extra_width) // info.k, mapper.extra_width)
     tgt = Layout(fit.weight.shape[0], fit.weight.shape[2])
     if head_matched and not heads:
         heads = info.heads or _heads_of(run)

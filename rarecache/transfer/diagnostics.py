@@ -87,14 +87,14 @@ def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[
         toks, pos = pad_batch([ids], target.device)  # (1, n)
         source_cache, _ = source.prefill([ids])
         mapped = target.new_cache(1, n)
-        centred = mapper.apply(source, source_cache, target, mapped, pos)
+        centred = mapper.apply(source, source_cache, target, mapped, pos, tokens=toks)
         true = target.new_cache(1, n)
         true.mark(pos)
         h = target.embed(toks)
         cos_sin = target.cos_sin(pos)
         k = budget(rho, n)
         per_layer = layer_rank_scores(mapper, centred)  # (Lt, 1, n)
-        shared = set(select_top(per_layer.sum(0)[0], k).tolist())
+        shared = set(select_top(per_layer[mapper.exact_layers:].sum(0)[0], k).tolist())  # the rank selector's
         cos_layers = []
         for i in range(L):
             q, kk, vv = target.qkv(i, h, cos_sin)  # q (1, H, n, D), kk, vv (1, Hkv, n, D)
@@ -154,8 +154,8 @@ def attention_cosines(target: Runner, own: KVCache, others: KVCache, tokens: tor
 
 
 def layer_rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Rank disagreement per target layer, both sides summed -> (Lt, B, W); its sum over layers is
-    `selectors.rank_scores`."""
+    """Rank disagreement per target layer, both sides summed -> (Lt, B, W); its sum over the mapped layers
+    (after `Mapper.exact_layers`) is `selectors.rank_scores`."""
     total = 0
     for side, zs in centred.items():  # zs (Lt, B, W, dt)
         Lt, B, W, dt = zs.shape

@@ -5,6 +5,12 @@ n_kv·head_dim). Keys are stored rotated; `rows` strips the model's RoPE at each
 position so maps see content only, and `write_rows` re-rotates with the receiving
 model's RoPE before writing, so a map fitted on short sequences serves any length.
 Every source layer is de-rotated once and shared by all target layers that read it.
+
+A model's layer-0 rows depend on the token alone (embedding -> input norm -> k/v
+projection, no attention), so the target's own layer-0 rows of every handed-off token
+can be computed exactly, for a small share of one layer's cost: `token_rows`. A map may
+read them as extra input beside the source rows (`token_block`; `calibrate
+--token-inputs`) and write them instead of its prediction at layer 0 (`--exact-layer0`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,24 @@ def rows(runner: Runner, cache: KVCache, positions: torch.Tensor, side: str) -> 
     if side == "k":
         x = runner.rope.strip(x, positions)  # one cos/sin per position, broadcast over layers
     return x.permute(1, 3, 0, 2, 4).reshape(B, slots.shape[1], L * H * D)  # (B, T, L·Hkv·D)
+
+
+def token_rows(runner: Runner, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The runner's own layer-0 content rows of tokens (B, T) -> side -> (B, T, Hkv·D), in its dtype.
+
+    Exact: the layer's own q/k/v path (norm, projections, biases, Qwen3's k norm) at position 0, where RoPE
+    is the identity (cos 1, sin 0), so the keys come out unrotated; no other position is read."""
+    B, T = tokens.shape
+    h = runner.embed(tokens.clamp(min=0))  # (B, T, C); padding (-1) reads token 0, its rows go unused
+    zero = torch.zeros(B, T, dtype=torch.long, device=h.device)
+    _, k, v = runner.qkv(0, h, runner.cos_sin(zero))  # (B, Hkv, T, D)
+    return {"k": k.transpose(1, 2).reshape(B, T, -1), "v": v.transpose(1, 2).reshape(B, T, -1)}  # (B, T, Hkv·D)
+
+
+def token_block(own: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The input block a token-input map reads beside the source rows, for both sides: the target's own
+    layer-0 key and value rows side by side, (..., 2·Hkv·D)."""
+    return torch.cat([own["k"], own["v"]], dim=-1)
 
 
 def write_rows(runner: Runner, cache: KVCache, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -31,16 +31,21 @@ from .stats import RegressionStats
 
 @dataclass(frozen=True)
 class Layout:
-    """How a side's concatenated rows split into layers: (layers, width of one layer's row)."""
+    """How a side's concatenated rows split into layers: (layers, width of one layer's row), and `extra`
+    input columns after them that every target layer reads beside its chosen layers (a token-input map's
+    block of the target's own layer-0 rows, `features.token_block`)."""
 
     layers: int
     width: int
+    extra: int = 0
 
     def block(self, layer: int) -> slice:
         return slice(layer * self.width, (layer + 1) * self.width)
 
     def index(self, layers: list[int]) -> torch.Tensor:
-        return torch.cat([torch.arange(self.width) + l * self.width for l in layers])
+        """The columns a map reading `layers` takes: those layers' rows, then the extra columns."""
+        return torch.cat([torch.arange(self.width) + l * self.width for l in layers]
+                         + [torch.arange(self.extra) + self.layers * self.width])
 
 
 @dataclass
@@ -158,6 +163,8 @@ def unsharpen(fit: SideFit, power: float) -> SideFit:
 
 def head_layouts(src: Layout, tgt: Layout, heads: int) -> tuple[Layout, Layout]:
     """One head's layouts: every layer's row holds `heads` heads side by side."""
+    if src.extra:
+        raise ValueError("head-matched maps read no extra input columns (token inputs)")
     if heads < 2 or src.width % heads or tgt.width % heads:
         raise ValueError(f"rows {src.width} and {tgt.width} wide do not split into {heads} heads")
     return Layout(src.layers, src.width // heads), Layout(tgt.layers, tgt.width // heads)

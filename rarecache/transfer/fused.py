@@ -21,6 +21,10 @@ written and scored while they are still in cache:
   centred rows z (diagnostics, evaluation variants), or nothing (selectors that do
   not read the map).
 
+A token-input map's layers also read the target's own layer-0 rows of the tokens (`own`, made
+by `Mapper.own_rows`): one more product per layer with the token block; an exact layer 0 writes
+`own` itself, at the target's precision, and is left out of the rank score.
+
 Memory: the reference holds the prediction and the centred rows of every layer
 (2 x Lt·B·T·dt per side); this path holds the source buffer (B·T·Ls·ds) and one tile.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.cache import KVCache
+from .features import token_block
 
 SIDES = ("k", "v")
 
@@ -108,12 +113,14 @@ def _write(cache: KVCache, layer: int, side: str, tile: torch.Tensor, positions:
 
 @torch.inference_mode()
 def map_into(mapper, source, source_cache: KVCache, target, target_cache: KVCache, positions: torch.Tensor,
-             dtype: torch.dtype, centred: bool = False, rank: bool = False
+             dtype: torch.dtype, centred: bool = False, rank: bool = False,
+             own: dict[str, torch.Tensor] | None = None
              ) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
     """Map the source cache at positions (B, T) into the target cache (all layers, slots marked).
 
     Returns the centred rows z per side (Lt, B, T, dt) if `centred`, and the rank-disagreement score
     (B, T) (`selectors.rank_scores` of those z) if `rank`; None for what was not asked for.
+    `own`: the target's own layer-0 rows per side (B, T, dt) for a map that `needs_tokens`.
     `source` and `target` need only `rope` (and `target` its cache layout)."""
     B, T = positions.shape
     start = span(positions)
@@ -122,6 +129,8 @@ def map_into(mapper, source, source_cache: KVCache, target, target_cache: KVCach
     acc_dtype = torch.promote_types(dtype, torch.float32)  # score norms in at least float32
     score = torch.zeros(B * T, dtype=acc_dtype, device=positions.device) if rank else None
     kept = {} if centred else None
+    exact = mapper.exact_layers
+    extra = token_block(own).reshape(B * T, -1).to(dtype) if mapper.info.token_inputs else None  # (B·T, 2·dt)
     for side in SIDES:
         t = mapper.tensors(side, dtype, positions.device)
         x = source_rows(source, source_cache, positions, side, dtype, start)  # (Ls, B·T, ds)
@@ -132,21 +141,30 @@ def map_into(mapper, source, source_cache: KVCache, target, target_cache: KVCach
         mlp = mapper.mlp[side] if mapper.mlp else None
         split = mlp is None and dtype in (torch.float32, torch.float64)  # bf16 would round after each product
         for l, src in enumerate(t["source_list"]):
-            w = t["weight"][l]  # (K·ds, dt); row block j reads source layer src[j]
-            if split:
-                torch.addmm(t["bias"][l], x[src[0]], w[:ds], out=tile)
-                for j in range(1, len(src)):
-                    tile.addmm_(x[src[j]], w[j * ds : (j + 1) * ds])
-            else:  # one product over the gathered blocks: one rounding, as the reference
-                xl = torch.cat([x[s] for s in src], dim=1)  # (B·T, K·ds)
-                torch.addmm(t["bias"][l], xl, w, out=tile)
-                if mlp is not None:
-                    tile += mlp.residual(l, xl)
-            _write(target_cache, l, side, tile, positions, start, cos_sin, slots)
-            if not (centred or rank):
-                continue
+            if l < exact:  # the target's own rows, written at its precision
+                y = own[side].reshape(B * T, dt)
+                _write(target_cache, l, side, y, positions, start, cos_sin, slots)
+                if not (centred or rank):
+                    continue
+                tile.copy_(y)
+            else:
+                w = t["weight"][l]  # (K·ds [+ 2·dt], dt); row block j reads source layer src[j], then the token block
+                if split:
+                    torch.addmm(t["bias"][l], x[src[0]], w[:ds], out=tile)
+                    for j in range(1, len(src)):
+                        tile.addmm_(x[src[j]], w[j * ds : (j + 1) * ds])
+                    if extra is not None:
+                        tile.addmm_(extra, w[len(src) * ds :])
+                else:  # one product over the gathered blocks: one rounding, as the reference
+                    xl = torch.cat([x[s] for s in src] + ([extra] if extra is not None else []), dim=1)
+                    torch.addmm(t["bias"][l], xl, w, out=tile)
+                    if mlp is not None:
+                        tile += mlp.residual(l, xl)
+                _write(target_cache, l, side, tile, positions, start, cos_sin, slots)
+                if not (centred or rank):
+                    continue
             z = torch.sub(tile, t["mean"][l], out=zs[l].view(B * T, dt)) if centred else tile.sub_(t["mean"][l])
-            if rank:
+            if rank and l >= exact:
                 proj = z @ t["basis"][l]  # (B·T, r), in the map's dtype
                 energy = torch.linalg.vector_norm(z, dim=-1, dtype=acc_dtype).square()
                 score += energy - torch.linalg.vector_norm(proj, dim=-1, dtype=acc_dtype).square()

@@ -196,7 +196,7 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         t = _now(target)
         views = target.new_cache(1, cache.max_len)
         views.copy_prefix(cache, n)  # (rows the target held before the handoff, too)
-        mapper.plain().apply_scored(source, source_cache, target, views, m.positions, rank=False)
+        mapper.plain().apply_scored(source, source_cache, target, views, m.positions, rank=False, tokens=m.tokens)
         views_map_s = _now(target) - t
     w = n - target_kept
     scores = m.scores[0, :w]  # (W,)

@@ -182,7 +182,7 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     cache = target_cache or target.new_cache(B, max_len or max(lengths))
     toks, positions = spans(prompts, target_kept, device)
     needs_rank = selector is not None and selector.needs_rank  # rank disagreement is computed inside the map
-    rank = mapper.apply_scored(source, source_cache, target, cache, positions, rank=needs_rank)
+    rank = mapper.apply_scored(source, source_cache, target, cache, positions, rank=needs_rank, tokens=toks)
     timings["map"] = _now(target) - t
 
     t = _now(target)
@@ -287,7 +287,7 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
             continue
         t = _now(target)
         cache = target.new_cache(1, n)
-        centred = mapper.apply(source, source_cache, target, cache, positions)
+        centred = mapper.apply(source, source_cache, target, cache, positions, tokens=whole)
         mapped[id(mapper)] = (cache, centred, _now(target) - t)
 
     out = target.new_cache(len(variants), n)

@@ -20,6 +20,13 @@ them (fit.py) helps; next to exact recomputed rows the sharpened mapped rows pul
 from them, and plain ridge is better (docs/RESULTS.md 8.1). `MapInfo.plain_sharpen` records the
 sharpening plain transfer applies; `Mapper.plain` is that view, derived exactly from the stored fit
 (sharpening is a known per-layer scale), so the file holds one set of tensors.
+
+Two options read the tokens being mapped (features.py: a model's layer-0 rows depend on the token
+alone). `MapInfo.token_inputs`: every target layer's ridge also reads the target's own layer-0 K and V
+rows of the token, an input block after the source rows (the weight is K·ds + 2·dt rows tall).
+`MapInfo.exact_layer0`: the target's layer-0 rows are those computed rows, not a prediction (they carry
+no map error, so the rank score leaves them out). Every `apply*` takes the tokens (B, T) beside the
+positions; the target's weights compute the rows. Both are left out of the file when off.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from ..engine.cache import KVCache
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
-from .features import rows, write_rows
+from .features import rows, token_block, token_rows, write_rows
 from .fit import SideFit, from_head_blocks, head_blocks, sharpen, unsharpen
 from .fused import map_into
 from .mlp import SideMLP
@@ -108,6 +115,8 @@ class MapInfo:
     heads: int = 0  # > 0: head-matched with this many KV heads (fit.py); the file keeps the weight's head blocks
     sharpen: dict[str, float] = field(default_factory=dict)  # side -> power p: predictions scaled by R²^-p (fit.py)
     plain_sharpen: dict[str, float] | None = None  # side -> power plain transfer (rho 0) uses; None: `sharpen`
+    token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token
+    exact_layer0: bool = False  # the target's layer-0 rows computed from the token, not mapped
 
     @property
     def direction(self) -> str:
@@ -172,11 +181,39 @@ class Mapper:
         """The dtype this map's products run in next to `target`."""
         return self.compute_dtype or target.dtype
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether applying this map reads the tokens (and the target's layer-0 weights)."""
+        return self.info.token_inputs or self.info.exact_layer0
+
+    @property
+    def exact_layers(self) -> int:
+        """Leading target layers whose rows are computed from the token, not mapped (0 or 1)."""
+        return 1 if self.info.exact_layer0 else 0
+
+    @property
+    def extra_width(self) -> int:
+        """Input columns each layer reads after its source rows: the token block (2·dt), or none."""
+        return 2 * self.sides["k"].weight.shape[2] if self.info.token_inputs else 0
+
+    def own_rows(self, target: Runner, tokens: torch.Tensor | None, positions: torch.Tensor
+                 ) -> dict[str, torch.Tensor] | None:
+        """The target's own layer-0 rows of `tokens` (B, T) at `positions` (B, T), per side (B, T, dt), when
+        this map reads them (`needs_tokens`); None otherwise."""
+        if not self.needs_tokens:
+            return None
+        if tokens is None or tuple(tokens.shape) != tuple(positions.shape):
+            raise RarecacheError(f"this map ({self.info.direction}) reads the tokens it maps (token inputs or exact "
+                                 f"layer 0): give tokens of the positions' shape {tuple(positions.shape)}")
+        return token_rows(target, tokens)
+
     # -- file format -------------------------------------------------------------------
 
     def with_mlp(self, mlp: dict[str, SideMLP], hidden: int) -> "Mapper":
         """This ridge map plus residual MLPs (the nonlinear option): one fit for every budget (a plain-transfer
         sharpening, `plain_sharpen`, is for dense linear maps and is dropped)."""
+        if self.info.token_inputs:
+            raise RarecacheError("a token-input map takes no residual MLP (its MLP would not read the token block)")
         return Mapper(replace(self.info, mlp_hidden=hidden, plain_sharpen=None), self.sides, mlp)
 
     def save(self, path: str | Path) -> None:
@@ -192,8 +229,9 @@ class Mapper:
         except TypeError as e:
             raise RarecacheError(f"not writing {path}: the map's metadata is invalid ({e})") from None
         meta = {f.name: getattr(self.info, f.name) for f in fields(MapInfo)}
-        if meta["plain_sharpen"] is None:  # left out: files without it stay byte-identical to earlier ones
-            del meta["plain_sharpen"]
+        for name, off in (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False)):
+            if meta[name] is off:  # left out: files without it stay byte-identical to earlier ones
+                del meta[name]
         path = Path(path)
         tmp = partial_path(path)
         save_file(tensors, str(tmp), metadata={_META_KEY: json.dumps(meta), _SUM_KEY: tensors_sha256(tensors)})
@@ -268,6 +306,7 @@ class Mapper:
                 raise RarecacheError(f"{where}: {s}.weight or {s}.r2_single has the wrong number of dimensions")
             lt, kd, dt = fit.weight.shape
             ls = fit.r2_single.shape[1]
+            kd -= 2 * dt if self.info.token_inputs else 0  # the source rows' part
             shapes = {"sources": (lt, k), "bias": (lt, dt), "mean": (lt, dt), "basis": (lt, dt, rank),
                       "eigenvalues": (lt, dt), "r2": (lt,), "r2_single": (lt, ls)}
             for name, shape in shapes.items():
@@ -293,6 +332,8 @@ class Mapper:
         if self.info.r2_heldout and any(len(v) != self.sides["k"].weight.shape[0]
                                         for v in self.info.r2_heldout.values()):
             raise RarecacheError(f"{where}: r2_heldout does not have one value per target layer")
+        if self.info.token_inputs and self.sides["k"].weight.shape[2] != self.sides["v"].weight.shape[2]:
+            raise RarecacheError(f"{where}: a token-input map's sides must write rows of one width")
 
     def check_fits(self, source: Runner, target: Runner) -> None:
         """Refuse a map whose tensors do not fit these models: target layers, target row width, source
@@ -304,6 +345,7 @@ class Mapper:
         want = (ct.num_layers, ct.kv_dim, k * cs.kv_dim, cs.num_layers)
         for s, fit in self.sides.items():
             (lt, kd, dt), ls = fit.weight.shape, fit.r2_single.shape[1]
+            kd -= self.extra_width
             if (lt, dt, kd, ls) != want:
                 raise RarecacheError(
                     f"this map ({self.info.direction}) does not fit {_name(source)} -> {_name(target)}: its {s} "
@@ -339,6 +381,8 @@ class Mapper:
         served when measured)."""
         i = self.info
         kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
+        kind += " + token inputs" if i.token_inputs else ""
+        kind += ", layer 0 exact" if i.exact_layer0 else ""
         if i.sharpen:
             kind += ", sharpened " + " ".join(f"{s}:R2^-{p:g}" for s, p in i.sharpen.items())
         if self.has_plain_view:
@@ -367,53 +411,87 @@ class Mapper:
                                **{n: getattr(f, n).to(device, dtype) for n in ("weight", "bias", "mean", "basis")}}
         return self._cast[key]
 
-    def map_rows(self, side: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Source content rows x (B, T, Ls·ds) -> target rows ŷ (Lt, B, T, dt) and centred z = ŷ − ȳ."""
+    def map_rows(self, side: str, x: torch.Tensor, extra: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Source content rows x (B, T, Ls·ds) and, for a token-input map, the token block `extra`
+        (B, T, 2·dt) -> target rows ŷ (Lt, B, T, dt) and centred z = ŷ − ȳ."""
         t = self.tensors(side, x.dtype, x.device)
         sources, weight, bias, mean = t["sources"], t["weight"], t["bias"], t["mean"]
         B, T, _ = x.shape
         Lt, kd, dt = weight.shape
+        e = self.extra_width
+        if (0 if extra is None else extra.shape[-1]) != e:
+            raise ValueError(f"this map reads {e} token-input columns beside the source rows")
+        kd -= e  # the source rows' part
         layers = x.reshape(B * T, -1, kd // self.info.k)  # (B·T, Ls, ds)
         y = torch.empty(Lt, B * T, dt, dtype=x.dtype, device=x.device)
         mlp = self.mlp[side] if self.mlp else None
         for l in range(Lt):  # one gather of whole source-layer rows and one matmul per target layer
             xl = layers.index_select(1, sources[l]).reshape(B * T, kd)
+            if extra is not None:
+                xl = torch.cat([xl, extra.reshape(B * T, e).to(x.dtype)], dim=1)  # (B·T, K·ds + 2·dt)
             torch.addmm(bias[l], xl, weight[l], out=y[l])
             if mlp is not None:
                 y[l] += mlp.residual(l, xl)
         y = y.view(Lt, B, T, dt)
         return y, y - mean[:, None, None]
 
+    def map_sides(self, x: dict[str, torch.Tensor], own: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Both sides' `map_rows` of source rows x[side] (B, T, Ls·ds), reading the target's own layer-0
+        rows `own` (`own_rows`) where the map does: side -> (ŷ, z), each (Lt, B, T, dt). The exact layers
+        hold `own` rounded to the map's dtype (writers write `own` itself: `write_own`)."""
+        extra = token_block(own) if self.info.token_inputs else None
+        out = {}
+        for side in SIDES:
+            y, z = self.map_rows(side, x[side], extra)
+            for l in range(self.exact_layers):  # the target's own rows, not a prediction
+                y[l] = own[side]
+                z[l] = y[l] - self.tensors(side, y.dtype, y.device)["mean"][l]
+            out[side] = (y, z)
+        return out
+
+    def write_own(self, target, cache: KVCache, positions: torch.Tensor, own: dict[str, torch.Tensor] | None,
+                  cols: slice = slice(None)) -> None:
+        """Write the exact layers' rows `own` (B, T, dt) into `cache` at the target's precision (columns
+        `cols` of each row: a tensor-parallel rank's heads)."""
+        if self.exact_layers:
+            write_rows(target, cache, positions, own["k"][None][..., cols], own["v"][None][..., cols])
+
     @torch.inference_mode()
     def apply(self, source: Runner, source_cache: KVCache, target: Runner, target_cache: KVCache,
-              positions: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Map the source cache at positions (B, T) into the target cache (all layers, slots filled).
+              positions: torch.Tensor, dtype: torch.dtype | None = None, tokens: torch.Tensor | None = None
+              ) -> dict[str, torch.Tensor]:
+        """Map the source cache at positions (B, T) into the target cache (all layers, slots filled);
+        `tokens` (B, T), the tokens at those positions, are read by maps that `needs_tokens`.
 
         Returns the centred predictions z per side, (Lt, B, T, dt), for scoring. One pass per target
         layer (`transfer.fused`); equal to `apply_reference` (tested)."""
         centred, _ = map_into(self, source, source_cache, target, target_cache, positions,
-                              dtype or self.dtype_for(target), centred=True)
+                              dtype or self.dtype_for(target), centred=True,
+                              own=self.own_rows(target, tokens, positions))
         return centred
 
     @torch.inference_mode()
     def apply_scored(self, source: Runner, source_cache: KVCache, target: Runner, target_cache: KVCache,
-                     positions: torch.Tensor, dtype: torch.dtype | None = None, rank: bool = True
-                     ) -> torch.Tensor | None:
+                     positions: torch.Tensor, dtype: torch.dtype | None = None, rank: bool = True,
+                     tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """`apply` keeping only what a handoff's selector reads: the rank-disagreement score (B, T) when
         `rank` (equal to `selectors.rank_scores` of `apply`'s output), else nothing (None)."""
         return map_into(self, source, source_cache, target, target_cache, positions,
-                        dtype or self.dtype_for(target), rank=rank)[1]
+                        dtype or self.dtype_for(target), rank=rank, own=self.own_rows(target, tokens, positions))[1]
 
     @torch.inference_mode()
     def apply_reference(self, source: Runner, source_cache: KVCache, target: Runner, target_cache: KVCache,
-                        positions: torch.Tensor, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                        positions: torch.Tensor, dtype: torch.dtype | None = None,
+                        tokens: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """The plain pipeline `apply` replaces, kept as its reference: every step over all layers at once."""
         dtype = dtype or self.dtype_for(target)
-        out = {}
-        for side in SIDES:
-            x = rows(source, source_cache, positions, side).to(dtype)  # each source layer de-rotated once
-            out[side] = self.map_rows(side, x)
+        own = self.own_rows(target, tokens, positions)
+        x = {side: rows(source, source_cache, positions, side).to(dtype) for side in SIDES}  # de-rotated once
+        out = self.map_sides(x, own)
         write_rows(target, target_cache, positions, out["k"][0], out["v"][0])
+        self.write_own(target, target_cache, positions, own)
         return {side: z for side, (_, z) in out.items()}
 
 
@@ -456,6 +534,10 @@ def _check_info(info: MapInfo) -> None:
     if not (isinstance(info.sharpen, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(
             p, bool) and 0 < p <= 2 for side, p in info.sharpen.items())):
         raise TypeError("sharpen maps k and/or v to powers in (0, 2]")
+    if not all(isinstance(x, bool) for x in (info.token_inputs, info.exact_layer0)):
+        raise TypeError("token_inputs and exact_layer0 must be true or false")
+    if info.token_inputs and (info.heads or info.mlp_hidden):
+        raise TypeError("token_inputs needs a dense linear map (not head-matched, no MLP)")
     plain = info.plain_sharpen
     if plain is not None:
         if not (isinstance(plain, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(

@@ -234,11 +234,14 @@ class L2Oracle(Selector):
 
 def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
     """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W),
-    z the map's centred outputs (`centred`, per side)."""
+    z the map's centred outputs (`centred`, per side). Layers computed exactly (`Mapper.exact_layers`) carry
+    no map error and are left out."""
     total = 0
+    first = mapper.exact_layers
     for side, zs in centred.items():  # zs (Lt, B, W, dt)
+        zs = zs[first:]
         Lt, B, W, dt = zs.shape
-        basis = mapper.sides[side].basis.to(zs.device, zs.dtype)  # (Lt, dt, r)
+        basis = mapper.sides[side].basis[first:].to(zs.device, zs.dtype)  # (Lt, dt, r)
         acc = torch.promote_types(zs.dtype, torch.float32)  # norms accumulate in at least float32
         proj = torch.bmm(zs.reshape(Lt, B * W, dt), basis)  # (Lt, B·W, r), in the map's dtype
         energy = torch.linalg.vector_norm(zs, dim=-1, dtype=acc).square()  # (Lt, B, W)

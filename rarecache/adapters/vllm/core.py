@@ -281,8 +281,9 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
     selective recompute), with rows from the store instead of a source Runner.
 
-    `target` is a Runner (our own or `weights.runner_over` vLLM's model); with recompute = 0 a
-    namespace holding its `config`, `rope`, `dtype` and `device` is enough. Tensor parallel:
+    `target` is a Runner (our own or `weights.runner_over` vLLM's model); with recompute = 0 and a map
+    that reads no tokens a namespace holding its `config`, `rope`, `dtype` and `device` is enough (a map
+    that `needs_tokens` computes the target's layer-0 rows of `tokens` with its weights). Tensor parallel:
     `heads` are the KV heads of this rank, whose config `target` has (weights.rank_config); the
     map and the scores run on whole rows, so every rank picks the same positions, and only the
     rank's columns go into its cache. `agree(positions)` returns the positions every rank is to
@@ -295,24 +296,27 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     device, dtype = target.device, target.dtype
     if rho is not None:
         mapper = mapper.at_rho(rho)
+    if mapper.needs_tokens and (heads is not None or not isinstance(target, Runner)):
+        raise RarecacheError("this map reads the tokens (token inputs or exact layer 0): it needs the target's "
+                             "Runner with whole rows (no tensor parallelism)")
     positions = torch.arange(n, device=device)[None]  # (1, n)
+    whole = torch.tensor([tokens], device=device)  # (1, n)
     src_cache = KVCache(Ls, 1, Hs, Ds, n, k_src.dtype, device)
     src_cache.k[:, 0, :, :n], src_cache.v[:, 0, :, :n] = k_src.to(device), v_src.to(device)
     src_cache.mark(positions)
     source = SimpleNamespace(rope=Rope(peer.rope, peer.head_dim, device))
-    out = {}
-    for side in ("k", "v"):  # as Mapper.apply: each source layer de-rotated once, in the target's dtype
-        x = rows(source, src_cache, positions, side).to(dtype)  # (1, n, Ls·Hs·Ds)
-        out[side] = mapper.map_rows(side, x)
+    own = mapper.own_rows(target, whole, positions)  # the target's layer-0 rows, if the map reads them
+    # as Mapper.apply_reference: each source layer de-rotated once, in the target's dtype; (1, n, Ls·Hs·Ds) per side
+    out = mapper.map_sides({side: rows(source, src_cache, positions, side).to(dtype) for side in ("k", "v")}, own)
     cfg = target.config
     cols = slice(None) if heads is None else heads.columns(cfg.head_dim)  # this rank's heads of a whole row
     cache = KVCache.for_model(cfg, 1, n, dtype, device)
     write_rows(target, cache, positions, out["k"][0][..., cols], out["v"][0][..., cols])
+    mapper.write_own(target, cache, positions, own, cols)
     chosen: list[int] = []
     if recompute > 0:
         if not isinstance(target, Runner):
             raise RarecacheError("recomputing positions needs the target's Runner")
-        whole = torch.tensor([tokens], device=device)  # (1, n)
         centred = {side: z for side, (_, z) in out.items()}
         ctx = SelectionContext(None, target, mapper, whole, positions, cache, centred, None, seed)
         scores = SELECTORS[selector].scores(ctx)[0].float()  # (n,)

@@ -82,6 +82,12 @@ class WorkerSide:
         if self.settings.peers:
             from .weights import runner_over
 
+            reads = [p.name for p in self.settings.peers.values() if p.mapper.needs_tokens]
+            if self._tp > 1 and reads:
+                raise RarecacheError(f"the maps of {', '.join(reads)} read the tokens (token inputs or exact layer "
+                                     "0), which the adapter computes from whole rows: run them without tensor "
+                                     "parallelism")
+
             self._runner = runner_over(_model_runner_of_caller().model, self.settings.model, self._tp, self._rank)
             logger.info("rarecache: recompute runs over vLLM's loaded %s (no weight copy; rank %d of %d, KV heads %s)",
                         type(self._runner.model.vllm_model).__name__, self._rank, self._tp,
@@ -134,7 +140,8 @@ class WorkerSide:
             raise RarecacheError("another tensor-parallel rank could not read the peer's rows")
         t1 = time.perf_counter()
         device = self._kv[0].device
-        target = self._runner if spec.recompute > 0 else target_namespace(self._local, self._kv[0].dtype, device)
+        own = spec.recompute > 0 or peer.mapper.needs_tokens  # the target's weights run
+        target = self._runner if own else target_namespace(self._local, self._kv[0].dtype, device)
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
                         spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None, rho=spec.rho)
         t2 = time.perf_counter()
