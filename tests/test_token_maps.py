@@ -289,3 +289,25 @@ def test_vllm_row_handoff_with_a_token_map(tok_pair):
                   "rank")
     with pytest.raises(RarecacheError, match="no tensor parallelism"):
         hand_rows(target, mapper, source.config, k_src, v_src, prompt, 0, "rank", heads=kv_head_range(2, 2, 0))
+
+
+def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
+    """A general map records plain transfer's sharpening: its rho-0 view (`at_rho`) still reads the tokens,
+    and a rho-0 handoff maps through that view (the reference of the view, layer 0 exact)."""
+    from rarecache.transfer.calibrate import with_plain
+
+    source, target, _, _, maps, _, prompts = tok_pair
+    combined = with_plain(maps["both"], (1.0, 0.5))
+    view = combined.at_rho(0)
+    assert view is not combined and view.info.token_inputs and view.info.exact_layer0
+    cache, _, _ = handoff(source, target, combined, prompts[:1], HandoffConfig(rho=0.0))
+    n = len(prompts[0])
+    ref = target.new_cache(1, n)
+    view.apply_reference(source, source.prefill(prompts[:1])[0], target, ref, torch.arange(n)[None],
+                         tokens=torch.tensor([prompts[0]]))
+    own, _ = target.prefill(prompts[:1])
+    mapped = slice(0, n - 1)  # the last position is always recomputed
+    torch.testing.assert_close(cache.k[:, :, :, mapped], ref.k[:, :, :, mapped], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.v[0, :, :, :n], own.v[0, :, :, :n], atol=2e-6, rtol=2e-6)
+    unsharpened, _, _ = handoff(source, target, maps["both"], prompts[:1], HandoffConfig(rho=0.0))
+    assert not torch.allclose(cache.k[:, :, :, mapped], unsharpened.k[:, :, :, mapped], atol=1e-4)  # the view's

@@ -8,6 +8,7 @@ building the parser (and `--help`) stays quick.
 from __future__ import annotations
 
 import argparse
+import sys
 import json
 from pathlib import Path
 
@@ -99,3 +100,11 @@ def fill_served_defaults(args, source: str | None, target: str | None,
     if args.rho is None:
         args.rho = SERVED.rho
     return notes
+
+
+def warn_fit(mapper) -> None:
+    """Say on stderr when a map fits badly (`Mapper.fit_problems`): `serve` refuses it unless told otherwise."""
+    problems = mapper.fit_problems()
+    if problems:
+        print(f"warning: this map fits badly: {'; '.join(problems)} (`rarecache serve` refuses it without "
+              "--accept-poor-map)", file=sys.stderr)

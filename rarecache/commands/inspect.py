@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..defaults import SELECTOR_NAMES
 from ..errors import RarecacheError
-from .common import add_model_options, load_models
+from .common import add_model_options, load_models, warn_fit
 
 
 def register(sub) -> None:
@@ -51,6 +51,7 @@ def cmd_inspect(args) -> int:
 
     mapper = Mapper.load(args.map)
     i = mapper.info
+    warn_fit(mapper)
     if args.json:
         print(json.dumps({"info": {**i.__dict__}, "r2": {s: mapper.sides[s].r2.tolist() for s in ("k", "v")},
                           "sources": {s: mapper.sides[s].sources.tolist() for s in ("k", "v")}}))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from .common import add_model_options, load_models
+from .common import add_model_options, load_models, warn_fit
 
 # general (the served mix) and eval.mix.MIXES' names: --help imports no evaluation code; a test holds them equal
 PRESETS = ("general", "general-v2", "general-v3")
@@ -129,6 +129,7 @@ def cmd_refit(args) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     new.save(args.out)
     print(new.summary())
+    warn_fit(new)
     print(f"wrote {args.out}")
     return 0
 
@@ -216,6 +217,7 @@ def cmd_calibrate(args) -> int:
     if not args.keep_state:
         calibration.state_path.unlink(missing_ok=True)
     print(mapper.summary())
+    warn_fit(mapper)
     print(f"wrote {args.out}")
     return 0
 

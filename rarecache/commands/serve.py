@@ -93,6 +93,9 @@ def register(sub) -> None:
     p.add_argument("--engine", choices=["rarecache", "vllm"], default="rarecache",
                    help="rarecache: our own runner (default); vllm: each model in a vLLM engine with "
                         "RarecacheConnector (the vllm extra; docs/VLLM.md), --cache-gib split between them")
+    p.add_argument("--accept-poor-map", action="store_true",
+                   help="serve a map that fits badly (held-out R2 below 0.2 or far below in-sample: `rarecache "
+                        "inspect` says), which is refused otherwise")
     v = p.add_argument_group("with --engine vllm")
     v.add_argument("--store", default=None,
                    help="row store the engines share: a directory, or a Redis server redis://HOST:PORT/DB or "
@@ -178,10 +181,10 @@ def cmd_serve(args) -> int:
                         max_batch=args.max_batch, gate=gate, request_budget=args.request_budget,
                         heal=args.heal)
     maps = {}  # map files load (and fail) before the models, which take much longer
-    if args.map is not None:
-        maps[(names[0], names[1])] = Mapper.load(args.map)
-    if args.reverse_map:
-        maps[(names[1], names[0])] = Mapper.load(args.reverse_map)
+    for pair, path in (((names[0], names[1]), args.map), ((names[1], names[0]), args.reverse_map)):
+        if path is not None:
+            maps[pair] = Mapper.load(path)
+            maps[pair].check_fit(args.accept_poor_map, f"the map {path}")
     models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
               names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
     if shipped:  # the committed map is for the pair as the recorded environment converted it

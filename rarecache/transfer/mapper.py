@@ -57,6 +57,11 @@ _META_KEY = "rarecache.map"
 _SUM_KEY = "rarecache.map.sha256"  # of the tensor data, beside the metadata (older files lack it)
 _TENSORS = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
 _MLP = ("w1", "b1", "w2", "b2")
+# A map fits badly (`fit_problems`) when, on either side, its mean held-out R² is below POOR_R2 (it predicts
+# little of the target's rows: a 2k-token calibration's values reach -0.006) or more than POOR_GAP below its
+# in-sample R² (it learnt its calibration text, not the pair). The committed general maps pass with room.
+POOR_R2 = 0.2
+POOR_GAP = 0.15
 
 
 def partial_path(path: Path) -> Path:
@@ -375,6 +380,30 @@ class Mapper:
                              f"{want_t['weights']}), not for {got_s['name']} -> {got_t['name']} "
                              f"(configs {got_s['config']}/{got_t['config']}, weights {got_s['weights']}/"
                              f"{got_t['weights']})")
+
+    def fit_problems(self) -> list[str]:
+        """Why this map fits badly, from its own record (POOR_R2, POOR_GAP); empty when it does not, or when
+        no held-out R² was measured (`calibrate --heldout-tokens 0`)."""
+        out = []
+        for side, name in (("k", "keys"), ("v", "values")):
+            held = self.info.r2_heldout.get(side)
+            if not held:
+                continue
+            h, r = sum(held) / len(held), float(self.sides[side].r2.mean())
+            if h < POOR_R2:
+                out.append(f"held-out R2 of the {name} is {h:.3f} (below {POOR_R2})")
+            elif r - h > POOR_GAP:
+                out.append(f"held-out R2 of the {name} is {r - h:.3f} below in-sample ({h:.3f} vs {r:.3f}; more "
+                           f"than {POOR_GAP})")
+        return out
+
+    def check_fit(self, accept: bool = False, where: str = "this map") -> list[str]:
+        """Refuse a map that fits badly (`fit_problems`) unless `accept`; returns the problems accepted."""
+        problems = self.fit_problems()
+        if problems and not accept:
+            raise RarecacheError(f"{where} fits badly: {'; '.join(problems)}; calibrate on more text, or serve it "
+                                 "anyway with --accept-poor-map (accept_poor_map)")
+        return problems
 
     def summary(self) -> str:
         """Direction, fitting choices, corpus and R2 per side (in-sample ridge's, and held out of the map as

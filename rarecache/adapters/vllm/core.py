@@ -42,7 +42,8 @@ RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our 
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
-KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture")
+KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture",
+        "accept_poor_map")
 REQUEST_KEYS = ("handoff", "scope", "rho", "selector", "seed", "capture", "debug", "record")
 
 
@@ -142,6 +143,7 @@ def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: 
         selector = check_selector(selector)
     seed = _whole(extra.get("seed", 0), "seed")
     capture = _flag(extra.get("capture", True), "capture")
+    accept_poor = _flag(extra.get("accept_poor_map", False), "accept_poor_map")
     maps = extra.get("maps") or {}
     if not isinstance(maps, dict) or not all(isinstance(k, str) and isinstance(v, (str, Path))
                                              for k, v in maps.items()):
@@ -153,6 +155,7 @@ def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: 
     peers = {}
     for name, path in maps.items():
         mapper = Mapper.load(path)
+        mapper.check_fit(accept_poor, f"maps[{name!r}] ({path})")
         check_map(mapper, identity, config, where=f"maps[{name!r}] ({path})")
         pinned = None
         if name in manifests:

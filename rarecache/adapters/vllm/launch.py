@@ -50,7 +50,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
                               kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2, block_size=args.block_size,
                               max_model_len=args.max_model_len, compile=args.compile,
                               tensor_parallel_size=args.tensor_parallel_size,
-                              request_budget=args.request_budget)
+                              request_budget=args.request_budget, accept_poor_map=args.accept_poor_map)
         paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
         maps = {}
         for pair, path in (((names[0], names[1]), args.map), ((names[1], names[0]), args.reverse_map)):

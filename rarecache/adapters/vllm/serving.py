@@ -72,6 +72,7 @@ class VllmServeConfig:
     request_budget: bool = True  # a request may name its own rho and selector (False: only the service's)
     store_bytes: int | None = None  # a directory store's capacity, LRU beyond it (None: unbounded)
     store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
+    accept_poor_map: bool = False  # serve maps that fit badly (Mapper.fit_problems), refused otherwise
 
     def __post_init__(self):
         check_rho(self.rho)
@@ -133,6 +134,7 @@ class VllmChatService:
             if a not in self.models or b not in self.models or a == b:
                 raise RarecacheError(f"map {a} -> {b} names a model the service does not have")
             mapper = Mapper.load(path)
+            mapper.check_fit(cfg.accept_poor_map, f"the map {a} -> {b} ({path})")
             check_map(mapper, self.models[b].identity, self.models[b].config, where=f"the map {a} -> {b} ({path})")
             if not same_model(mapper.info.source, self.models[a].identity):
                 raise RarecacheError(f"the map {a} -> {b} ({path}) was fitted from {mapper.info.source['name']}, "
@@ -162,7 +164,8 @@ class VllmChatService:
         extra = {"store": str(cfg.store), "rho": cfg.rho, "selector": cfg.selector,
                  "maps": {a: str(p) for (a, b), p in self.maps.items() if b == name},
                  **({"store_bytes": cfg.store_bytes} if cfg.store_bytes else {}),
-                 **({"store_ttl": cfg.store_ttl} if cfg.store_ttl else {})}
+                 **({"store_ttl": cfg.store_ttl} if cfg.store_ttl else {}),
+                 "accept_poor_map": cfg.accept_poor_map}
         ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR,
                                kv_role="kv_both", kv_connector_extra_config=extra,
                                kv_load_failure_policy="recompute")  # a failed handoff: vLLM prefills it itself
