@@ -31,7 +31,8 @@ from rarecache.errors import RarecacheError  # noqa: E402
 from rarecache.serve.app import create_app  # noqa: E402
 from rarecache.serve.service import ChatService, ServiceConfig  # noqa: E402
 from rarecache.transfer.handoff import HandoffConfig, handoff  # noqa: E402
-from rarecache.transfer.mapper import Mapper, tensors_sha256  # noqa: E402
+from rarecache.transfer.mapfile import tensors_sha256  # noqa: E402
+from rarecache.transfer.mapper import Mapper  # noqa: E402
 
 SCALE = float(os.environ.get("RARECACHE_FUZZ_SCALE", "1"))
 RANDOM = bool(os.environ.get("RARECACHE_FUZZ_RANDOM"))

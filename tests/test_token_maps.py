@@ -311,3 +311,20 @@ def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
     torch.testing.assert_close(cache.v[0, :, :, :n], own.v[0, :, :, :n], atol=2e-6, rtol=2e-6)
     unsharpened, _, _ = handoff(source, target, maps["both"], prompts[:1], HandoffConfig(rho=0.0))
     assert not torch.allclose(cache.k[:, :, :, mapped], unsharpened.k[:, :, :, mapped], atol=1e-4)  # the view's
+
+
+def test_the_committed_served_map_loads_and_saves_unchanged(tmp_path):
+    """The served map, written before the options existed, loads with both off, is not flagged as a poor
+    fit, and saves back to the very same bytes (its recorded sha256)."""
+    import hashlib
+
+    from rarecache.defaults import SERVED
+
+    path = SERVED.path
+    if not path.is_file():
+        pytest.skip("the served map is not in this install")
+    mapper = Mapper.load(path)
+    assert not (mapper.info.token_inputs or mapper.info.exact_layer0 or mapper.needs_tokens)
+    assert mapper.exact_layers == 0 and mapper.extra_width == 0 and mapper.fit_problems() == []
+    mapper.save(tmp_path / "again.safetensors")
+    assert hashlib.sha256((tmp_path / "again.safetensors").read_bytes()).hexdigest() == SERVED.sha256

@@ -97,7 +97,8 @@ def footprint(source, target, mapper, T: int, batch: int) -> dict[str, float]:
     return {"source_cache_mib": 2 * cs.num_layers * batch * cs.kv_dim * (T + 1) * src_size / MIB,
             "target_cache_mib": 2 * ct.num_layers * batch * ct.kv_dim * (T + 1) * size / MIB,
             "map_mib": nbytes(*maps) / MIB,
-            "map_buffer_mib": batch * T * (cs.num_layers * cs.kv_dim + ct.kv_dim) * size / MIB}
+            # (a token-input map also holds the token block, B·T·2·kv_t: `Mapper.extra_width`)
+            "map_buffer_mib": batch * T * (cs.num_layers * cs.kv_dim + ct.kv_dim + mapper.extra_width) * size / MIB}
 
 
 def formula(source, target, mapper) -> str:

@@ -32,10 +32,11 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
-from .features import rows, token_block, token_rows
+from .features import SIDES, features, token_block, token_rows
 from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads,
-                  sharpen, unsharpen)
-from .mapper import SIDES, Mapper, MapInfo, identity, partial_path
+                  matched_heads, sharpen, unsharpen)
+from .mapfile import MapInfo, partial_path
+from .mapper import Mapper, identity
 from .stats import RegressionStats
 
 
@@ -84,13 +85,6 @@ def run_config(cfg: CalibrationConfig) -> dict:
     """What of `cfg` a state is tied to: the statistics' choices (token inputs only when on, so states
     written before the option resume)."""
     return {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY and not (k == "token_inputs" and not v)}
-
-
-def features(runner: Runner, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Prefill one sequence; content rows (N, L·Hkv·D) per side at positions `keep`."""
-    cache, _ = runner.prefill([ids])
-    pos = keep[None].to(runner.device)
-    return {s: rows(runner, cache, pos, s)[0] for s in SIDES}
 
 
 class Calibration:
@@ -364,14 +358,6 @@ def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:
     return Mapper(replace(info, r2_heldout={}, sharpen=sharpen_info(powers)), sides)
 
 
-def matched_heads(source_heads: int, target_heads: int) -> int:
-    """The KV heads a head-matched map splits rows into, or a clear error when the pair cannot."""
-    if source_heads != target_heads or source_heads < 2:
-        raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; this pair has "
-                             f"{source_heads} and {target_heads}")
-    return source_heads
-
-
 def _heads_of(run: dict) -> int:
     """The KV heads of a dense state's models, if a head-matched refit can split them."""
     heads = run.get("kv_heads")
@@ -379,3 +365,29 @@ def _heads_of(run: dict) -> int:
         raise RarecacheError("this calibration state does not record the models' KV heads (it was written "
                              "before head-matched maps): calibrate again with --head-matched")
     return matched_heads(*heads)
+
+
+def collect_rows(source, target, tokenizer, corpus, tokens: int, seq_len: int, first_document: int = 0,
+                 progress: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Content rows of both models at the first `tokens` positions of the corpus's documents from
+    `first_document` on: side -> (x (N, Ls·ds), y (N, Lt·dt)), float32."""
+    xs: dict[str, list[torch.Tensor]] = {s: [] for s in SIDES}
+    ys: dict[str, list[torch.Tensor]] = {s: [] for s in SIDES}
+    n = 0
+    bar = tqdm(total=tokens, unit="tok", desc="mlp rows", disable=not progress, leave=False)
+    for doc, ids in token_sequences(corpus, tokenizer, seq_len):
+        if n >= tokens:
+            break
+        if doc < first_document:
+            continue
+        keep = torch.arange(min(len(ids), tokens - n))
+        fx, fy = features(source, ids, keep), features(target, ids, keep)
+        for s in SIDES:
+            xs[s].append(fx[s].float().cpu())
+            ys[s].append(fy[s].float().cpu())
+        n += len(keep)
+        bar.update(len(keep))
+    bar.close()
+    if n == 0:
+        raise ValueError(f"corpus {corpus.name} has no documents from {first_document} on")
+    return {s: (torch.cat(xs[s]), torch.cat(ys[s])) for s in SIDES}

@@ -20,6 +20,8 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.runner import Runner
 
+SIDES = ("k", "v")  # keys and values: every map, statistic and file is per side
+
 
 def rows(runner: Runner, cache: KVCache, positions: torch.Tensor, side: str) -> torch.Tensor:
     """Content rows of every layer at positions (B, T) -> (B, T, L·Hkv·D), layers concatenated."""
@@ -31,6 +33,13 @@ def rows(runner: Runner, cache: KVCache, positions: torch.Tensor, side: str) -> 
     if side == "k":
         x = runner.rope.strip(x, positions)  # one cos/sin per position, broadcast over layers
     return x.permute(1, 3, 0, 2, 4).reshape(B, slots.shape[1], L * H * D)  # (B, T, L·Hkv·D)
+
+
+def features(runner: Runner, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Prefill one sequence; content rows (N, L·Hkv·D) per side at positions `keep` (what calibration reads)."""
+    cache, _ = runner.prefill([ids])
+    pos = keep[None].to(runner.device)
+    return {s: rows(runner, cache, pos, s)[0] for s in SIDES}
 
 
 def token_rows(runner: Runner, tokens: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import RarecacheError
 from .stats import RegressionStats
 
 
@@ -160,6 +161,14 @@ def unsharpen(fit: SideFit, power: float) -> SideFit:
 
 
 # -- head-matched maps -------------------------------------------------------------------------
+
+def matched_heads(source_heads: int, target_heads: int) -> int:
+    """The KV heads a head-matched map splits rows into, or a clear error when the pair cannot."""
+    if source_heads != target_heads or source_heads < 2:
+        raise RarecacheError(f"head-matched maps need as many KV heads on both sides, at least 2; this pair has "
+                             f"{source_heads} and {target_heads}")
+    return source_heads
+
 
 def head_layouts(src: Layout, tgt: Layout, heads: int) -> tuple[Layout, Layout]:
     """One head's layouts: every layer's row holds `heads` heads side by side."""

@@ -34,9 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.cache import KVCache
-from .features import token_block
-
-SIDES = ("k", "v")
+from .features import SIDES, token_block
 
 
 def span(positions: torch.Tensor) -> int | None:

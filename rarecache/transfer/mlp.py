@@ -11,7 +11,7 @@ is two matrix products per target layer. Rank disagreement keeps using ridge's
 basis (z = ŷ − ȳ as before).
 
 Training needs rows, not sufficient statistics: a second pass over calibration
-text collects them (`collect_rows`), a few tens of thousands of positions.
+text collects them (`calibrate.collect_rows`), a few tens of thousands of positions.
 """
 
 from __future__ import annotations
@@ -120,33 +120,3 @@ def train_side(fit: SideFit, x_train: torch.Tensor, y_train: torch.Tensor, x_hel
             r2["mlp"].append(_r2(rh + torch.relu(xh @ w1f + b1f) @ (w2b * scale) + b2b * scale, yh))
     stack = [torch.stack([layer[i] for layer in layers]).detach() for i in range(4)]
     return SideMLP(*stack), r2
-
-
-def collect_rows(source, target, tokenizer, corpus, tokens: int, seq_len: int, first_document: int = 0,
-                 progress: bool = True) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Content rows of both models at the first `tokens` positions of the corpus's documents from
-    `first_document` on: side -> (x (N, Ls·ds), y (N, Lt·dt)), float32."""
-    from .calibrate import features
-    from .corpus import token_sequences
-    from .mapper import SIDES
-
-    xs: dict[str, list[torch.Tensor]] = {s: [] for s in SIDES}
-    ys: dict[str, list[torch.Tensor]] = {s: [] for s in SIDES}
-    n = 0
-    bar = tqdm(total=tokens, unit="tok", desc="mlp rows", disable=not progress, leave=False)
-    for doc, ids in token_sequences(corpus, tokenizer, seq_len):
-        if n >= tokens:
-            break
-        if doc < first_document:
-            continue
-        keep = torch.arange(min(len(ids), tokens - n))
-        fx, fy = features(source, ids, keep), features(target, ids, keep)
-        for s in SIDES:
-            xs[s].append(fx[s].float().cpu())
-            ys[s].append(fy[s].float().cpu())
-        n += len(keep)
-        bar.update(len(keep))
-    bar.close()
-    if n == 0:
-        raise ValueError(f"corpus {corpus.name} has no documents from {first_document} on")
-    return {s: (torch.cat(xs[s]), torch.cat(ys[s])) for s in SIDES}

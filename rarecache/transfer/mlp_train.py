@@ -12,7 +12,8 @@ from ..errors import RarecacheError
 from .corpus import Corpus
 from .fit import Layout
 from .mapper import SIDES, Mapper
-from .mlp import MLPConfig, collect_rows, train_side
+from .calibrate import collect_rows
+from .mlp import MLPConfig, train_side
 
 
 def fit_mlp(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Corpus, cfg: MLPConfig,
@@ -20,6 +21,8 @@ def fit_mlp(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: C
     """The map with an MLP trained per target layer and side on ridge's residual, and the held-out R²
     ({side: {"ridge": [...], "mlp": [...]}}). `corpus` must be the map's own calibration text; `name` says
     which map in the error if it is not."""
+    if mapper.info.token_inputs:  # (before collecting rows: Mapper.with_mlp refuses it)
+        raise RarecacheError(f"{name} reads token inputs, which a residual MLP would not: no MLP for it")
     if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
         raise RarecacheError(f"{name} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
                              f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}): "
