@@ -15,7 +15,6 @@ decoder layers through torch.compile (a failure is recorded and the layer runs e
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from ..engine import attention
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
+from .ablate import median_time
 from .handoff import ceilings, synchronize
 from .shapes import CONFIGS, random_mapper, random_model
 
@@ -95,17 +95,6 @@ def _guarded(fn, what: str, failures: list[str]):
     return call
 
 
-def median_s(fn, repeats: int, device: torch.device) -> float:
-    times = []
-    for i in range(repeats + 1):  # the first round warms up
-        t = time.perf_counter()
-        fn()
-        synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def time_cells(source: Runner, target: Runner, hf, mapper: Mapper, T: int, batch: int, grid: Grid,
                repeats: int) -> list[dict]:
@@ -118,8 +107,8 @@ def time_cells(source: Runner, target: Runner, hf, mapper: Mapper, T: int, batch
     pos = torch.arange(T, device=target.device).expand(batch, T)
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
         mapper.tensors(side, mapper.dtype_for(target), target.device)
-    ours = median_s(lambda: target.forward(tokens, pos, target.new_cache(batch, T)), repeats, target.device)
-    theirs = median_s(lambda: hf(input_ids=tokens, use_cache=True, logits_to_keep=1), repeats, target.device)
+    ours = median_time(lambda: target.forward(tokens, pos, target.new_cache(batch, T)), repeats, target.device)
+    theirs = median_time(lambda: hf(input_ids=tokens, use_cache=True, logits_to_keep=1), repeats, target.device)
     best = min(ours, theirs)
     rows = []
     for selector in grid.selectors:

@@ -45,6 +45,7 @@ import torch
 from ...errors import RarecacheError
 from ...models.config import ModelConfig, RopeConfig
 from ...models.loader import checkpoint_fingerprint
+from ...transfer.conversation import common_prefix
 from .entry import FORMAT_VERSION, REASONS, EntryGone, decode_meta, decode_rows, encode_entry, header_length
 
 CHUNK = 16  # tokens per prefix-index step; vLLM block sizes are multiples of it
@@ -106,15 +107,6 @@ class Miss:
 
     reason: str
     detail: str = ""
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class RowStore(ABC):
@@ -244,7 +236,7 @@ class RowStore(ABC):
                 self._expire(bucket, name)
                 miss = miss or Miss("evicted", "the entry outlived its lifetime")
                 continue
-            length = _common(meta["tokens"], tokens)
+            length = common_prefix(meta["tokens"], tokens)
             if length == 0:
                 miss = miss or Miss("corrupt_entry", "the entry's tokens do not start with its prefix")
                 continue
