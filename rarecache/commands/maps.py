@@ -1,10 +1,11 @@
-"""Map files: `rarecache calibrate` fits one, `refit` and `mlp` make another from it (`inspect`, which
+"""Map files: `rarecache calibrate` fits one, `refit`, `mlp` and `refine` make another from it (`inspect`, which
 shows one, is commands/inspect.py; `ppl`, which scores what a map keeps, an evaluation, commands/ppl.py)."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import RarecacheError
@@ -18,6 +19,7 @@ def register(sub) -> None:
     _add_calibrate(sub)
     _add_refit(sub)
     _add_mlp(sub)
+    _add_refine(sub)
 
 
 def _add_calibrate(sub) -> None:
@@ -274,5 +276,73 @@ def cmd_mlp(args) -> int:
         ridge, mlp = (sum(r2[s][k]) / len(r2[s][k]) for k in ("ridge", "mlp"))
         print(f"  {name:6s} ridge {ridge:.4f}  ridge + MLP {mlp:.4f}  ({mlp - ridge:+.4f})")
     print(json.dumps({"mlp": str(args.out), "hidden": cfg.hidden, "heldout_r2": r2}))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _add_refine(sub) -> None:
+    p = sub.add_parser("refine", help="refine a ridge map on the target's own next-token distribution (KL)",
+                       description="Starting from the closed-form fit, take gradient steps on the map's weight and "
+                                   "bias that bring the target's next-token distribution over a handed-off cache "
+                                   "(a suffix recomputed at a budget drawn from --rhos, the rest mapped) closer to "
+                                   "its own, on the map's calibration text after its fit documents; held-out "
+                                   "sequences after those pick the step kept. The map's form and serving cost are "
+                                   "unchanged. Give the same text as the map's calibration (--preset, --task or "
+                                   "--corpus): it is checked by fingerprint. An interrupted run resumes from "
+                                   "OUT.refine-state, saved at every held-out check.")
+    p.add_argument("map", type=Path, help="dense ridge map fitted by `rarecache calibrate`")
+    p.add_argument("--source", required=True, help="the map's source model")
+    p.add_argument("--target", required=True, help="the map's target model")
+    p.add_argument("--corpus", default="wiki", help="the map's calibration corpus (default: wiki)")
+    p.add_argument("--chat", action="store_true", help="as the map's calibration was run with --chat")
+    p.add_argument("--task", default=None, help="the map's calibration task")
+    p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
+                   help="the map's --calibration file (with a task file as --task)")
+    p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
+    p.add_argument("--steps", type=int, default=300, help="training sequences, one per step (default: 300)")
+    p.add_argument("--lr", type=float, default=0.001, help="Adam's step in units of each layer's weight RMS "
+                                                           "(default: 0.001)")
+    p.add_argument("--rhos", type=float, nargs="+", default=[0.1, 0.2, 0.3],
+                   help="budgets the recomputed suffix is drawn from (default: 0.1 0.2 0.3)")
+    p.add_argument("--heldout", type=int, default=12, help="held-out sequences (default: 12)")
+    p.add_argument("--every", type=int, default=50, help="steps between held-out checks (default: 50)")
+    p.add_argument("--seq-len", type=int, default=512, help="longest sequence (default: 512)")
+    p.add_argument("--out", type=Path, required=True, help="map file to write")
+    add_model_options(p)
+    p.set_defaults(func=cmd_refine)
+
+
+def cmd_refine(args) -> int:
+    from ..engine.llm import DTYPES
+    from ..engine.runner import Runner
+    from ..models.store import resolve_model
+    from ..models.tokenizer import Tokenizer
+    from ..transfer.mapper import Mapper
+    from ..transfer.refine import RefineConfig, refine
+
+    _check_corpus_flags(args)
+    cfg = RefineConfig(steps=args.steps, lr=args.lr, rhos=tuple(args.rhos), heldout=args.heldout, every=args.every,
+                       seq_len=args.seq_len, min_len=min(64, args.seq_len))  # (refuses bad values before loading)
+    mapper = Mapper.load(args.map)
+    if mapper.info.mlp_hidden or mapper.info.heads:
+        raise RarecacheError(f"{args.map} is not a dense linear map (head-matched or with an MLP): nothing to refine")
+    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
+    source = Runner.load(paths[0], dtype=DTYPES[args.dtype])
+    target = Runner.load(paths[1], dtype=DTYPES[args.dtype], pack=False)  # gradients run through its layers
+    mapper.check_pair(source, target)
+    tokenizer = Tokenizer.from_dir(paths[0])
+    corpus = _corpus(args, tokenizer)
+    if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
+        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')}, not on {corpus.name}: "
+                             "give the map's own calibration text")
+    first = mapper.info.calibration.get("documents_used", 0)
+    state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it
+    out, record = refine(mapper, source, target, tokenizer, corpus, replace(cfg, first_document=first),
+                         log=lambda line: print(line, file=sys.stderr, flush=True), state=state)
+    out.save(args.out)
+    state.unlink(missing_ok=True)
+    print(f"held-out KL {record['heldout_kl_before']:.4f} -> {record['heldout_kl']:.4f} nats "
+          f"(step {record['kept_step']} of {record['steps']} kept)")
+    print(json.dumps({"refine": str(args.out), **{k: v for k, v in record.items() if k != "checks"}}))
     print(f"wrote {args.out}", file=sys.stderr)
     return 0

@@ -32,7 +32,7 @@ _META_KEY = "rarecache.map"
 _SUM_KEY = "rarecache.map.sha256"  # of the tensor data, beside the metadata (older files lack it)
 _TENSORS = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
 _MLP = ("w1", "b1", "w2", "b2")
-_OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False))  # (field, left out when)
+_OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False), ("refined", None))  # (field, left out when)
 
 
 def partial_path(path: Path) -> Path:
@@ -86,6 +86,7 @@ class MapInfo:
     plain_sharpen: dict[str, float] | None = None  # side -> power plain transfer (rho 0) uses; None: `sharpen`
     token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token
     exact_layer0: bool = False  # the target's layer-0 rows computed from the token, not mapped
+    refined: dict[str, Any] | None = None  # the output-aware refinement's record (refine.py), when refined
 
     @property
     def direction(self) -> str:
@@ -238,6 +239,8 @@ def check_info(info: MapInfo) -> None:
         raise TypeError("token_inputs and exact_layer0 must be true or false")
     if info.token_inputs and (info.heads or info.mlp_hidden):
         raise TypeError("token_inputs needs a dense linear map (not head-matched, no MLP)")
+    if info.refined is not None and not isinstance(info.refined, dict):
+        raise TypeError("refined must be null or a JSON object")
     plain = info.plain_sharpen
     if plain is not None:
         if not (isinstance(plain, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(
