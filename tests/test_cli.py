@@ -70,7 +70,8 @@ def test_missing_weights_named(model_dir, capsys):
     assert "no .safetensors weights" in capsys.readouterr().err
 
 
-COMMANDS = ("demo", "models", "pull", "generate", "calibrate", "refit", "mlp", "inspect", "ppl", "eval", "serve", "bench")
+COMMANDS = ("demo", "models", "pull", "generate", "calibrate", "refit", "mlp", "refine", "inspect", "ppl", "eval", "serve",
+            "bench")
 
 
 def _parsers(parser, words=(), summary=None):
@@ -136,7 +137,7 @@ def test_help_imports_no_model_code():
             "             or m.startswith(('rarecache.eval', 'rarecache.engine', 'rarecache.transfer'))))\n")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          check=True).stdout
-    assert len(commands) == 30 and out.splitlines()[-1] == "[]"
+    assert len(commands) == 31 and out.splitlines()[-1] == "[]"
 
 
 def test_served_model_names(tmp_path, monkeypatch):
