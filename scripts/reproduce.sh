@@ -15,17 +15,24 @@ S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 RC=${RARECACHE:-rarecache}  # e.g. RARECACHE="python -m rarecache.cli" where the command is not installed
 
 # The maps, by the name the records carry. SERVED: the map the package ships. V2 (the map served before
-# v3; CoQA's record went through it) and REV (1.5B -> 0.5B) are looked up in $OUT/maps, then where a
-# checkout committed them; their calibrate commands are in research/LOG.md (8.1 and 8), and a record's
-# meta names each map's sha256, so a map made again on another machine is checked, not assumed.
+# v3; CoQA's record went through it) and REV (1.5B -> 0.5B) are looked up in $OUT/maps, then
+# $RARECACHE_HOME/maps, then where a checkout commits them. V2 is no longer in the tree: where none is found, its
+# exact bytes come from git history (docs/RESULTS.md, "Maps that are no longer in the tree", also gives the
+# commands that make it again). A record's meta names each map's sha256, so a map made again on another
+# machine is checked, not assumed.
 served_map() {
   "${PYTHON:-python}" -c "from rarecache.defaults import served_map_file; print(served_map_file())" 2>/dev/null \
     || echo docs/artifacts/maps/general-v3-64k.safetensors
 }
-find_map() {  # NAME: the first copy found
+find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git history holds, put in $OUT/maps
   local p
-  for p in "$OUT/maps/$1" "docs/artifacts/maps/$1"; do [ -f "$p" ] && { echo "$p"; return; }; done
-  echo "reproduce: no $1 (put it in $OUT/maps; its calibrate command is in research/LOG.md)" >&2
+  for p in "$OUT/maps/$1" "${RARECACHE_HOME:-$HOME/.cache/rarecache}/maps/$1" "docs/artifacts/maps/$1"; do
+    [ -f "$p" ] && { echo "$p"; return; }
+  done
+  if [ -n "${2:-}" ] && git cat-file -e "$2" 2>/dev/null; then
+    git show "$2" > "$OUT/maps/$1.part" && mv "$OUT/maps/$1.part" "$OUT/maps/$1" && { echo "$OUT/maps/$1"; return; }
+  fi
+  echo "reproduce: no $1 (put it in $OUT/maps: docs/RESULTS.md, 'Maps that are no longer in the tree')" >&2
   return 1
 }
 
@@ -58,7 +65,7 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0.2:suffix@v3 --limit $n --dtype float32 --out \$OUT/v3-$t.jsonl"
       echo "\$RC eval report \$OUT/v3-$t.jsonl > \$OUT/v3-$t.report.md";;
     drift-coqa)
-      echo "V2=\$(find_map general-64k.safetensors)"
+      echo "V2=\$(find_map general-64k.safetensors d7eaf97:docs/artifacts/maps/general-64k.safetensors)"
       echo "\$RC eval drift run --source \$S --target \$T --map \$V2 --arms alone 0.2:suffix 0.2:suffix:heal --stories 10 --dtype float32 --out \$OUT/drift-coqa-heal.jsonl"
       echo "\$RC eval drift report \$OUT/drift-coqa-heal.jsonl > \$OUT/drift-coqa-heal.md";;
     reverse-hellaswag)

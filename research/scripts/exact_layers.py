@@ -5,8 +5,12 @@ Layer 0 is a function of the tokens alone (its K/V cost ~0.2% of a prefill); lay
 of layers < j over every position (1/L of a prefill each).
 
     python research/scripts/exact_layers.py MAP PASSAGES M,M,... OUT.json
-    python research/scripts/exact_layers.py ~/.cache/rarecache/runs/maps/general-64k-0.5b-to-1.5b.safetensors 12 0,1,2,3 \
-        docs/artifacts/exact-layers-ppl.json
+    python research/scripts/exact_layers.py $RARECACHE_HOME/maps/general-v1-64k-0.5b-to-1.5b.safetensors \
+        12 0,1,2,3 docs/artifacts/exact-layers-ppl.json
+
+The record went through the general map v1 (sha256 c374c4bf...), no longer in the tree: put it there first with
+`git show 3415776:docs/artifacts/general-v1/general-64k-0.5b-to-1.5b.safetensors > FILE` (its exact bytes), or make
+it again (docs/RESULTS.md, "Maps that are no longer in the tree").
 """
 import json
 import math

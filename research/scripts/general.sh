@@ -4,8 +4,11 @@
 # resumes from its results file. Run it in the background and rerun it after an interruption:
 #   nohup bash research/scripts/frozen.sh research/scripts/general.sh >> ~/.cache/rarecache/runs/general.log 2>&1 &
 # Maps, states and results go to $RUNS (default ~/.cache/rarecache/runs): outside the work tree, so a fresh
-# checkout on the same machine continues them. On a fresh machine the general map is the committed one and an
-# evaluation continues from its partial run committed to docs/artifacts (research/scripts/publish.sh; lib.sh).
+# checkout on the same machine continues them. On a fresh machine the general maps are the ones the committed runs
+# went through, no longer in the tree: put them in $RARECACHE_HOME/maps first (lib.sh's REBUILT; docs/RESULTS.md,
+# "Maps that are no longer in the tree": `git show` gives their exact bytes), and an evaluation continues from its
+# partial run committed to docs/artifacts (research/scripts/publish.sh; lib.sh). Without them it calibrates anew,
+# and the committed runs, pinned to the old maps' sha256, are not continued.
 # frozen.sh runs it from a copy of HEAD, so editing the work tree (this file included) cannot change what a
 # running queue does.
 # Breadth first: every task, the gate's ladders and reports, large -> small and the 16k map's figures at 100
@@ -26,7 +29,7 @@ gen() {  # source target tokens out (the preset's sequence length and sharpening
 # when the 64k map was calibrated, which makes plain transfer (rho 0) nearly level with the source, and its plain
 # ridge fit, which serves the handoffs (rho > 0) better. Handoff arms go through the ridge fit (label ridge); plain
 # transfer through both (0:rank@ridge, 0:rank@sharp). The ridge fit is the sharpened map's sharpening undone
-# exactly (refit --sharpen 0 0, no state; byte for byte). The served file (SERVED, committed) is the ridge fit
+# exactly (refit --sharpen 0 0, no state; byte for byte). The served file (SERVED, served until v3) is the ridge fit
 # recording plain transfer's sharpening (refit --plain-sharpen): the summary checks it against both. Maps the
 # preset makes now are such files already (ridge + plain_sharpen), so the reverse map is evaluated through
 # itself alone (label general: plain transfer through its plain view, handoffs through its fit).

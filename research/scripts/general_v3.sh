@@ -15,8 +15,12 @@ S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/eval
 mkdir -p $M $E
 V3=$M/general-v3-64k.safetensors
-SERVED=docs/artifacts/maps/general-64k.safetensors  # v2, the file served until 2026-12-05
 . research/scripts/lib.sh
+# v2, the file served until 2026-12-05, no longer in the tree: $RARECACHE_V2_MAP, else where it is put back
+# (lib.sh's REBUILT). `git show d7eaf97:docs/artifacts/maps/general-64k.safetensors > FILE` gives its exact bytes
+# (sha256 ac9b6bf9...); docs/RESULTS.md, "Maps that are no longer in the tree", the commands that make it again.
+SERVED=${RARECACHE_V2_MAP:-$REBUILT/general-64k.safetensors}
+[ -f "$SERVED" ] || { echo "general_v3.sh: no v2 map at $SERVED (see docs/RESULTS.md, 'Maps that are no longer in the tree')" >&2; exit 1; }
 shipped $V3  # the committed v3 map (the one every published v3 figure went through), where RUNS has none
 [ -f $V3 ] || rarecache calibrate --preset general-v3 --source $S --target $T --tokens 65536 --heldout-tokens 8192 \
     --dtype float32 --keep-state --out $V3

@@ -39,11 +39,16 @@ for art in arts:
     break
 PY
 }
-# shipped MAP: a map committed to docs/artifacts/maps is copied to MAP when MAP is missing, so a fresh machine
-# continues with the very map the committed runs used instead of recalibrating (calibration is deterministic on
-# one machine only; research/scripts/rebase_map.py).
+# shipped MAP: a map committed to docs/artifacts/maps, else one put back in $REBUILT, is copied to MAP when MAP is
+# missing, so a fresh machine continues with the very map the committed runs used instead of recalibrating
+# (calibration is deterministic on one machine only; research/scripts/rebase_map.py). REBUILT ($REBUILT_MAPS,
+# default $RARECACHE_HOME/maps) holds the maps no longer in the tree (v2's general-64k.safetensors and
+# general-64k-0.5b-to-1.5b.safetensors): docs/RESULTS.md, "Maps that are no longer in the tree", gives the
+# `git show` that puts back their exact bytes and the commands that make them again.
+REBUILT=${REBUILT_MAPS:-${RARECACHE_HOME:-$HOME/.cache/rarecache}/maps}
 shipped() {
   local art; art=docs/artifacts/maps/$(basename "$1")
+  [ -f "$art" ] || art=$REBUILT/$(basename "$1")
   [ -f "$1" ] || [ ! -f "$art" ] || cp "$art" "$1"
 }
 # gate_side_fits ARM HELD EVAL OUT POLICIES: beside the joint policy, each task's own (fitted on its held items
