@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from rarecache.cli import main
-from rarecache.engine.runner import Runner, pad_batch
+from rarecache.engine.runner import Runner, pack_float32, pad_batch
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig, resharpen
+from rarecache.transfer.corpus import load_corpus, token_sequences
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 from rarecache.transfer.mapper import SIDES, Mapper
 from rarecache.transfer.refine import (Cut, Delta, Example, RefineConfig, cuts, kl, layer_inputs, mapped_rows, refine,
@@ -91,12 +91,17 @@ def test_the_objective_is_a_suffix_handoff(setup, kind, rho):
     _, want, rec = handoff(source, target, m, [ids], HandoffConfig(rho, "suffix"))
     assert rec.positions[0] == list(range(len(ids) - ex.n, len(ids)))
     torch.testing.assert_close(got, want[0], atol=1e-4, rtol=1e-4)
-    # and the teacher is the target alone: KL of the target against itself is zero
-    assert kl(ex.teacher, ex.teacher).item() == pytest.approx(0.0, abs=1e-6)
+    # every suffix position, not only the last, is the target's pass over the handed-off cache
+    toks, pos = pad_batch([ids], target.device)
+    s_cache, _ = source.prefill([ids])
+    cache = target.new_cache(1, len(ids))
+    m.apply_reference(source, s_cache, target, cache, pos, tokens=toks)
+    ref = target.forward(toks[:, -ex.n:], pos[:, -ex.n:], cache, logits_at="all").logits[0]
+    torch.testing.assert_close(suffix_logits(target, ex.tokens, ex.suffix, k, v)[0], ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["plain", "tokens"])
-def test_steps_lower_the_objective(setup, pair_dir, kind):
+def test_steps_lower_the_objective(setup, pair_dir, kind, tmp_path):
     """Adam steps on one example's loss lower it (the gradient reaches the map through the target's layers).
     The tiny target's final norm is scaled up so its next-token distribution is peaked enough to move."""
     source, _, tok, corpus, maps = setup
@@ -118,10 +123,19 @@ def test_steps_lower_the_objective(setup, pair_dir, kind):
     assert losses[0] > 0 and all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.8 * losses[0]
     # the folded weight and bias give the rows the training pass saw
     fitted = Mapper(m.info, delta.fitted(m))
+    fitted.save(tmp_path / "f.safetensors")
     k1, v1 = mapped_rows(m, delta, ex.x, ex.own, target, ex.prefix)
-    k2, v2 = mapped_rows(fitted, None, ex.x, ex.own, target, ex.prefix)
-    for a, b in zip(k1 + v1, k2 + v2):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    for mm in (fitted, Mapper.load(tmp_path / "f.safetensors")):
+        k2, v2 = mapped_rows(mm, None, ex.x, ex.own, target, ex.prefix)
+        for a, b in zip(k1 + v1, k2 + v2):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # the mean prediction (what rank disagreement centres on) moved with the change, over the measured inputs
+    for s in SIDES:
+        y = torch.stack([xl @ fitted.sides[s].weight[l].float() + fitted.sides[s].bias[l].float()
+                         for l, xl in enumerate(layer_inputs(m, ex.x, ex.own)[s])]).mean(1)  # (Lt, dt)
+        y0 = torch.stack([xl @ m.sides[s].weight[l].float() + m.sides[s].bias[l].float()
+                          for l, xl in enumerate(layer_inputs(m, ex.x, ex.own)[s])]).mean(1)
+        torch.testing.assert_close((fitted.sides[s].mean - m.sides[s].mean).float(), y - y0, atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("kind", ["plain", "tokens"])
@@ -134,7 +148,12 @@ def test_refinement_keeps_its_best_check_and_round_trips(setup, kind, tmp_path):
     best = min(rec["checks"], key=lambda c: c["heldout_kl"])
     assert (rec["kept_step"], rec["heldout_kl"]) == (best["step"], best["heldout_kl"])
     assert rec["heldout_kl_before"] == rec["checks"][0]["heldout_kl"]
-    assert rec["heldout_documents"][0] >= rec["documents"][1] > rec["documents"][0]  # held out after training
+    seqs = {tuple(ids): doc for doc, ids in token_sequences(corpus, tok, cfg.seq_len)}
+    doc_of = lambda c: next(d for full, d in seqs.items() if full[: len(c.ids)] == c.ids)  # noqa: E731
+    rng = random.Random(cfg.seed)
+    train, after = cuts(corpus, tok, cfg, cfg.steps, cfg.first_document, rng)
+    held, _ = cuts(corpus, tok, cfg, cfg.heldout, after, rng)
+    assert max(map(doc_of, train)) < rec["documents"][1] == after <= min(map(doc_of, held))
     assert torch.equal(out.sides["k"].weight, m.sides["k"].weight) == (rec["kept_step"] == 0)
     for s in SIDES:  # the form is unchanged: same shapes, same source layers, same rank basis
         assert out.sides[s].weight.shape == m.sides[s].weight.shape
@@ -145,10 +164,7 @@ def test_refinement_keeps_its_best_check_and_round_trips(setup, kind, tmp_path):
     assert back.info.refined["heldout_kl"] == rec["heldout_kl"]
     torch.testing.assert_close(back.sides["v"].bias.double(), out.sides["v"].bias.double())  # (files hold float32)
     # the held-out KL the record claims is the written map's, recomputed from the same held-out cuts
-    rng = random.Random(cfg.seed)
-    _, after = cuts(corpus, tok, cfg, cfg.steps, cfg.first_document, rng)
-    kept, _ = cuts(corpus, tok, cfg, cfg.heldout, after, rng)
-    exs = [Example(c, source, target, back) for c in kept]
+    exs = [Example(c, source, target, back) for c in held]
     again = sum(e.loss(back, None, target).item() for e in exs) / len(exs)
     assert again == pytest.approx(rec["heldout_kl"], rel=1e-3, abs=1e-7)
 
@@ -164,15 +180,29 @@ def test_unrefined_maps_keep_their_bytes(setup, tmp_path):
 
 def test_refusals(setup, pair_dir):
     source, _, tok, corpus, maps = setup
-    packed = Runner.load(pair_dir / "tgt", pack=True) if Runner.load(pair_dir / "tgt").packed else None
-    if packed is not None:
+    if pack_float32(torch.float32, "cpu"):
+        packed = Runner.load(pair_dir / "tgt", pack=True)
+        assert packed.packed
         with pytest.raises(RarecacheError, match="unpacked"):
             refine(maps["plain"], source, packed, tok, corpus, RefineConfig(steps=1, heldout=1), progress=False)
+    refined = Mapper(replace(maps["plain"].info, refined={"steps": 1}), maps["plain"].sides)
+    with pytest.raises(RarecacheError, match="already refined"):
+        refine(refined, source, setup[1], tok, corpus, RefineConfig(steps=1, heldout=1), progress=False)
+    # what changes the weights again drops the record: it would no longer describe them
+    assert resharpen(refined, (0.5, 0.5)).info.refined is None
+    for bad in (dict(lr=float("inf")), dict(lr=float("nan"))):
+        with pytest.raises(RarecacheError):
+            RefineConfig(**bad)
     for bad in (dict(steps=0), dict(lr=0.0), dict(rhos=(0.0,)), dict(rhos=()), dict(min_len=1), dict(heldout=0)):
         with pytest.raises(RarecacheError):
             RefineConfig(**bad)
     with pytest.raises(RarecacheError, match="has 0 sequences"):
         cuts(corpus, tok, RefineConfig(seq_len=48, min_len=16), 3, 10_000, random.Random(0))
+
+
+def test_cli_defaults_are_the_library_s():
+    from rarecache.commands.maps import REFINE_LR
+    assert REFINE_LR == RefineConfig().lr
 
 
 def test_cli(setup, pair_dir, tmp_path, capsys):
@@ -181,13 +211,16 @@ def test_cli(setup, pair_dir, tmp_path, capsys):
     common = ["--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--corpus",
               str(pair_dir / "corpus.txt"), "--seq-len", "48", "--heldout", "1", "--every", "2"]
     assert main(["refine", str(tmp_path / "m.safetensors"), *common, "--steps", "1", "--lr", "0.001",
-                 "--out", str(tmp_path / "r.safetensors")]) == 0
+                 "--out", str(tmp_path / "new" / "r.safetensors")]) == 0  # (a folder that does not exist yet)
     out = capsys.readouterr().out
-    assert "held-out KL" in out and Mapper.load(tmp_path / "r.safetensors").info.refined["steps"] == 1
+    assert "held-out KL" in out and not (tmp_path / "new" / "r.safetensors.refine-state").exists() and Mapper.load(tmp_path / "new" / "r.safetensors").info.refined["steps"] == 1
     # a user mistake is one line, not a traceback
     assert main(["refine", str(tmp_path / "m.safetensors"), *common, "--steps", "0", "--out",
                  str(tmp_path / "x.safetensors")]) != 0
     assert "steps >= 1" in capsys.readouterr().err
+    assert main(["refine", str(tmp_path / "m.safetensors"), *common, "--rhos", "0.2", "1.5", "--out",
+                 str(tmp_path / "x.safetensors")]) != 0
+    assert "--rhos must lie strictly between 0 and 1, got 0.2 1.5" in capsys.readouterr().err
     (tmp_path / "other.txt").write_text("the lazy dog\n\n\nthe quick fox " * 40)
     other = [a if a != str(pair_dir / "corpus.txt") else str(tmp_path / "other.txt") for a in common]
     assert main(["refine", str(tmp_path / "m.safetensors"), *other, "--steps", "2", "--out",
@@ -195,30 +228,89 @@ def test_cli(setup, pair_dir, tmp_path, capsys):
     assert "calibration text" in capsys.readouterr().err
 
 
-def test_an_interrupted_run_resumes_to_the_same_map(setup, tmp_path):
-    """A run stopped after its first check and resumed from its state ends where an uninterrupted run ends."""
-    source, target, tok, corpus, maps = setup
-    m = maps["plain"]
-    cfg = RefineConfig(steps=8, lr=1e-3, heldout=2, every=4, seq_len=48, min_len=16)
-    whole, rec = refine(m, source, target, tok, corpus, cfg, progress=False, log=lambda _: None)
-    state = tmp_path / "s"
+@pytest.fixture(scope="module")
+def peaked(pair_dir):
+    """The tiny target, unpacked, its final norm scaled so its next-token distribution is peaked enough for
+    steps to move the held-out KL (the K/V rows, what the maps predict, are unchanged)."""
+    target = Runner.load(pair_dir / "tgt", pack=False)
+    with torch.no_grad():
+        target.model.model.norm.weight.mul_(30)
+    return target
 
+
+def _interrupted(m, source, target, tok, corpus, cfg, state):
     class Stop(Exception):
         pass
 
     def stop_after_first_check(line):
-        if line.startswith("step 4"):
+        if line.startswith(f"step {cfg.every}:"):
             raise Stop
     with pytest.raises(Stop):
         refine(m, source, target, tok, corpus, cfg, progress=False, log=stop_after_first_check, state=state)
     assert state.exists()
+
+
+def test_an_interrupted_run_resumes_to_the_same_map(setup, peaked, tmp_path):
+    """A run stopped after its first check and resumed from its state makes the same checks (the held-out KL
+    after the resumed steps reads Adam's restored moments) and the same map as an uninterrupted run."""
+    source, _, tok, corpus, maps = setup
+    m = maps["plain"]
+    cfg = RefineConfig(steps=8, lr=1e-3, heldout=2, every=4, seq_len=48, min_len=16)
+    whole, rec = refine(m, source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None)
+    state = tmp_path / "s"
+    _interrupted(m, source, peaked, tok, corpus, cfg, state)
     lines = []
-    again, rec2 = refine(m, source, target, tok, corpus, cfg, progress=False, log=lines.append, state=state)
+    again, rec2 = refine(m, source, peaked, tok, corpus, cfg, progress=False, log=lines.append, state=state)
     assert any("resumed" in line for line in lines)
     assert [c["step"] for c in rec2["checks"]] == [0, 4, 8]
-    assert rec2["heldout_kl"] == pytest.approx(rec["heldout_kl"], rel=1e-5)
+    for c1, c2 in zip(rec["checks"], rec2["checks"]):
+        assert c2["heldout_kl"] == pytest.approx(c1["heldout_kl"], rel=1e-6)
+    assert len({c["heldout_kl"] for c in rec["checks"]}) == 3  # (the steps moved the map: the checks differ)
     for s in SIDES:
         torch.testing.assert_close(again.sides[s].weight, whole.sides[s].weight, atol=1e-6, rtol=1e-5)
     # a state of other settings is refused, not silently mixed in
     with pytest.raises(RarecacheError, match="other settings"):
-        refine(m, source, target, tok, corpus, replace(cfg, lr=0.01), progress=False, log=lambda _: None, state=state)
+        refine(m, source, peaked, tok, corpus, replace(cfg, lr=1e-4), progress=False, log=lambda _: None,
+               state=state)
+
+
+def _edit_state(path, tensors=None, meta=None, keep_sum=False):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(path), "pt") as f:
+        header, t = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    m = json.loads(header["refine"])
+    (tensors or (lambda t: None))(t)
+    (meta or (lambda m: None))(m)
+    from rarecache.transfer.mapfile import tensors_sha256
+    save_file(t, str(path), metadata={"refine": json.dumps(m),
+                                      "sha256": header["sha256"] if keep_sum else tensors_sha256(t)})
+
+
+@pytest.mark.parametrize("damage", ["flipped", "shape", "nan", "missing", "step", "best", "checks", "text"])
+def test_a_damaged_state_is_refused(setup, peaked, tmp_path, damage):
+    """The state file is untrusted input: each damage is one clear error, never a traceback or a wrong record."""
+    source, _, tok, corpus, maps = setup
+    m = maps["plain"]
+    cfg = RefineConfig(steps=8, lr=1e-3, heldout=2, every=4, seq_len=48, min_len=16)
+    state = tmp_path / "s"
+    _interrupted(m, source, peaked, tok, corpus, cfg, state)
+
+    def nan(t):
+        t["delta.k_w"][0, 0, 0] = float("nan")
+
+    edits = {
+        "flipped": dict(tensors=lambda t: t["best.v_b"].add_(1.0), keep_sum=True),
+        "shape": dict(tensors=lambda t: t.update({"delta.k_w": t["delta.k_w"][0].contiguous()})),
+        "nan": dict(tensors=nan),
+        "missing": dict(tensors=lambda t: t.pop("adam.v_b.exp_avg")),
+        "step": dict(meta=lambda mm: mm.update(step=99, adam_step=99)),
+        "best": dict(meta=lambda mm: mm.update(best=[0.0, 4])),
+        "checks": dict(meta=lambda mm: mm.update(checks=["x"])),
+    }
+    if damage == "text":
+        state.write_bytes(b"not a state")
+    else:
+        _edit_state(state, **edits[damage])
+    with pytest.raises(RarecacheError, match="refinement state"):
+        refine(m, source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None, state=state)

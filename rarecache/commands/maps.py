@@ -13,6 +13,7 @@ from .common import add_model_options, load_models, warn_fit
 
 # general (the served mix) and eval.mix.MIXES' names: --help imports no evaluation code; a test holds them equal
 PRESETS = ("general", "general-v2", "general-v3")
+REFINE_LR = 1e-5  # transfer.refine.RefineConfig.lr, spelled here so --help imports no torch (a test holds them equal)
 
 
 def register(sub) -> None:
@@ -300,8 +301,8 @@ def _add_refine(sub) -> None:
                    help="the map's --calibration file (with a task file as --task)")
     p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
     p.add_argument("--steps", type=int, default=300, help="training sequences, one per step (default: 300)")
-    p.add_argument("--lr", type=float, default=0.001, help="Adam's step in units of each layer's weight RMS "
-                                                           "(default: 0.001)")
+    p.add_argument("--lr", type=float, default=REFINE_LR,
+                   help=f"Adam's step, on standardised inputs in units of each layer's row spread (default: {REFINE_LR:g})")
     p.add_argument("--rhos", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                    help="budgets the recomputed suffix is drawn from (default: 0.1 0.2 0.3)")
     p.add_argument("--heldout", type=int, default=12, help="held-out sequences (default: 12)")
@@ -321,6 +322,10 @@ def cmd_refine(args) -> int:
     from ..transfer.refine import RefineConfig, refine
 
     _check_corpus_flags(args)
+    if any(not 0 < r < 1 for r in args.rhos):
+        raise RarecacheError(f"--rhos must lie strictly between 0 and 1, got {' '.join(map(str, args.rhos))}")
+    if args.seq_len < 2:
+        raise RarecacheError(f"--seq-len must be at least 2, got {args.seq_len}")
     cfg = RefineConfig(steps=args.steps, lr=args.lr, rhos=tuple(args.rhos), heldout=args.heldout, every=args.every,
                        seq_len=args.seq_len, min_len=min(64, args.seq_len))  # (refuses bad values before loading)
     mapper = Mapper.load(args.map)
@@ -333,9 +338,11 @@ def cmd_refine(args) -> int:
     tokenizer = Tokenizer.from_dir(paths[0])
     corpus = _corpus(args, tokenizer)
     if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
-        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')}, not on {corpus.name}: "
-                             "give the map's own calibration text")
+        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
+                             f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}"
+                             f"{', chat' if corpus.chat else ''}): give the map's own calibration text")
     first = mapper.info.calibration.get("documents_used", 0)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it
     out, record = refine(mapper, source, target, tokenizer, corpus, replace(cfg, first_document=first),
                          log=lambda line: print(line, file=sys.stderr, flush=True), state=state)

@@ -340,7 +340,7 @@ except by a head-matched refit, which has none. Seconds, not hours."""
     check_sharpen(powers)
     sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank, powers)
     return Mapper(replace(info, k=min(k, src.layers), lam=lam, rank=rank, r2_heldout=r2_held, heads=heads,
-                          mlp_hidden=0, sharpen=sharpen_info(powers),
+                          mlp_hidden=0, sharpen=sharpen_info(powers), refined=None,
                           plain_sharpen=None if heads else info.plain_sharpen), sides)
 
 
@@ -355,7 +355,7 @@ def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:
                              "only; refit from the state (calibrate --keep-state)")
     check_sharpen(powers)
     sides = {s: sharpen(unsharpen(mapper.sides[s], info.sharpen.get(s, 0.0)), p) for s, p in zip(SIDES, powers)}
-    return Mapper(replace(info, r2_heldout={}, sharpen=sharpen_info(powers)), sides)
+    return Mapper(replace(info, r2_heldout={}, sharpen=sharpen_info(powers), refined=None), sides)  # (new weights)
 
 
 def _heads_of(run: dict) -> int:

@@ -145,7 +145,7 @@ class Mapper:
         sharpening, `plain_sharpen`, is for dense linear maps and is dropped)."""
         if self.info.token_inputs:
             raise RarecacheError("a token-input map takes no residual MLP (its MLP would not read the token block)")
-        return Mapper(replace(self.info, mlp_hidden=hidden, plain_sharpen=None), self.sides, mlp)
+        return Mapper(replace(self.info, mlp_hidden=hidden, plain_sharpen=None, refined=None), self.sides, mlp)
 
     def save(self, path: str | Path) -> None:
         mapfile.write(self.info, self.sides, self.mlp, path)
@@ -240,6 +240,11 @@ class Mapper:
                  f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
                  f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
                  f"{i.calibration.get('documents_used')} used)"]
+        if i.refined:
+            r = i.refined
+            lines.append(f"  refined on the target's next-token KL: held-out {r.get('heldout_kl_before', float('nan')):.4f}"
+                         f" -> {r.get('heldout_kl', float('nan')):.4f} nats (step {r.get('kept_step')} of "
+                         f"{r.get('steps')}); R2 below is the closed-form fit's")
         for side, name in (("k", "keys"), ("v", "values")):
             r2 = self.sides[side].r2
             held = i.r2_heldout.get(side)

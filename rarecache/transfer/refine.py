@@ -49,13 +49,13 @@ class RefineConfig:
     rhos: tuple[float, ...] = (0.1, 0.2, 0.3)  # budgets a step's cut is drawn from
     seq_len: int = 512
     min_len: int = 64  # sequences are cut to a length drawn from [min_len, seq_len]
-    heldout: int = 12  # held-out sequences, at every ρ of `rhos`
+    heldout: int = 12  # held-out sequences (each at a ρ drawn from `rhos`, as training's)
     every: int = 50  # steps between held-out checks
     first_document: int = 0  # training sequences come from here on; held-out ones after them
     seed: int = 0
 
     def __post_init__(self):
-        if self.steps < 1 or self.heldout < 1 or self.every < 1 or not self.lr > 0:
+        if self.steps < 1 or self.heldout < 1 or self.every < 1 or not (self.lr > 0 and math.isfinite(self.lr)):
             raise RarecacheError("refinement needs steps >= 1, heldout >= 1, every >= 1 and lr > 0")
         if not self.rhos or not all(0 < r < 1 for r in self.rhos):
             raise RarecacheError("refinement budgets (rhos) must lie strictly between 0 and 1")
@@ -97,15 +97,18 @@ class Delta(torch.nn.Module):
         return self.base[side].bias.float() + sy * (ub - shift)
 
     def fitted(self, mapper: Mapper) -> dict[str, SideFit]:
-        """The map's sides with this change applied (weight and bias only; the rank basis is kept), each added
-        in the stored tensor's own precision (no change leaves the map's bytes as they were)."""
+        """The map's sides with this change applied, each added in the stored tensor's own precision (no change
+        leaves the map's bytes as they were). The mean prediction (what rank disagreement centres on) moves by
+        the change's mean over the measured inputs, μ_x ΔW + Δb; the rank basis is kept."""
         with torch.no_grad():
             out = {}
             for s in SIDES:
-                w0, b0 = mapper.sides[s].weight, mapper.sides[s].bias
-                dw = self.weight(s) - w0.float()
-                db = self.bias(s) - b0.float()
-                out[s] = replace(mapper.sides[s], weight=w0 + dw.to(w0.dtype), bias=b0 + db.to(b0.dtype))
+                f = mapper.sides[s]
+                dw = self.weight(s) - f.weight.float()  # (Lt, kd, dt)
+                db = self.bias(s) - f.bias.float()  # (Lt, dt)
+                dmean = torch.bmm(getattr(self, f"{s}_mu")[:, None], dw)[:, 0] + db  # (Lt, dt)
+                out[s] = replace(f, weight=f.weight + dw.to(f.weight.dtype), bias=f.bias + db.to(f.bias.dtype),
+                                 mean=f.mean + dmean.to(f.mean.dtype))
             return out
 
 
@@ -238,6 +241,8 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         raise RarecacheError("refinement needs a dense linear map (not head-matched, no MLP)")
     if target.packed:
         raise RarecacheError("refinement runs gradients through the target: load it unpacked (pack=False)")
+    if mapper.info.refined is not None:
+        raise RarecacheError("this map is already refined: refine the closed-form map it came from")
     target.model.requires_grad_(False)
     source.model.requires_grad_(False)
     rng = random.Random(cfg.seed)
@@ -272,6 +277,8 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         bar.set_postfix(kl=f"{sum(losses[-20:]) / len(losses[-20:]):.4f}")
         if step % cfg.every == 0 or step == cfg.steps:
             now = heldout_kl(held, mapper, delta, target)
+            if not math.isfinite(now):
+                raise RarecacheError(f"refinement diverged at step {step} (held-out KL {now}): lower --lr")
             recent = losses[-cfg.every:]
             checks.append({"step": step, "heldout_kl": now, "train_kl": sum(recent) / len(recent)})
             if now < best[0]:
@@ -286,7 +293,9 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
               "steps": cfg.steps, "kept_step": best[1], "lr": cfg.lr, "rhos": list(cfg.rhos), "seq_len": cfg.seq_len,
               "min_len": cfg.min_len, "seed": cfg.seed, "documents": [cfg.first_document, after],
               "heldout_documents": [after, end], "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
-    info = replace(mapper.info, refined=record)
+    record["dtype"] = str(target.dtype).replace("torch.", "")  # what the models ran in (the map's products: float32)
+    # the closed-form fit's held-out R² is not this map's: left out, as a resharpened map's is (its KL is above)
+    info = replace(mapper.info, refined=record, r2_heldout={})
     return Mapper(info, delta.fitted(mapper)), record
 
 
@@ -305,41 +314,53 @@ def _save_state(path: Path, cfg: RefineConfig, mapper: Mapper, delta: Delta, opt
     tensors = {f"delta.{n}": p.detach() for n, p in delta.named_parameters()}
     tensors.update({f"best.{n}": best[2][n] for n in names})
     for n, p in zip(names, delta.parameters()):
-        st = opt.state.get(p, {})
-        if st:
-            tensors[f"adam.{n}.exp_avg"], tensors[f"adam.{n}.exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
+        st = opt.state[p]  # (saved after a step: every parameter has its moments)
+        tensors[f"adam.{n}.exp_avg"], tensors[f"adam.{n}.exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
     meta = {**_identity(cfg, mapper), "step": step, "checks": checks, "best": [best[0], best[1]],
-            "adam_step": int(opt.state[next(iter(delta.parameters()))]["step"]) if opt.state else 0}
+            "adam_step": int(opt.state[next(iter(delta.parameters()))]["step"])}
     tmp = partial_path(path)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"refine": json.dumps(meta)})
+    save_file(tensors, str(tmp), metadata={"refine": json.dumps(meta), "sha256": tensors_sha256(tensors)})
     tmp.replace(path)
 
 
 def _resume(path: Path, cfg: RefineConfig, mapper: Mapper, delta: Delta, opt) -> tuple[int, list, tuple]:
-    """Load a saved run into `delta` and `opt`; refuse one of other settings or another map."""
+    """Load a saved run into `delta` and `opt`; refuse one of other settings or another map, and a damaged one
+    (the file is checked as untrusted input: checksum, names, shapes, dtypes, finite values, a consistent record)."""
     from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})["refine"])
+            header = f.metadata() or {}
+            meta = json.loads(header["refine"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (OSError, SafetensorError, KeyError, ValueError, TypeError) as e:
         raise RarecacheError(f"{path} is not a refinement state ({e}): delete it to start again") from None
     if not isinstance(meta, dict) or {k: meta.get(k) for k in ("config", "map")} != _identity(cfg, mapper):
         raise RarecacheError(f"{path} was saved by a refinement of another map or with other settings: delete it "
                              "or give the same ones")
+    damaged = RarecacheError(f"{path} is a damaged refinement state: delete it to start again")
     params = dict(delta.named_parameters())
-    try:
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(tensors[f"delta.{n}"])
-        best = {n: tensors[f"best.{n}"] for n in params}
+    want = {f"{kind}.{n}": p for n, p in params.items() for kind in ("delta", "best")}
+    want.update({f"adam.{n}.{m}": p for n, p in params.items() for m in ("exp_avg", "exp_avg_sq")})
+    if header.get("sha256") != tensors_sha256(tensors) or set(tensors) != set(want) or any(
+            tensors[k].shape != p.shape or tensors[k].dtype != p.dtype or not torch.isfinite(tensors[k]).all()
+            for k, p in want.items()):
+        raise damaged
+    step, checks, best = meta.get("step"), meta.get("checks"), meta.get("best")
+    steps = [c.get("step") for c in checks] if isinstance(checks, list) and all(isinstance(c, dict) for c in checks) \
+        else None
+    ok = (isinstance(step, int) and 0 < step <= cfg.steps and meta.get("adam_step") == step and steps is not None
+          and steps == [0, *[t for t in range(1, step + 1) if t % cfg.every == 0 or t == cfg.steps]]
+          and all(isinstance(c.get("heldout_kl"), float) and math.isfinite(c["heldout_kl"]) for c in checks)
+          and isinstance(best, list) and len(best) == 2 and [best[1], best[0]] in [[c["step"], c["heldout_kl"]]
+                                                                                  for c in checks])
+    if not ok:
+        raise damaged
+    with torch.no_grad():
         for n, p in params.items():
-            if f"adam.{n}.exp_avg" in tensors:
-                opt.state[p] = {"step": torch.tensor(float(meta["adam_step"])),
-                                "exp_avg": tensors[f"adam.{n}.exp_avg"].clone(),
-                                "exp_avg_sq": tensors[f"adam.{n}.exp_avg_sq"].clone()}
-        kept = {**{k: v for k, v in delta.state_dict().items() if k not in best}, **best}
-        return int(meta["step"]), list(meta["checks"]), (float(meta["best"][0]), int(meta["best"][1]), kept)
-    except (KeyError, RuntimeError, TypeError, ValueError, IndexError) as e:
-        raise RarecacheError(f"{path} is a damaged refinement state ({e}): delete it to start again") from None
+            p.copy_(tensors[f"delta.{n}"])
+            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": tensors[f"adam.{n}.exp_avg"].clone(),
+                            "exp_avg_sq": tensors[f"adam.{n}.exp_avg_sq"].clone()}
+    kept = {**delta.state_dict(), **{n: tensors[f"best.{n}"] for n in params}}
+    return step, checks, (float(best[0]), int(best[1]), kept)
