@@ -71,7 +71,7 @@ def test_map_computing_in_bfloat16_next_to_float32_models(fitted):
     ref, full = _caches(target, n, 2)
     fast.apply_reference(source, src_cache, target, ref, pos)  # in bf16: the map's default dtype now
     mapper.apply_reference(source, src_cache, target, full, pos)
-    plain, _, _ = handoff(source, target, fast, prompts[:1], HandoffConfig(rho=0.0))
+    plain, _, _ = handoff(source, target, fast, prompts[:1], HandoffConfig(rho=0.0, selector="rank"))
     mapped = slice(0, n - 1)  # the last position is always recomputed
     got, want, f32 = (c.k[:, :, :, mapped] for c in (plain, ref, full))
     scale = float(want.abs().max())
@@ -162,8 +162,8 @@ def test_packed_float32_runner_equals_plain(fitted, pair_dir):
     torch.testing.assert_close(c1.k, c2.k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(c1.v, c2.v, atol=1e-5, rtol=1e-4)
     for rho in (0.1, 0.3):
-        a = handoff(source, packed, mapper, prompts, HandoffConfig(rho))
-        b = handoff(source, plain, mapper, prompts, HandoffConfig(rho))
+        a = handoff(source, packed, mapper, prompts, HandoffConfig(rho, "rank"))
+        b = handoff(source, plain, mapper, prompts, HandoffConfig(rho, "rank"))
         assert a[2].positions == b[2].positions
         torch.testing.assert_close(a[1], b[1], atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(a[0].k, b[0].k, atol=1e-5, rtol=1e-4)

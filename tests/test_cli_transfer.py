@@ -237,7 +237,7 @@ def test_pipeline_batch_equals_single_requests(mapped):
     pipe = Pipeline(LLM(mapped / "src"), LLM(mapped / "tgt"), mapped / "m.safetensors")
     prompts = ["the quick brown fox jumps over the lazy dog", "def add", "tokens and spaces and tabs"]
     sampling = SamplingConfig(max_new_tokens=5, ignore_eos=True)
-    for cfg in (HandoffConfig(rho=0.3), HandoffConfig(rho=0.5, selector="attn-source")):
+    for cfg in (HandoffConfig(rho=0.3, selector="rank"), HandoffConfig(rho=0.5, selector="attn-source")):
         outs, res = pipe.generate(prompts, cfg, sampling)
         for i, p in enumerate(prompts):
             one, one_res = pipe.generate([p], cfg, sampling)

@@ -41,7 +41,7 @@ def test_switching_with_rho_one_equals_each_model_alone(chat, schedule):
 
 def test_partial_recompute_spends_the_budget_on_the_unseen_span(chat):
     models, maps = chat
-    conv = Conversation(models, maps, HandoffConfig(rho=0.3), SAMPLING)
+    conv = Conversation(models, maps, HandoffConfig(rho=0.3, selector="rank"), SAMPLING)
     conv.say(TURNS[0], "small")
     conv.say(TURNS[1], "large")  # large has seen nothing: everything is handed off
     conv.say(TURNS[2], "small")  # small kept its first turn: only the rest is handed back

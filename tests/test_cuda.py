@@ -172,9 +172,9 @@ def test_rho_one_equals_the_targets_prefill_on_cuda(fitted):
             torch.testing.assert_close(cache.v[:, b, :, :n], own.v[:, b, :, :n], atol=1e-5, rtol=0)
         # plain transfer on the GPU maps the same rows as on the CPU
         cpu_cache, _, _ = handoff(*(Runner(r.model.to("cpu"), r.path) for r in (source, target)), mapper, prompts,
-                                  HandoffConfig(rho=0.0))
+                                  HandoffConfig(rho=0.0, selector="rank"))
         source, target = (Runner(r.model.to(CUDA), r.path) for r in (source, target))
-        gpu_cache, _, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0))
+        gpu_cache, _, _ = handoff(source, target, mapper, prompts, HandoffConfig(rho=0.0, selector="rank"))
         for b, n in enumerate((37, 23)):  # (the spare slot past the last position holds padding's rows)
             torch.testing.assert_close(gpu_cache.k[:, b, :, :n].cpu(), cpu_cache.k[:, b, :, :n], atol=1e-4, rtol=0)
             torch.testing.assert_close(gpu_cache.v[:, b, :, :n].cpu(), cpu_cache.v[:, b, :, :n], atol=1e-4, rtol=0)

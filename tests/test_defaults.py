@@ -79,6 +79,44 @@ def test_the_default_selector_is_the_served_one_where_the_engine_runs_it():
     assert name == "rank" and f"{SERVED.selector}, does not run" in why
 
 
+def test_the_librarys_config_dataclasses_default_to_the_served_budget():
+    """Issue #42: one default selector and budget everywhere, the library's own objects included, not
+    only the commands (HandoffConfig once defaulted to rank at 0, ServiceConfig and Conversation to 0.3)."""
+    import inspect
+
+    from rarecache.bench.handoff import time_cell
+    from rarecache.bench.load import PoissonConfig
+    from rarecache.bench.serve import SwitchBenchConfig
+    from rarecache.serve.config import ServiceConfig
+    from rarecache.transfer.conversation import Conversation
+    from rarecache.transfer.diagnostics import diagnose
+    from rarecache.transfer.handoff import HandoffConfig, handoff
+    from rarecache.transfer.pipeline import Pipeline
+
+    served = HandoffConfig()
+    assert (served.rho, served.selector) == (SERVED.rho, SERVED.selector)
+    assert HandoffConfig(0.5).selector == SERVED.selector
+    assert ServiceConfig().handoff == SwitchBenchConfig().handoff == served
+    for fn in (handoff, Pipeline.generate, Conversation.__init__):
+        assert inspect.signature(fn).parameters["cfg"].default == served, fn
+    assert PoissonConfig().rho == inspect.signature(diagnose).parameters["rho"].default == SERVED.rho
+    assert inspect.signature(time_cell).parameters["selector"].default == SERVED.selector
+
+
+def test_the_vllm_adapters_defaults_are_the_served_ones():
+    import inspect
+
+    from rarecache.adapters.vllm.core import Settings
+    from rarecache.adapters.vllm.launch import bench_service
+    from rarecache.adapters.vllm.serving import VllmServeConfig
+
+    cfg = VllmServeConfig(store="/nowhere")
+    assert (cfg.rho, cfg.selector) == (SERVED.rho, SERVED.selector)
+    fields = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert (fields["rho"], fields["selector"]) == (SERVED.rho, SERVED.selector)
+    assert inspect.signature(bench_service).parameters["selector"].default == SERVED.selector
+
+
 def test_a_pairs_map_is_the_one_calibrate_made_else_the_shipped_one(tmp_path, monkeypatch):
     assert general_map_path("qwen2.5-coder-0.5b-instruct", str(tmp_path / "m" / "big.gguf"), tmp_path) == (
         tmp_path / "maps" / "general-qwen2.5-coder-0.5b-instruct-to-big.safetensors")

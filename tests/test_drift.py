@@ -168,7 +168,7 @@ def test_drift_resume_refuses_other_maps_dtype_or_gate_rule(chat, tmp_path):
 # -- the same run through the HTTP server (rarecache serve's scoring extensions)
 
 
-def _server(chat, cfg=HandoffConfig(0.2), gate=None, reverse=True, request_budget=True):
+def _server(chat, cfg=HandoffConfig(0.2, "rank"), gate=None, reverse=True, request_budget=True):
     """A DriftServer over the app on the tiny pair (FastAPI's TestClient as its transport)."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
@@ -285,7 +285,7 @@ def test_drift_cli_through_a_server(chat, tmp_path, monkeypatch, capsys):
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    app = create_app(ChatService(models, maps, ServiceConfig(HandoffConfig(0.2))), api_key="k1")
+    app = create_app(ChatService(models, maps, ServiceConfig(HandoffConfig(0.2, "rank"))), api_key="k1")
     made, real = {}, drift_server.DriftServer
 
     def server(url, source, target, api_key):

@@ -158,7 +158,7 @@ REQUEST = st.one_of(VALID, ONE_BAD, JUNK)
 @pytest.fixture(scope="module")
 def served(chat):
     models, maps = chat
-    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(rho=0.3), cache_bytes=1 << 20, max_new_tokens=3,
+    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3, "rank"), cache_bytes=1 << 20, max_new_tokens=3,
                                                   max_batch=2))
     return svc, TestClient(create_app(svc, default_max_tokens=2))
 
@@ -334,8 +334,8 @@ def test_corrupted_map_files(map_file, fitted, tmp_path_factory, data):
     SEEN["maps.accepted"] += 1
     SEEN[f"maps.accepted.{kind}"] += 1
     mapper.summary()
-    handoff(source, target, mapper, [prompts[1]], HandoffConfig(rho=0.3))
-    handoff(source, target, mapper, [prompts[1]], HandoffConfig(rho=0.0))  # through its plain-transfer view
+    handoff(source, target, mapper, [prompts[1]], HandoffConfig(0.3, "rank"))
+    handoff(source, target, mapper, [prompts[1]], HandoffConfig(0.0, "rank"))  # through its plain-transfer view
 
 
 # ------------------------------------------------------------------------------------------ model files

@@ -573,7 +573,8 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    for cfg, approximate in ((ServiceConfig(HandoffConfig(0.3)), True), (ServiceConfig(HandoffConfig(1.0)), False),
+    for cfg, approximate in ((ServiceConfig(HandoffConfig(0.3, "rank")), True),
+                             (ServiceConfig(HandoffConfig(1.0)), False),
                              (ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), NEVER)), False)):
         client = TestClient(create_app(ChatService(models, maps, cfg)))
         messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}]
@@ -613,7 +614,7 @@ def test_an_idle_healing_server_serves_later_turns_from_the_models_own_rows(chat
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    service = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3), heal=True))
+    service = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3, "rank"), heal=True))
     client = TestClient(create_app(service))
     messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog, then def add return"}]
     client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3})
@@ -661,7 +662,7 @@ def test_row_error_is_the_mapped_rows_error_where_recomputed(fitted):
     mapped = target.new_cache(1, n)
     src_cache, _ = source.prefill([ids])
     mapper.apply(source, src_cache, target, mapped, torch.arange(n)[None])
-    plain, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0))
+    plain, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0, "rank"))
 
     def ratio(pos: list[int], cache) -> float:
         err = ref = 0.0
@@ -714,8 +715,8 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
     for k, rho in enumerate(rungs):
         _, logits = _other_view_rung(two, source, target, src_cache, snaps, k, n, rho, ids)
         assert rec.rungs[k + 1].js_views == pytest.approx(js_bits(per_rung[k], logits[0]), rel=1e-3, abs=1e-7)
-    _, ridge_plain, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0))
-    _, sharp_plain, _ = handoff(source, target, two, [ids], HandoffConfig(0.0))
+    _, ridge_plain, _ = handoff(source, target, mapper, [ids], HandoffConfig(0.0, "rank"))
+    _, sharp_plain, _ = handoff(source, target, two, [ids], HandoffConfig(0.0, "rank"))
     assert rec.rungs[0].js_views == pytest.approx(js_bits(ridge_plain[0], sharp_plain[0]), rel=1e-3, abs=1e-7)
     # a map with one view measures nothing, and a policy on js_views refuses it with a clear error
     _, _, one = gated_handoff(source, target, mapper, ids, GatePolicy("suffix", rungs, NEVER), climb_all=True)

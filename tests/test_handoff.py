@@ -34,7 +34,7 @@ def test_rho_one_equals_target_prefill(fitted):
 def test_rho_zero_is_plain_transfer(fitted):
     """Only the last position is computed; every other row is the map's output."""
     source, target, mapper, prompts = fitted
-    cache, logits, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.0))
+    cache, logits, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.0, selector="rank"))
     assert res.positions == [[36]]
     mapped = target.new_cache(1, 37)
     src_cache, _ = source.prefill(prompts[:1])
@@ -107,7 +107,7 @@ def test_selection_honours_budget_and_keeps_last(fitted, name, rho):
 
 def test_rank_selector_picks_highest_scores(fitted):
     source, target, mapper, prompts = fitted
-    _, _, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.3))
+    _, _, res = handoff(source, target, mapper, prompts[:1], HandoffConfig(rho=0.3, selector="rank"))
     scores = res.scores[0]
     chosen = set(res.positions[0])
     rest = [s for i, s in enumerate(scores[:-1].tolist()) if i not in chosen]
@@ -213,8 +213,8 @@ def test_variants_equal_one_handoff_each(fitted):
     other = scaled_map(mapper)
     variants = [("a", HandoffConfig.named(0.3, s)) for s in ("rank", "random", "attn-source", "attn-target",
                                                             "l2-oracle", "layer-prefix")]
-    variants += [("a", HandoffConfig(0.0)), ("b", HandoffConfig(0.3)), ("a", HandoffConfig(0.5)),
-                 ("b", HandoffConfig(1.0))]
+    variants += [("a", HandoffConfig(0.0, "rank")), ("b", HandoffConfig(0.3, "rank")),
+                 ("a", HandoffConfig(0.5, "rank")), ("b", HandoffConfig(1.0))]
     cache, logits, results = handoff_variants(source, target, {"a": mapper, "b": other}, ids, variants, src,
                                               source_attn=src_attn, target_prefill=target_prefill)
     for v, (label, cfg) in enumerate(variants):
@@ -251,7 +251,7 @@ def test_packed_bf16_handoff_equals_plain(fitted, pair_dir):
         source = Runner.load(pair_dir / "src", dtype=torch.bfloat16, pack=pack)
         target = Runner.load(pair_dir / "tgt", dtype=torch.bfloat16, pack=pack)
         assert target.packed == (pack is None)
-        runs.append(handoff(source, target, mapper, prompts, HandoffConfig(rho=0.3)))
+        runs.append(handoff(source, target, mapper, prompts, HandoffConfig(rho=0.3, selector="rank")))
     (c1, l1, r1), (c2, l2, r2) = runs
     assert r1.positions == r2.positions
     torch.testing.assert_close(l1, l2, atol=0, rtol=0)
@@ -342,20 +342,21 @@ def test_one_file_maps_plain_transfer_with_its_plain_view_and_handoffs_with_its_
     bf16 = combined.computing_in(torch.bfloat16)
     assert bf16.plain().compute_dtype == torch.bfloat16 and bf16.plain() is bf16.plain()
     ids = prompts[:1]
-    c0, l0, _ = handoff(source, target, combined, ids, HandoffConfig(0.0))
-    s0, ls0, _ = handoff(source, target, sharp, ids, HandoffConfig(0.0))
-    r0, lr0, _ = handoff(source, target, mapper, ids, HandoffConfig(0.0))
+    c0, l0, _ = handoff(source, target, combined, ids, HandoffConfig(0.0, "rank"))
+    s0, ls0, _ = handoff(source, target, sharp, ids, HandoffConfig(0.0, "rank"))
+    r0, lr0, _ = handoff(source, target, mapper, ids, HandoffConfig(0.0, "rank"))
     torch.testing.assert_close(l0, ls0, atol=1e-4, rtol=0)
     torch.testing.assert_close(c0.k, s0.k, atol=1e-5, rtol=0)
     assert not torch.allclose(c0.k, r0.k, atol=1e-3)  # the sharpening really changes the rows
-    c3, l3, _ = handoff(source, target, combined, ids, HandoffConfig(0.3))
-    r3, lr3, _ = handoff(source, target, mapper, ids, HandoffConfig(0.3))
+    c3, l3, _ = handoff(source, target, combined, ids, HandoffConfig(0.3, "rank"))
+    r3, lr3, _ = handoff(source, target, mapper, ids, HandoffConfig(0.3, "rank"))
     assert torch.equal(l3, lr3) and torch.equal(c3.k, r3.k)
     # among variants: each budget through its own fit, the two fits mapped once each
     n = len(ids[0])
     src = source.new_cache(1, n)
     source.forward(torch.tensor(ids), torch.arange(n)[None], src)
-    variants = [("c", HandoffConfig(0.0)), ("c", HandoffConfig(0.3)), ("c", HandoffConfig.named(0.2, "suffix"))]
+    variants = [("c", HandoffConfig(0.0, "rank")), ("c", HandoffConfig(0.3, "rank")),
+                ("c", HandoffConfig.named(0.2, "suffix"))]
     cache, logits, _ = handoff_variants(source, target, {"c": combined}, ids[0], variants, src)
     for v, (_, cfg) in enumerate(variants):
         ref_cache, ref_logits, _ = handoff(source, target, combined, ids, cfg)
@@ -370,7 +371,7 @@ def test_a_span_after_kept_rows_maps_as_in_a_whole_handoff(fitted):
     among the span recompute against them."""
     source, target, mapper, prompts = fitted
     ids, n, k = prompts[0], len(prompts[0]), 20
-    whole, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(rho=0.0))
+    whole, _, _ = handoff(source, target, mapper, [ids], HandoffConfig(rho=0.0, selector="rank"))
     own, _ = target.prefill([ids], max_len=n)
     for rho in (0.0, 0.3):
         held = target.new_cache(1, n)

@@ -28,7 +28,7 @@ SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
 
 def service(chat, rho=1.0, **kw):
     models, maps = chat
-    return ChatService(models, maps, ServiceConfig(HandoffConfig(rho=rho), **kw))
+    return ChatService(models, maps, ServiceConfig(HandoffConfig(rho=rho, selector="rank"), **kw))
 
 
 def ask(client, model, messages, **kw):

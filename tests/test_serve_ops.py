@@ -28,7 +28,7 @@ from rarecache.serve.app import create_app  # noqa: E402
 
 def served(chat, maps=None, **kw):
     models, all_maps = chat
-    svc = ChatService(models, all_maps if maps is None else maps, ServiceConfig(HandoffConfig(rho=0.3), **kw))
+    svc = ChatService(models, all_maps if maps is None else maps, ServiceConfig(HandoffConfig(0.3, "rank"), **kw))
     return svc, TestClient(create_app(svc))
 
 

@@ -145,8 +145,8 @@ def test_handoffs_through_a_token_map(tok_pair, kind, monkeypatch):
         torch.testing.assert_close(cache.v[:, b, :, :n], own.v[:, b, :, :n], atol=1e-5, rtol=1e-5)
     cfg = HandoffConfig(0.3, "rank")
     fast = handoff(source, target, mapper, prompts, cfg)
-    variants = handoff_variants(source, target, {"m": mapper}, prompts[0], [("m", cfg), ("m", HandoffConfig(0.0))],
-                                source.prefill(prompts[:1])[0])
+    variants = handoff_variants(source, target, {"m": mapper}, prompts[0],
+                                [("m", cfg), ("m", HandoffConfig(0.0, "rank"))], source.prefill(prompts[:1])[0])
 
     def reference(self, source, source_cache, target, target_cache, positions, dtype=None, rank=True, tokens=None):
         centred = self.apply_reference(source, source_cache, target, target_cache, positions, dtype, tokens)
@@ -158,7 +158,7 @@ def test_handoffs_through_a_token_map(tok_pair, kind, monkeypatch):
     torch.testing.assert_close(fast[1], slow[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(fast[0].k, slow[0].k, atol=1e-5, rtol=1e-5)
     one = handoff(source, target, mapper, prompts[:1], cfg)
-    plain = handoff(source, target, mapper, prompts[:1], HandoffConfig(0.0))
+    plain = handoff(source, target, mapper, prompts[:1], HandoffConfig(0.0, "rank"))
     assert variants[2][0].positions == one[2].positions
     torch.testing.assert_close(variants[1][0], one[1][0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(variants[1][1], plain[1][0], atol=1e-5, rtol=1e-5)
@@ -300,7 +300,7 @@ def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
     combined = with_plain(maps["both"], (1.0, 0.5))
     view = combined.at_rho(0)
     assert view is not combined and view.info.token_inputs and view.info.exact_layer0
-    cache, _, _ = handoff(source, target, combined, prompts[:1], HandoffConfig(rho=0.0))
+    cache, _, _ = handoff(source, target, combined, prompts[:1], HandoffConfig(rho=0.0, selector="rank"))
     n = len(prompts[0])
     ref = target.new_cache(1, n)
     view.apply_reference(source, source.prefill(prompts[:1])[0], target, ref, torch.arange(n)[None],
@@ -309,7 +309,7 @@ def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
     mapped = slice(0, n - 1)  # the last position is always recomputed
     torch.testing.assert_close(cache.k[:, :, :, mapped], ref.k[:, :, :, mapped], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache.v[0, :, :, :n], own.v[0, :, :, :n], atol=2e-6, rtol=2e-6)
-    unsharpened, _, _ = handoff(source, target, maps["both"], prompts[:1], HandoffConfig(rho=0.0))
+    unsharpened, _, _ = handoff(source, target, maps["both"], prompts[:1], HandoffConfig(rho=0.0, selector="rank"))
     assert not torch.allclose(cache.k[:, :, :, mapped], unsharpened.k[:, :, :, mapped], atol=1e-4)  # the view's
 
 

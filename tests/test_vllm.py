@@ -449,8 +449,8 @@ def served(vpair):
     from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
 
     engine_environment()
-    cfg = VllmServeConfig(store=vpair.store, rho=1.0, dtype="float32", max_new_tokens=64, kv_cache_bytes=64 << 20,
-                          block_size=BS, max_model_len=512)
+    cfg = VllmServeConfig(store=vpair.store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
+                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512)
     svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
                           {("src", "tgt"): vpair.root / "src-tgt.map", ("tgt", "src"): vpair.root / "tgt-src.map"},
                           cfg, engine_kwargs={"worker_extension_cls": EXTENSION})
@@ -768,7 +768,8 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
 
     def service(store, maps):
         svc = object.__new__(VllmChatService)  # the routing's state only: no engine starts
-        svc.cfg, svc.maps, svc._filing, svc._lock = VllmServeConfig(store=store, rho=1.0), maps, {}, threading.Lock()
+        svc.cfg, svc.maps, svc._filing, svc._lock = (VllmServeConfig(store=store, rho=1.0, selector="rank"), maps, {},
+                                                           threading.Lock())
         svc.models = {m: SimpleNamespace(identity=model_identity(vpair.root / m)) for m in ("src", "tgt")}
         svc.engines = {m: SimpleNamespace(block_size=BS) for m in ("src", "tgt")}
         svc.store = open_store(store)

@@ -35,8 +35,8 @@ def tp_served(vpair, tmp_path_factory):
     saved = {k: os.environ.pop(k, None) for k in keys}  # the ranks' own binding, whatever the module before set
     engine_environment(tensor_parallel_size=TP)
     store = tmp_path_factory.mktemp("tp-store")
-    cfg = VllmServeConfig(store=store, rho=1.0, dtype="float32", max_new_tokens=64, kv_cache_bytes=64 << 20,
-                          block_size=BS, max_model_len=512, tensor_parallel_size=TP)
+    cfg = VllmServeConfig(store=store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
+                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512, tensor_parallel_size=TP)
     try:
         svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
                               {("src", "tgt"): vpair.root / "src-tgt.map"}, cfg,

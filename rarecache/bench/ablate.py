@@ -183,7 +183,7 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     caches = [source.prefill([p])[0] for p in prompts]
     batched_src, _ = source.prefill(prompts)
-    cfg = HandoffConfig(rho=rho)
+    cfg = HandoffConfig(rho, "rank")  # rank, not the served default: the batched path that scores in the map
     one_by_one = _median(lambda: [handoff(source, target, mapper, [p], cfg, source_cache=c, source_kept=[len(p)])
                                   for p, c in zip(prompts, caches)], repeats)
     together = _median(lambda: handoff(source, target, mapper, prompts, cfg, source_cache=batched_src,

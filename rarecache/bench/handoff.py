@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..defaults import SERVED
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
@@ -81,7 +82,7 @@ class Cell:
 
 @torch.inference_mode()
 def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,
-              repeats: int, seed: int = 0, selector: str = "rank") -> Cell:
+              repeats: int, seed: int = 0, selector: str = SERVED.selector) -> Cell:
     g = torch.Generator().manual_seed(seed)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     prompts = torch.randint(0, vocab, (batch, T), generator=g).tolist()

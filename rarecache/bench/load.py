@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable
 
+from ..defaults import SERVED
 from ..engine.generate import SamplingConfig
 from ..engine.llm import LLM
 from ..errors import RarecacheError
@@ -132,7 +133,7 @@ class PoissonConfig:
     prompt_tokens: int = 256  # the switched turn's prompt T
     answer_tokens: int = 16  # the source's answer to the first turn
     max_new_tokens: int = 1  # the target's answer: TTFT is the figure
-    rho: float = 0.3
+    rho: float = SERVED.rho
     saturation_batches: int = 3
     seed: int = 0
     corpus: str = "wiki"

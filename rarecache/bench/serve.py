@@ -50,7 +50,7 @@ class SwitchBenchConfig:
     schedule: tuple[str, ...] = ("source", "target", "target")  # who answers each turn
     max_new_tokens: int = 32
     corpus: str = "wiki"
-    handoff: HandoffConfig = HandoffConfig(rho=0.3)
+    handoff: HandoffConfig = HandoffConfig()  # the served default (defaults.SERVED)
     questions: tuple[str, ...] = QUESTIONS  # the user's message at each turn (after the passage in the first)
 
     def __post_init__(self):

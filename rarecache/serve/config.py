@@ -35,7 +35,7 @@ class Budget:
 
 @dataclass(frozen=True)
 class ServiceConfig:
-    handoff: HandoffConfig = HandoffConfig(rho=0.3)
+    handoff: HandoffConfig = HandoffConfig()  # the served default (defaults.SERVED)
     gate: GatePolicy | None = None  # hand off through the quality gate (adaptive ρ, fallback) instead
     cache_bytes: int = 4 << 30  # budget for the held caches of all models together
     max_new_tokens: int = 1024  # the most one request may ask for

@@ -220,7 +220,7 @@ def respond(models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: Ha
 
 class Conversation:
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
-                 cfg: HandoffConfig = HandoffConfig(rho=0.3), sampling: SamplingConfig = SamplingConfig(),
+                 cfg: HandoffConfig = HandoffConfig(), sampling: SamplingConfig = SamplingConfig(),
                  system: str | None = None, gate: GatePolicy | None = None, heal: bool = False):
         """`gate`: hand off through the quality gate's policy (adaptive ρ, fallback) instead of `cfg`'s ρ.
         `heal`: after each answer, the model that gave it makes its rows its own again (`heal`; timed

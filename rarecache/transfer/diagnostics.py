@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..defaults import SERVED
 from ..engine.cache import KVCache
 from ..engine.runner import Runner, pad_batch
 from .handoff import budget, select_top
@@ -74,7 +75,7 @@ def _v_concentration(err: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]], rho: float = 0.2
+def diagnose(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]], rho: float = SERVED.rho
              ) -> Diagnostics:
     """The diagnostics of `mapper` on `prompts` (each handed off whole, batch one)."""
     L = target.num_layers

@@ -60,6 +60,9 @@ SIGNALS = ("js", "js_views")  # what a policy thresholds (GatePolicy.signal; mod
 
 @dataclass(frozen=True)
 class GatePolicy:
+    # rank, not the served default (suffix): every suffix rung adds positions before all the others and
+    # reruns its whole set, so its ladder costs about twice rank's (module docstring); a served policy names
+    # its selector anyway (fitted on recorded ladders, eval/gate.py)
     selector: str = "rank"
     rungs: tuple[float, ...] = RUNGS
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..defaults import SERVED
 from ..engine.cache import KVCache
 from ..engine.runner import Runner, Step, spans
 from ..errors import RarecacheError
@@ -48,8 +49,8 @@ def check_rho(rho, where: str = "rho") -> float:
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    rho: float = 0.0  # share of handed-off positions the target recomputes (layer-prefix: its FLOPs)
-    selector: str = "rank"  # which positions, under the positions schedule
+    rho: float = SERVED.rho  # share of handed-off positions the target recomputes (layer-prefix: its FLOPs)
+    selector: str = SERVED.selector  # which positions, under the positions schedule
     seed: int = 0  # for the random selector
     schedule: str = POSITIONS
 

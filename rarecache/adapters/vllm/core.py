@@ -71,7 +71,7 @@ class Settings:
     config: ModelConfig
     peers: dict[str, Peer] = field(default_factory=dict)
     rho: float = DEFAULT_RHO
-    selector: str = "rank"
+    selector: str = SERVED.selector
     seed: int = 0
     capture: bool = True
     store_bytes: int | None = None  # a directory store's capacity (None: unbounded)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from ...defaults import SERVED
 from ...errors import RarecacheError
 from .store import describe_store, is_url
 
@@ -130,7 +131,7 @@ def _demo_map(args, store: Path) -> Path:
 @contextmanager
 def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache_dir: Path | None = None,
                   block_size: int = 32, kv_cache_bytes: int = 2 << 30, max_batch: int = 8,
-                  max_model_len: int | None = None, selector: str = "rank", store: str | Path | None = None,
+                  max_model_len: int | None = None, selector: str = SERVED.selector, store: str | Path | None = None,
                   store_gib: float | None = None,
                   store_ttl: float | None = None) -> Iterator[tuple[Any, tuple[str, str], dict[str, Any]]]:
     """Both models in vLLM engines for the benches, the target taking handoffs from the source

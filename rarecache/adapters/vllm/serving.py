@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ...defaults import SERVED
 from ...engine.generate import SamplingConfig
 from ...engine.llm import generation_eos
 from ...errors import RarecacheError
@@ -58,8 +59,8 @@ CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it foll
 @dataclass(frozen=True)
 class VllmServeConfig:
     store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (store.py)
-    rho: float = 0.3
-    selector: str = "rank"
+    rho: float = SERVED.rho  # the served default, as `rarecache serve`
+    selector: str = SERVED.selector
     dtype: str = "bfloat16"
     max_batch: int = 8  # vLLM's max_num_seqs, per engine
     max_new_tokens: int = 1024  # the most one request may ask for
