@@ -220,6 +220,9 @@ def test_claim_spends_the_budget_like_the_handoff():
     # suffix: vLLM recomputes the newest ceil(rho P) natively; the claim stops before them
     assert claim(100, 100, 32, 0.5, "suffix") == (32, 0)
     assert claim(100, 100, 32, 0.0, "suffix") == (96, 0)
+    # suffix+rank: scored like rank (the tail, the newest, first; the claimed positions in the library's order)
+    for rho in (0.0, 0.3, 1.0):
+        assert claim(100, 100, 32, rho, "suffix+rank") == claim(100, 100, 32, rho, "rank")
 
 
 def test_settings_are_checked(vpair, tmp_path):
@@ -407,6 +410,37 @@ def test_hand_rows_is_the_transfer(vpair):
     assert not torch.allclose(at0.k, plain.k, atol=1e-3)
     at2 = hand_rows(ns, combined, src.config, k_src, v_src, prompt, 0, "suffix", rho=0.2)
     assert torch.equal(at2.k, plain.k) and torch.equal(at2.v, plain.v)
+
+
+def test_suffix_rank_recomputes_the_librarys_positions(vpair, tmp_path):
+    """suffix+rank runs in the adapter (settings, request, record) and recomputes, of the claimed positions,
+    what the library's selector picks for the same scores: a handoff of the same span at the same budget
+    recomputes the same positions (the newest and rank disagreement's picks in turn, not rank's alone)."""
+    from rarecache.adapters.vllm.core import ENGINE_SELECTORS, check_selector, hand_rows, read_settings, request_params
+    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.transfer.handoff import HandoffConfig, budget, handoff
+
+    assert "suffix+rank" in ENGINE_SELECTORS and check_selector("suffix+rank") == "suffix+rank"
+    assert request_params({"selector": "suffix+rank"}).selector == "suffix+rank"
+    assert VllmServeConfig(store=tmp_path, selector="suffix+rank").selector == "suffix+rank"
+    extra = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}, "selector": "suffix+rank"}
+    assert read_settings(extra, vpair.root / "tgt").selector == "suffix+rank"
+
+    src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
+    prompt = vpair.prompts[0][:96]
+    n = len(prompt)
+    sc = src.new_cache(1, n)
+    src.forward(*pad_batch([prompt]), sc, logits_at=None)
+    k_src, v_src = sc.k[:, 0, :, :n], sc.v[:, 0, :, :n]
+    for rho in (0.2, 0.5):
+        k = budget(rho, n)
+        got = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, k, "suffix+rank", rho=rho).recomputed
+        _, _, res = handoff(src, tgt, mapper, [prompt], HandoffConfig(rho, "suffix+rank"), source_cache=sc,
+                            source_kept=[n])
+        assert got == res.positions[0] and len(got) == k and n - 1 in got
+        rank = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, k, "rank", rho=rho).recomputed
+        newest = list(range(n - k, n))
+        assert got not in (rank, newest)  # neither list alone
 
 
 def test_only_the_adapter_imports_vllm():

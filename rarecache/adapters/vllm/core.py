@@ -13,6 +13,8 @@ recomputed by our Runner over the mapped cache. ρ = 1 is then the target's own 
 ρ = 0 plain transfer (whatever the tail holds). The `suffix` selector needs no Runner at
 all: it claims only the first P − ⌈ρ·P⌉ positions (rounded down to a block) and lets vLLM
 recompute the rest natively, so it can recompute up to a block more than the budget.
+`suffix+rank` is scored like `rank`: the claimed positions in the library's own order (the newest
+and rank disagreement's picks in turn, transfer/selectors.py), after vLLM's tail, the newest of all.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .sharding import HeadRange
 from .store import RECORD_NAME, model_identity, same_model
 
 
-RECOMPUTE_SELECTORS = ("rank", "random")  # scored positions, recomputed by our Runner
+RECOMPUTE_SELECTORS = ("rank", "random", "suffix+rank")  # scored positions, recomputed by our Runner
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
