@@ -930,10 +930,15 @@ def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypa
     assert seen["maps"] == {("src", "tgt"): fwd, ("tgt", "src"): back}
     assert seen["port"] == 8124 and seen["host"] == "127.0.0.1" and seen["closed"]
     assert cfg.store == tmp_path / "rows"
+    assert seen["app"].openapi_url is None  # FastAPI's pages off unless asked, as with our own engine
     seen.clear()
     assert main(args) == 0  # no --store: a fresh private one, removed at exit
     assert seen["store_existed"] and not seen["cfg"].store.exists()
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] and os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    seen.clear()
+    assert main([*args, "--openapi-docs"]) == 0  # --openapi-docs reaches the app vLLM's service answers in
+    assert seen["app"].openapi_url == "/openapi.json" and {"/docs", "/openapi.json"} <= {
+        r.path for r in seen["app"].routes}
 
 
 def _client(svc):

@@ -70,7 +70,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
         service = VllmChatService(dict(zip(names, paths)), maps, cfg)
         try:
             app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
-                             api_key=api_key)
+                             api_key=api_key, openapi_docs=args.openapi_docs)
             print(f"serving {' and '.join(names)} in vLLM (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, "
                   f"rho {cfg.rho:g}, {cfg.selector}; row store {describe_store(store)}) on "
                   f"http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
