@@ -247,13 +247,47 @@ def test_token_calibration_resumes_refits_and_keeps_older_states(tok_pair, tmp_p
         CalibrationConfig(token_inputs=True, head_matched=True)
 
 
+def test_costs_count_the_token_block_and_the_exact_layer0(tok_pair, tmp_path):
+    """transfer/costs.py against what calibration allocates, the fitted maps' weights and the FLOPs the fused
+    map runs (torch's counter over its products): the token block widens the statistics and every layer's
+    weight by 2·dt, and a map reading the tokens runs the target's layer-0 q/k/v once per token, in place of
+    layer 0's product when that layer is exact."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from rarecache.transfer.costs import F64, PairShape, describe, map_bytes, map_flops, statistics_bytes
+
+    source, target, tok, corpus, maps, plain, prompts = tok_pair
+    p = PairShape.of(source.config, target.config)
+    for token_inputs in (False, True):
+        cal = Calibration(source, target, tok, corpus, replace(BASE, token_inputs=token_inputs), tmp_path / "c")
+        held = sum(F64 * sum(t.numel() for t in (s.sx, s.sy, s.syy, s.xx, s.xy)) for s in cal.stats.values())
+        assert statistics_bytes(p, heldout=True, token_inputs=token_inputs) == held
+    k, rank = BASE.k, BASE.rank
+    for kind, m in {**maps, "plain": plain}.items():
+        ti = m.info.token_inputs
+        weights = sum(m.sides[s].weight.numel() - plain.sides[s].weight.numel() for s in SIDES)
+        assert map_bytes(p, k, rank, 4, token_inputs=ti) - map_bytes(p, k, rank, 4) == 4 * weights, kind
+        src_cache, _ = source.prefill(prompts[:1])
+        n = len(prompts[0])
+        pos, toks = torch.arange(n)[None], torch.tensor(prompts[:1])
+        with FlopCounterMode(display=False) as count:  # bf16: one product per layer (float32 adds in place)
+            m.apply_scored(source, src_cache, target, target.new_cache(1, n), pos, dtype=torch.bfloat16, rank=False,
+                           tokens=toks)
+        assert count.get_total_flops() == n * map_flops(p, k, token_inputs=ti, exact_layer0=m.info.exact_layer0), kind
+    line = describe(p, k, rank, token_inputs=True, exact_layer0=True)
+    assert f"XᵀX {p.dx + 2 * p.dt}²" in line and "incl. the token block" in line and "layer-0 q/k/v" in line
+    assert "token block" not in describe(p, k, rank) and "q/k/v" not in describe(p, k, rank)
+
+
 def test_calibrate_cli_writes_a_token_map_that_hands_off(pair_dir, tmp_path, capsys):
     out = tmp_path / "t.safetensors"
     args = ["calibrate", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--corpus",
             str(pair_dir / "corpus.txt"), "--tokens", "300", "--heldout-tokens", "100", "--seq-len", "48",
             "--k", "2", "--rank", "4", "--dtype", "float32", "--token-inputs", "--exact-layer0", "--out", str(out)]
     assert main(args) == 0
-    assert "ridge + token inputs, layer 0 exact" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "ridge + token inputs, layer 0 exact" in said.out
+    assert "incl. the token block" in said.err and "the target's layer-0 q/k/v" in said.err  # costs.describe
     mapper = Mapper.load(out)
     assert mapper.info.token_inputs and mapper.info.exact_layer0
     source, target = Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt")

@@ -211,7 +211,7 @@ def cmd_calibrate(args) -> int:
     from ..transfer.costs import PairShape, describe
 
     print(describe(PairShape.of(source.config, target.config), cfg.k, cfg.rank, cfg.heldout_tokens > 0,
-                   cfg.head_matched),
+                   cfg.head_matched, cfg.token_inputs, cfg.exact_layer0),
           file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
