@@ -31,6 +31,7 @@ from ..transfer.gate import SIGNALS, GatePolicy, climbed_signals, decide, rungs_
 from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
 from .gate_fit import Item, fit_thresholds
 from .metrics import paired_diff_ci
+from .report import answer_field
 from .results import load_results, map_sha256
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
@@ -66,10 +67,6 @@ class Ladders:
     # target_prefill
 
 
-def answer_key(metric: str) -> str:
-    return "prediction_norm" if metric == "correct_norm" else "prediction"
-
-
 def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", signal: str = "js") -> Ladders:
     """The ladder arm (the only one, or `arm`) and the target arm of a results file; `loss` (`LOSSES`):
     what a multiple-choice rung's loss counts; `signal` (`SIGNALS`): which recorded signal a policy reads."""
@@ -98,7 +95,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
     items = [i for i in ladder if i in target]
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
-    key = answer_key(metric)
+    key = answer_field(metric)  # None for bits per byte, read apart below
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
                   [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]),
                   signal)

@@ -42,7 +42,7 @@ from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
 from .arms import Arm
-from .gate import answer_key
+from .report import answer_field
 from .results import check_meta, read_done
 from .scoring import continuation_logprobs, template_mask
 from .tasks.base import Item, Task
@@ -247,7 +247,7 @@ def answer_shift(metric: str, a: dict, b: dict) -> float:
     if metric == "bpb":
         return abs(a["bpb"] - b["bpb"])
     pa, pb = (torch.tensor(x["logprobs"], dtype=torch.float64).softmax(-1) for x in (a, b))
-    key = answer_key(metric)
+    key = answer_field(metric)
     return 0.5 * (pa - pb).abs().sum().item() + float(a[key] != b[key])
 
 

@@ -21,7 +21,8 @@ import sys
 
 import numpy as np
 
-from rarecache.eval.gate import CHANGED_BPB, answer_key, auc, auc_ci
+from rarecache.eval.gate import CHANGED_BPB, auc, auc_ci
+from rarecache.eval.report import answer_field
 from rarecache.eval.tasks import TASKS
 
 FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views", "answer_views"]
@@ -32,7 +33,7 @@ LOGGED = {"js", "js_plain", "row_error", "js_source", "js_views", "answer_views"
 def ladders(path: str, arm: str | None, only_with: str | None = None):
     rows = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
     bpb = TASKS[rows[0]["task"]].metric == "bpb"
-    key = "bpb" if bpb else answer_key(TASKS[rows[0]["task"]].metric)  # the scored answer (acc_norm: prediction_norm)
+    key = "bpb" if bpb else answer_field(TASKS[rows[0]["task"]].metric)  # the scored answer (acc_norm: prediction_norm)
     target = {r["item"]: r[key] for r in rows if r["arm"] == "target"}
     changed = (lambda a, t: abs(a - t) > CHANGED_BPB) if bpb else (lambda a, t: a != t)
     lads = [r for r in rows if r["arm"].startswith("ladder/") and (arm is None or r["arm"] == arm)
