@@ -106,7 +106,6 @@ def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | No
         check_info(info)
     except TypeError as e:
         raise RarecacheError(f"not writing {path}: the map's metadata is invalid ({e})") from None
-    validate(info, sides, mlp, f"not writing {path}")
     meta = {f.name: getattr(info, f.name) for f in fields(MapInfo)}
     for name, off in _OPTIONAL:
         if meta[name] is off:  # left out: files without it stay byte-identical to earlier ones
