@@ -201,8 +201,39 @@ def test_refusals(setup, pair_dir):
 
 
 def test_cli_defaults_are_the_library_s():
-    from rarecache.commands.maps import REFINE_LR
+    import argparse
+    from rarecache.commands.maps import REFINE_LR, _add_refine
+    from rarecache.transfer.refine import WEIGHTINGS
     assert REFINE_LR == RefineConfig().lr
+    sub = argparse.ArgumentParser().add_subparsers()
+    _add_refine(sub)
+    weighting = next(a for a in sub.choices["refine"]._actions if a.dest == "weighting")
+    assert tuple(weighting.choices) == WEIGHTINGS and weighting.default == RefineConfig().weighting
+
+
+def test_context_weights_read_beyond_the_local_window(setup):
+    """Under weighting="context" a position weighs KL(target's own ‖ target seeing only the last LOCAL tokens
+    before the suffix): nothing when the prefix fits in that window, and the loss is the weighted mean."""
+    from rarecache.transfer.refine import LOCAL, kl_each
+    source, target, tok, corpus, maps = setup
+    m = maps["plain"]
+    ids = _ids(tok, corpus)
+    long = Example(Cut(tuple(ids), 8), source, target, m, "context")
+    P = len(ids) - 8
+    assert P > LOCAL and long.weight.shape == (1, 8) and bool((long.weight >= 0).all())
+    cache, _ = target.prefill([ids[:P]])
+    past = [cache.layer(i, P) for i in range(target.num_layers)]
+    near = suffix_logits(target, long.tokens, long.suffix, [k[:, :, P - LOCAL:] for k, _ in past],
+                         [v[:, :, P - LOCAL:] for _, v in past])
+    torch.testing.assert_close(long.weight, kl_each(long.teacher, near))
+    assert float(long.weight.sum()) > 0
+    short = Example(Cut(tuple(ids[: LOCAL + 4]), 4), source, target, m, "context")
+    assert float(short.weight.abs().max()) < 1e-6  # the whole prefix is in the window
+    k, v = mapped_rows(m, None, long.x, long.own, target, long.prefix)
+    each = kl_each(long.teacher, suffix_logits(target, long.tokens, long.suffix, k, v))
+    torch.testing.assert_close(long.loss(m, None, target), (each * long.weight).sum() / long.weight.sum())
+    with pytest.raises(RarecacheError, match="unknown weighting"):
+        RefineConfig(weighting="x")
 
 
 def test_cli(setup, pair_dir, tmp_path, capsys):

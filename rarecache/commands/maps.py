@@ -305,6 +305,9 @@ def _add_refine(sub) -> None:
                    help=f"Adam's step, on standardised inputs in units of each layer's row spread (default: {REFINE_LR:g})")
     p.add_argument("--rhos", type=float, nargs="+", default=[0.1, 0.2, 0.3],
                    help="budgets the recomputed suffix is drawn from (default: 0.1 0.2 0.3)")
+    p.add_argument("--weighting", choices=("uniform", "context"), default="uniform",
+                   help="the loss over recomputed positions: uniform (default), or context: each position weighted "
+                        "by how much the target's prediction there reads text more than 16 tokens back")
     p.add_argument("--heldout", type=int, default=12, help="held-out sequences (default: 12)")
     p.add_argument("--every", type=int, default=50, help="steps between held-out checks (default: 50)")
     p.add_argument("--seq-len", type=int, default=512, help="longest sequence (default: 512)")
@@ -327,6 +330,7 @@ def cmd_refine(args) -> int:
     if args.seq_len < 2:
         raise RarecacheError(f"--seq-len must be at least 2, got {args.seq_len}")
     cfg = RefineConfig(steps=args.steps, lr=args.lr, rhos=tuple(args.rhos), heldout=args.heldout, every=args.every,
+                       weighting=args.weighting,
                        seq_len=args.seq_len, min_len=min(64, args.seq_len))  # (refuses bad values before loading)
     mapper = Mapper.load(args.map)
     if mapper.info.mlp_hidden or mapper.info.heads:

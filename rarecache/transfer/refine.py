@@ -42,6 +42,10 @@ from .mapfile import partial_path, tensors_sha256
 from .mapper import Mapper
 
 
+WEIGHTINGS = ("uniform", "context")
+LOCAL = 16  # tokens before the suffix a "context" weight lets the target see
+
+
 @dataclass(frozen=True)
 class RefineConfig:
     steps: int = 300  # one sequence per step
@@ -53,8 +57,11 @@ class RefineConfig:
     every: int = 50  # steps between held-out checks
     first_document: int = 0  # training sequences come from here on; held-out ones after them
     seed: int = 0
+    weighting: str = "uniform"  # the loss over recomputed positions: "uniform", or "context" (`Example`)
 
     def __post_init__(self):
+        if self.weighting not in WEIGHTINGS:
+            raise RarecacheError(f"unknown weighting {self.weighting!r}: {', '.join(WEIGHTINGS)}")
         if self.steps < 1 or self.heldout < 1 or self.every < 1 or not (self.lr > 0 and math.isfinite(self.lr)):
             raise RarecacheError("refinement needs steps >= 1, heldout >= 1, every >= 1 and lr > 0")
         if not self.rhos or not all(0 < r < 1 for r in self.rhos):
@@ -169,10 +176,17 @@ def suffix_logits(target: Runner, tokens: torch.Tensor, positions: torch.Tensor,
     return target.model.logits(h)
 
 
-def kl(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of KL(teacher ‖ student), logits (..., V) in nats."""
+def kl_each(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
+    """KL(teacher ‖ student) per position, logits (..., V) -> (...) in nats."""
     t, s = teacher.float().log_softmax(-1), student.float().log_softmax(-1)
-    return (t.exp() * (t - s)).sum(-1).mean()
+    return (t.exp() * (t - s)).sum(-1)
+
+
+def kl(teacher: torch.Tensor, student: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over positions of KL(teacher ‖ student), logits (..., V) in nats; weighted by `weight` (...) when
+    given (a weighted mean)."""
+    each = kl_each(teacher, student)
+    return each.mean() if weight is None else (each * weight).sum() / weight.sum().clamp(min=1e-12)
 
 
 @dataclass(frozen=True)
@@ -185,9 +199,13 @@ class Cut:
 
 class Example:
     """What one cut needs, computed without gradients: the source's content rows and the target's own
-    layer-0 rows of the mapped prefix, and the target's own logits at the recomputed suffix."""
+    layer-0 rows of the mapped prefix, the target's own logits at the recomputed suffix and, under
+    `weighting="context"`, each suffix position's weight: KL from the target's own distribution there to its
+    distribution when it sees only the last LOCAL tokens before the suffix (its own rows: keys keep their
+    positions), so positions that read the mapped text from further back (a question, a passage) count, and
+    running text the suffix and its neighbourhood predict do not."""
 
-    def __init__(self, cut: Cut, source: Runner, target: Runner, mapper: Mapper):
+    def __init__(self, cut: Cut, source: Runner, target: Runner, mapper: Mapper, weighting: str = "uniform"):
         with torch.no_grad():
             ids = torch.tensor([cut.ids], device=target.device)
             T, self.n = ids.shape[1], cut.n
@@ -201,10 +219,16 @@ class Example:
             t_cache, _ = target.prefill([list(cut.ids[:P])])
             past = [t_cache.layer(i, P) for i in range(target.num_layers)]
             self.teacher = suffix_logits(target, self.tokens, self.suffix, [k for k, _ in past], [v for _, v in past])
+            self.weight = None  # (1, n) per recomputed position, under `weighting == "context"`
+            if weighting == "context":  # how much each position's prediction reads the prefix beyond its last
+                w = slice(max(0, P - LOCAL), P)  # LOCAL tokens: KL from the target over only those (own rows)
+                near = suffix_logits(target, self.tokens, self.suffix, [k[:, :, w] for k, _ in past],
+                                     [v[:, :, w] for _, v in past])
+                self.weight = kl_each(self.teacher, near)  # (1, n)
 
     def loss(self, mapper: Mapper, delta: Delta | None, target: Runner) -> torch.Tensor:
         k, v = mapped_rows(mapper, delta, self.x, self.own, target, self.prefix)
-        return kl(self.teacher, suffix_logits(target, self.tokens, self.suffix, k, v))
+        return kl(self.teacher, suffix_logits(target, self.tokens, self.suffix, k, v), self.weight)
 
 
 def cuts(corpus: Corpus, tokenizer, cfg: RefineConfig, count: int, first_document: int, rng: random.Random
@@ -249,7 +273,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     torch.manual_seed(cfg.seed)
     train, after = cuts(corpus, tokenizer, cfg, cfg.steps, cfg.first_document, rng)
     held_cuts, end = cuts(corpus, tokenizer, cfg, cfg.heldout, after, rng)
-    held = [Example(c, source, target, mapper) for c in tqdm(held_cuts, desc="held-out", disable=not progress,
+    held = [Example(c, source, target, mapper, cfg.weighting) for c in tqdm(held_cuts, desc="held-out", disable=not progress,
                                                               leave=False)]
     delta = Delta(mapper, {s: [torch.cat(t) for t in zip(*(layer_inputs(mapper, e.x, e.own)[s] for e in held))]
                            for s in SIDES})
@@ -266,7 +290,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     losses: list[float] = []
     bar = tqdm(train, desc="refine", disable=not progress, initial=done, total=len(train))
     for step, cut in enumerate(train[done:], done + 1):
-        loss = Example(cut, source, target, mapper).loss(mapper, delta, target)
+        loss = Example(cut, source, target, mapper, cfg.weighting).loss(mapper, delta, target)
         if not math.isfinite(loss.item()):
             raise RarecacheError(f"refinement diverged at step {step} (loss {loss.item()}): lower --lr")
         opt.zero_grad()
@@ -290,6 +314,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     before = checks[0]["heldout_kl"]
     delta.load_state_dict(best[2])
     record = {"objective": "next-token KL at the suffix a handoff recomputes, over mapped rows",
+              "weighting": cfg.weighting,
               "steps": cfg.steps, "kept_step": best[1], "lr": cfg.lr, "rhos": list(cfg.rhos), "seq_len": cfg.seq_len,
               "min_len": cfg.min_len, "seed": cfg.seed, "documents": [cfg.first_document, after],
               "heldout_documents": [after, end], "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
