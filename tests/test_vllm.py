@@ -374,16 +374,22 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     assert (save.scope, len(save.tokens), save.block_ids) == ("v", len(prompt) + 2, [1, 2, 3, 4])
 
 
+def _source_rows(vpair, length: int = 96):
+    """The first `length` tokens of a prompt, the source's cache of them and its K, V rows (L, Hkv, n, D)."""
+    prompt = vpair.prompts[0][:length]
+    n = len(prompt)
+    sc = vpair.src.new_cache(1, n)
+    vpair.src.forward(*pad_batch([prompt]), sc, logits_at=None)
+    return prompt, sc, sc.k[:, 0, :, :n], sc.v[:, 0, :, :n]
+
+
 def test_hand_rows_is_the_transfer(vpair):
     """No recompute: the plain transfer's rows; every position recomputed: the target's own prefill."""
     from rarecache.adapters.vllm.core import hand_rows, target_namespace
 
     src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
-    prompt = vpair.prompts[0][:96]
+    prompt, sc, k_src, v_src = _source_rows(vpair)
     n = len(prompt)
-    sc = src.new_cache(1, n)
-    src.forward(*pad_batch([prompt]), sc, logits_at=None)
-    k_src, v_src = sc.k[:, 0, :, :n], sc.v[:, 0, :, :n]
     ref = tgt.new_cache(1, n)
     mapper.apply(src, sc, tgt, ref, torch.arange(n)[None])
     plain = hand_rows(target_namespace(tgt.config, tgt.dtype), mapper, src.config, k_src, v_src, prompt, 0, "rank")
@@ -427,11 +433,8 @@ def test_suffix_rank_recomputes_the_librarys_positions(vpair, tmp_path):
     assert read_settings(extra, vpair.root / "tgt").selector == "suffix+rank"
 
     src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
-    prompt = vpair.prompts[0][:96]
+    prompt, sc, k_src, v_src = _source_rows(vpair)
     n = len(prompt)
-    sc = src.new_cache(1, n)
-    src.forward(*pad_batch([prompt]), sc, logits_at=None)
-    k_src, v_src = sc.k[:, 0, :, :n], sc.v[:, 0, :, :n]
     for rho in (0.2, 0.5):
         k = budget(rho, n)
         got = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt, k, "suffix+rank", rho=rho).recomputed

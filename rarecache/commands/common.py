@@ -36,8 +36,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
 
-def load_models(args):
-    """Source and target runners named by --source/--target, and the (shared) tokenizer."""
+def load_models(args, pack_target: bool | None = None):
+    """Source and target runners named by --source/--target, and the (shared) tokenizer. `pack_target`: as
+    `Runner`'s `pack` for the target (False where gradients run through its layers)."""
     from ..engine.llm import DTYPES
     from ..engine.runner import Runner
     from ..models.store import resolve_model
@@ -45,7 +46,8 @@ def load_models(args):
 
     paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
     device = getattr(args, "device", "cpu")  # (the benches take --device)
-    source, target = (Runner.load(p, dtype=DTYPES[args.dtype], device=device) for p in paths)
+    source = Runner.load(paths[0], dtype=DTYPES[args.dtype], device=device)
+    target = Runner.load(paths[1], dtype=DTYPES[args.dtype], device=device, pack=pack_target)
     return source, target, Tokenizer.from_dir(paths[0])
 
 

@@ -225,15 +225,10 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def _add_mlp(sub) -> None:
-    p = sub.add_parser("mlp", help="add the nonlinear option to a ridge map: a residual MLP per target layer and side",
-                       description="Collect both models' rows on the map's own calibration text (its fit documents "
-                                   "for training, the documents after them for early stopping and held-out R2), "
-                                   "train an MLP per target layer and side on ridge's residual, and write a map "
-                                   "that applies ridge + MLP (the closed-form KV mapping paper, arXiv 2608.03893, "
-                                   "§4.4). Give the same text as the map's calibration (--preset, --task or "
-                                   "--corpus): it is checked by fingerprint.")
-    p.add_argument("map", type=Path, help="ridge map fitted by `rarecache calibrate`")
+def _add_map_text_options(p, about: str) -> None:
+    """A map, its pair, and its calibration text named again (checked by fingerprint): for the commands that
+    train on that text (`mlp`, `refine`)."""
+    p.add_argument("map", type=Path, help=about)
     p.add_argument("--source", required=True, help="the map's source model")
     p.add_argument("--target", required=True, help="the map's target model")
     p.add_argument("--corpus", default="wiki", help="the map's calibration corpus (default: wiki)")
@@ -242,6 +237,17 @@ def _add_mlp(sub) -> None:
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="the map's --calibration file (with a task file as --task)")
     p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
+
+
+def _add_mlp(sub) -> None:
+    p = sub.add_parser("mlp", help="add the nonlinear option to a ridge map: a residual MLP per target layer and side",
+                       description="Collect both models' rows on the map's own calibration text (its fit documents "
+                                   "for training, the documents after them for early stopping and held-out R2), "
+                                   "train an MLP per target layer and side on ridge's residual, and write a map "
+                                   "that applies ridge + MLP (the closed-form KV mapping paper, arXiv 2608.03893, "
+                                   "§4.4). Give the same text as the map's calibration (--preset, --task or "
+                                   "--corpus): it is checked by fingerprint.")
+    _add_map_text_options(p, "ridge map fitted by `rarecache calibrate`")
     p.add_argument("--tokens", type=int, default=16384, help="training positions (default: 16384)")
     p.add_argument("--heldout-tokens", type=int, default=4096, help="held-out positions (default: 4096)")
     p.add_argument("--hidden", type=int, default=256, help="hidden units (default: 256)")
@@ -291,15 +297,7 @@ def _add_refine(sub) -> None:
                                    "unchanged. Give the same text as the map's calibration (--preset, --task or "
                                    "--corpus): it is checked by fingerprint. An interrupted run resumes from "
                                    "OUT.refine-state, saved at every held-out check.")
-    p.add_argument("map", type=Path, help="dense ridge map fitted by `rarecache calibrate`")
-    p.add_argument("--source", required=True, help="the map's source model")
-    p.add_argument("--target", required=True, help="the map's target model")
-    p.add_argument("--corpus", default="wiki", help="the map's calibration corpus (default: wiki)")
-    p.add_argument("--chat", action="store_true", help="as the map's calibration was run with --chat")
-    p.add_argument("--task", default=None, help="the map's calibration task")
-    p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
-                   help="the map's --calibration file (with a task file as --task)")
-    p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
+    _add_map_text_options(p, "dense ridge map fitted by `rarecache calibrate`")
     p.add_argument("--steps", type=int, default=300, help="training sequences, one per step (default: 300)")
     p.add_argument("--lr", type=float, default=REFINE_LR,
                    help=f"Adam's step, on standardised inputs in units of each layer's row spread (default: {REFINE_LR:g})")
@@ -317,10 +315,6 @@ def _add_refine(sub) -> None:
 
 
 def cmd_refine(args) -> int:
-    from ..engine.llm import DTYPES
-    from ..engine.runner import Runner
-    from ..models.store import resolve_model
-    from ..models.tokenizer import Tokenizer
     from ..transfer.mapper import Mapper
     from ..transfer.refine import RefineConfig, refine
 
@@ -335,16 +329,10 @@ def cmd_refine(args) -> int:
     mapper = Mapper.load(args.map)
     if mapper.info.mlp_hidden or mapper.info.heads:
         raise RarecacheError(f"{args.map} is not a dense linear map (head-matched or with an MLP): nothing to refine")
-    paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
-    source = Runner.load(paths[0], dtype=DTYPES[args.dtype])
-    target = Runner.load(paths[1], dtype=DTYPES[args.dtype], pack=False)  # gradients run through its layers
+    source, target, tokenizer = load_models(args, pack_target=False)  # gradients run through the target's layers
     mapper.check_pair(source, target)
-    tokenizer = Tokenizer.from_dir(paths[0])
     corpus = _corpus(args, tokenizer)
-    if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
-        raise RarecacheError(f"{args.map} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
-                             f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}"
-                             f"{', chat' if corpus.chat else ''}): give the map's own calibration text")
+    mapper.check_corpus(corpus, str(args.map))
     first = mapper.info.calibration.get("documents_used", 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it

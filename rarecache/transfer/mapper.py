@@ -200,6 +200,15 @@ class Mapper:
                              f"(configs {got_s['config']}/{got_t['config']}, weights {got_s['weights']}/"
                              f"{got_t['weights']})")
 
+    def check_corpus(self, corpus, name: str = "this map") -> None:
+        """Refuse text other than this map's own calibration text (`corpus.Corpus`, by fingerprint): what the
+        steps that train on it again (`mlp`, `refine`) must read."""
+        want = self.info.corpus.get("fingerprint")
+        if corpus.fingerprint != want:
+            raise RarecacheError(f"{name} was calibrated on {self.info.corpus.get('name')} (fingerprint {want}), not "
+                                 f"on {corpus.name} ({corpus.fingerprint}{', chat' if corpus.chat else ''}): give "
+                                 "the map's own calibration text")
+
     def fit_problems(self) -> list[str]:
         """Why this map fits badly, from its own record (POOR_R2, POOR_GAP); empty when it does not, or when
         no held-out R² was measured (`calibrate --heldout-tokens 0`)."""

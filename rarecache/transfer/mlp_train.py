@@ -23,10 +23,7 @@ def fit_mlp(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: C
     which map in the error if it is not."""
     if mapper.info.token_inputs:  # (before collecting rows: Mapper.with_mlp refuses it)
         raise RarecacheError(f"{name} reads token inputs, which a residual MLP would not: no MLP for it")
-    if corpus.fingerprint != mapper.info.corpus.get("fingerprint"):
-        raise RarecacheError(f"{name} was calibrated on {mapper.info.corpus.get('name')} (fingerprint "
-                             f"{mapper.info.corpus.get('fingerprint')}), not on {corpus.name} ({corpus.fingerprint}): "
-                             "give the map's own calibration text")
+    mapper.check_corpus(corpus, name)
     train = collect_rows(source, target, tokenizer, corpus, tokens, seq_len)
     held = collect_rows(source, target, tokenizer, corpus, heldout_tokens, seq_len,
                         first_document=mapper.info.calibration.get("documents_used", 0))

@@ -257,7 +257,7 @@ def heldout_kl(examples: list[Example], mapper: Mapper, delta: Delta | None, tar
 
 def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Corpus, cfg: RefineConfig,
            progress: bool = True, log=print, state: Path | None = None) -> tuple[Mapper, dict]:
-    """The map refined on `corpus` (the map's own calibration text, from `cfg.first_document` on), and the
+    """The map refined on `corpus` (the map's own calibration text, checked; from `cfg.first_document` on), and the
     record of the run (held-out KL before, at every check and kept). `target` must run with gradients
     through its layers: load it unpacked (`Runner.load(..., pack=False)`). `state`: a file the run saves
     itself to at every check and resumes from (the same map and settings only)."""
@@ -267,6 +267,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         raise RarecacheError("refinement runs gradients through the target: load it unpacked (pack=False)")
     if mapper.info.refined is not None:
         raise RarecacheError("this map is already refined: refine the closed-form map it came from")
+    mapper.check_corpus(corpus)
     target.model.requires_grad_(False)
     source.model.requires_grad_(False)
     rng = random.Random(cfg.seed)
