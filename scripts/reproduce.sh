@@ -69,7 +69,7 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval drift run --source \$S --target \$T --map \$V2 --arms alone 0.2:suffix 0.2:suffix:heal --stories 10 --dtype float32 --out \$OUT/drift-coqa-heal.jsonl"
       echo "\$RC eval drift report \$OUT/drift-coqa-heal.jsonl > \$OUT/drift-coqa-heal.md";;
     reverse-hellaswag)
-      echo "REV=\$(find_map general-16k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-16k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general-v2 --tokens 16384 --heldout-tokens 8192 --dtype float32 --out \$REV; }"
+      echo "REV=\$(find_map general-16k-1.5b-to-0.5b.safetensors f64b7b3:docs/artifacts/maps/general-16k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-16k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general-v2 --tokens 16384 --heldout-tokens 8192 --dtype float32 --out \$REV; }"
       echo "\$RC eval run --task hellaswag --source \$T --target \$S --map general=\$REV --arms target source 0:rank@general 0.2:suffix@general --limit 300 --dtype float32 --out \$OUT/general16k-hellaswag-reverse.jsonl"
       echo "\$RC eval report \$OUT/general16k-hellaswag-reverse.jsonl > \$OUT/general16k-hellaswag-reverse.report.md";;
     bench-handoff)
