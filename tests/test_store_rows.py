@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rarecache.adapters.vllm.store import (CHUNK, EntryGone, Hit, Miss, RowStore, StoreDown, encode_entry,
-                                           open_store)
+from rarecache.adapters.vllm.store import CHUNK, EntryGone, Hit, Miss, RowStore, StoreDown, encode_entry
+from rarecache.adapters.vllm.store_open import open_store
 from rarecache.errors import RarecacheError
 
 from .redis_server import REDIS, SKIP_REASON, RedisServer

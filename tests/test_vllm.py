@@ -323,7 +323,8 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from rarecache.adapters.vllm.connector import RarecacheConnector
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     prompt = vpair.prompts[0]
     src_id = model_identity(vpair.root / "src")
@@ -578,7 +579,8 @@ def test_capture_holds_the_sources_own_rows(vpair, source_run):
 def assert_captured(vpair, root, answers) -> None:
     """The store at `root` holds, for each prompt i answered under salt "s{i}", the rows our Runner
     computes for prompt + answer (but its last token), and the answer is our Runner's greedy one."""
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     store = open_store(root)
     for i, (prompt, out) in enumerate(zip(vpair.prompts, answers)):
@@ -645,7 +647,8 @@ def test_rank_recompute_through_vllms_weights(vpair, target, tmp_path):
     """ρ = 0.5, rank: the paged rows are those our own Runner computes by the same rule (the view
     over vLLM's modules recomputes what a separately loaded target does)."""
     from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     prompt = vpair.prompts[0]
     (h,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.5, "selector": "rank", "debug": True})
@@ -747,7 +750,7 @@ def test_serve_settings_and_records_are_checked(tmp_path):
     from rarecache.adapters.vllm.core import request_params
     from rarecache.adapters.vllm.records import check_record
     from rarecache.adapters.vllm.serving import VllmServeConfig
-    from rarecache.adapters.vllm.store import open_store
+    from rarecache.adapters.vllm.store_open import open_store
 
     def check(rec):
         return check_record(rec, "a" * 32, ID_B, {"src": ID_A}, 100, 32)
@@ -800,7 +803,8 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
 
     from rarecache.adapters.vllm.records import outcome, settle
     from rarecache.adapters.vllm.serving import VllmChatService, VllmReply, VllmServeConfig, tenant_scope
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
     from rarecache.serve import outcome as served
 
     def service(store, maps):
@@ -963,7 +967,8 @@ def _chat(client, model, messages, salt, **kw):
 def _covered(vpair, model, salt, ids):
     """Positions of `ids` the store holds rows of, for `model` under the tenant `salt`."""
     from rarecache.adapters.vllm.serving import tenant_scope
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     hit = open_store(vpair.store).lookup(model_identity(vpair.root / model), tenant_scope(salt), ids)
     return hit.length if hit else 0

@@ -80,7 +80,8 @@ def test_tp2_each_rank_holds_its_heads_of_the_transfer(vpair, tp_served, tp_sour
     """ρ = 0 and 0.5 (rank): rank r's paged cache holds KV head r of the rows our own (whole,
     one-process) Runner computes by the same rule from the same stored rows."""
     from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     svc, root = tp_served
     target = _Engine(svc, "tgt")

@@ -35,7 +35,8 @@ def main() -> int:
     from vllm.config import KVTransferConfig
 
     from rarecache.adapters.vllm.engines import engine_environment
-    from rarecache.adapters.vllm.store import model_identity, open_store
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
 
     engine_environment()
     maps = dict(m.split("=", 1) for m in args.map)

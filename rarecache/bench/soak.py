@@ -43,7 +43,8 @@ class SoakConfig:
     max_requests: int = 5000  # bound on the overload phase's requests
     max_tokens: int = 8
     kill_after_s: float = 5.0  # load before the SIGKILL
-    startup_timeout_s: float = 900.0  # the first start may calibrate the demo's map
+    startup_timeout_s: float = 900.0  # a first start may convert the models (or calibrate a quick map where
+    # the shipped one does not fit them)
     request_timeout_s: float = 300.0
     rss_every_s: float = 0.5
 

@@ -342,7 +342,8 @@ def _add_soak(bench) -> None:
                                      "exit 1 if a check fails. Loopback only.")
     b.add_argument("--source", default=None, help="as for serve (default: the bundled pair)")
     b.add_argument("--target", default=None, help="as for serve")
-    b.add_argument("--map", type=Path, default=None, help="as for serve (default for the bundled pair: the demo's map)")
+    b.add_argument("--map", type=Path, default=None,
+                   help="as for serve (default for the bundled pair: the map rarecache ships)")
     b.add_argument("--saturation", type=float, default=20.0, help="seconds of the closed-loop rate measurement (20)")
     b.add_argument("--duration", type=float, default=180.0, help="seconds of overload (default: 180)")
     b.add_argument("--overload", type=float, default=2.0, help="offered rate over the measured one (default: 2)")

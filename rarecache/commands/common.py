@@ -8,9 +8,11 @@ building the parser (and `--help`) stays quick.
 from __future__ import annotations
 
 import argparse
-import sys
 import json
+import sys
 from pathlib import Path
+
+from ..errors import RarecacheError
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -110,3 +112,21 @@ def warn_fit(mapper) -> None:
     if problems:
         print(f"warning: this map fits badly: {'; '.join(problems)} (`rarecache serve` refuses it without "
               "--accept-poor-map)", file=sys.stderr)
+
+
+def map_specs(specs: list[str]) -> dict[str, Path]:
+    """--map PATH (one unlabelled map) or --map LABEL=PATH ... -> {label: path}."""
+    maps: dict[str, Path] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        label, path = (label, path) if sep else ("", spec)
+        if sep and not label.replace("-", "").replace("_", "").isalnum():
+            raise RarecacheError(f"map label {label!r}: use letters, digits, - and _")
+        if label in maps:
+            raise RarecacheError(f"map label {label or '(none)'} given twice")
+        if not Path(path).is_file():
+            raise RarecacheError(f"no map file {path}")
+        maps[label] = Path(path)
+    if "" in maps and len(maps) > 1:
+        raise RarecacheError("several maps need labels: --map task=FILE wiki=FILE")
+    return maps

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..defaults import SELECTOR_NAMES, SERVED
 from ..errors import RarecacheError
-from .common import add_model_options
+from .common import add_model_options, map_specs
 
 # The names in rarecache.eval.tasks.TASKS, in its order, for `eval run --help` alone: importing the tasks
 # (and the corpus and tokenizer code under them) just to print help is what this spares. A test holds the two equal.
@@ -103,7 +103,7 @@ def cmd_eval_run(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)  # before any model loads
-    map_paths = _map_specs(args.map)
+    map_paths = map_specs(args.map)
     arms = _eval_arms(args, tuple(map_paths))
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
     task = task or open_task(args.task, args.cache_dir, source.tokenizer)
@@ -130,24 +130,6 @@ def cmd_eval_run(args) -> int:
     out.with_suffix(".md").write_text(table + "\n")
     print(table)
     return 0
-
-
-def _map_specs(specs: list[str]) -> dict[str, Path]:
-    """--map PATH (one unlabelled map) or --map LABEL=PATH ... -> {label: path}."""
-    maps: dict[str, Path] = {}
-    for spec in specs:
-        label, sep, path = spec.partition("=")
-        label, path = (label, path) if sep else ("", spec)
-        if sep and not label.replace("-", "").replace("_", "").isalnum():
-            raise RarecacheError(f"map label {label!r}: use letters, digits, - and _")
-        if label in maps:
-            raise RarecacheError(f"map label {label or '(none)'} given twice")
-        if not Path(path).is_file():
-            raise RarecacheError(f"no map file {path}")
-        maps[label] = Path(path)
-    if "" in maps and len(maps) > 1:
-        raise RarecacheError("several maps need labels: --map task=FILE wiki=FILE")
-    return maps
 
 
 def _eval_arms(args, labels: tuple[str, ...]) -> list:

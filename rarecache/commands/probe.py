@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from .common import add_model_options
+from .common import add_model_options, map_specs
 
 DESCRIPTION = """\
 Hand a fixed set of 32 prompts (passages with a question, 0-shot multiple choice, few-shot
@@ -38,9 +38,7 @@ def register(ev) -> None:
 
 
 def cmd_probe(args) -> int:
-    from .eval import _map_specs
-
-    map_paths = _map_specs(args.map)
+    map_paths = map_specs(args.map)
     variants = _variants(args.arms, tuple(map_paths))
     if args.threads is not None:
         if args.threads < 1:

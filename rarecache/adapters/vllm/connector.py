@@ -68,7 +68,8 @@ except ImportError as _e:
 
 from .core import Settings, describe, read_settings
 from .scheduler import LoadSpec, RarecacheMetadata, SaveSpec, SchedulerSide
-from .store import CHUNK, StoreDown, describe_store, open_store
+from .store import CHUNK, StoreDown, describe_store
+from .store_open import open_store
 from .worker import WorkerSide
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show

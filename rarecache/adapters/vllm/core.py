@@ -67,7 +67,7 @@ class Peer:
 class Settings:
     """`kv_connector_extra_config`, checked."""
 
-    store: str  # a directory, or redis://HOST:PORT/DB / unix:///path.sock (store.open_store)
+    store: str  # a directory, or redis://HOST:PORT/DB / unix:///path.sock (store_open.open_store)
     model: Path
     identity: dict[str, str]
     config: ModelConfig

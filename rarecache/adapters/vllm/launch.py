@@ -13,7 +13,6 @@ store (LRU beyond it), `--store-ttl` every entry's life.
 
 from __future__ import annotations
 
-import gc
 import os
 import shutil
 import sys
@@ -42,7 +41,7 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
     from .serving import VllmChatService, VllmServeConfig
 
     check_store_flags(args.store, args.store_gib, args.store_ttl)
-    fresh, scratch = args.store is None, None
+    fresh = args.store is None
     store = _store_path(args.store, "rarecache-rows-")
     try:
         cfg = VllmServeConfig(store=store, store_bytes=store_bytes(args.store_gib), store_ttl=args.store_ttl,
@@ -59,10 +58,8 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
                 if not Path(path).is_file():
                     raise RarecacheError(f"no map file {path}")
                 maps[pair] = Path(path)
-        if args.map is None:  # the bundled pair: the demo's map (calibrated by our runner on first use)
-            if is_url(store):  # beside a directory store, else in a private temp dir removed at exit
-                scratch = Path(tempfile.mkdtemp(prefix="rarecache-demo-map-"))
-            maps[(names[0], names[1])] = _demo_map(args, scratch or store)
+        if (names[0], names[1]) not in maps:  # (serve fills the bundled pair's served map before this)
+            raise RarecacheError("serve --engine vllm needs --map: the map fitted source -> target")
         if not torch.cuda.is_available():
             settings = engine_environment(tensor_parallel_size=cfg.tensor_parallel_size)
             print("rarecache: vLLM CPU threads: " + " ".join(f"{k}={v}" for k, v in settings.items()),
@@ -80,8 +77,6 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
     finally:
         if fresh:
             shutil.rmtree(store, ignore_errors=True)
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
     return 0
 
 
@@ -110,22 +105,6 @@ def store_bytes(gib: float | None) -> int | None:
     if not gib > 0:
         raise RarecacheError(f"--store-gib must be > 0, not {gib}")
     return int(gib * (1 << 30))
-
-
-def _demo_map(args, store: Path) -> Path:
-    """The demo's map for the bundled pair, written where the engines can load it."""
-    from ...demo import DemoConfig, demo_map
-    from ...engine.llm import LLM
-
-    source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
-    mapper = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir), source, target)
-    del source, target
-    gc.collect()  # our copies of the weights go before vLLM loads its own
-    path = store / "maps" / "demo.safetensors"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mapper.save(path)
-    os.chmod(path, 0o600)
-    return path
 
 
 @contextmanager

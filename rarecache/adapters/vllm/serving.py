@@ -50,7 +50,8 @@ from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, check_selector, claim
 from .engines import Engine, Job, cut
 from .records import account, outcome, settle
-from .store import CHUNK, Hit, Miss, model_identity, open_store, same_model
+from .store import CHUNK, Hit, Miss, model_identity, same_model
+from .store_open import open_store
 
 CONNECTOR = "rarecache.adapters.vllm.connector"
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing

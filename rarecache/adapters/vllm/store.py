@@ -1,7 +1,7 @@
 """The row store the engines share: KV rows of finished requests, keyed by model, salt and tokens.
 
 Two engines hand a conversation off only through this store, so it is an interface with two
-backends chosen by one setting (`open_store`): a directory (`store_dir.py`: /dev/shm or any
+backends chosen by one setting (`store_open.open_store`): a directory (`store_dir.py`: /dev/shm or any
 path every engine of one host can reach; bounded by `cap_bytes` with least-recently-used
 eviction) and a Redis/Valkey server (`store_redis.py`: `redis://HOST:PORT/DB` or
 `unix:///path.sock`, for engines on different hosts; bounded by the server's own `maxmemory`
@@ -368,25 +368,10 @@ def is_url(spec: str | Path) -> bool:
     return str(spec).startswith(("redis://", "rediss://", "unix://"))
 
 
-def open_store(spec: str | Path, cap_bytes: int | None = None, ttl: float | None = None) -> RowStore:
-    """The store `spec` names: `redis://HOST:PORT/DB` or `unix:///path.sock` (a Redis/Valkey
-    server; its memory is bounded by its own maxmemory), else a directory (bounded by cap_bytes)."""
-    if is_url(spec):
-        if cap_bytes is not None:
-            raise RarecacheError("a Redis store is bounded by the server's own maxmemory (with an allkeys-lru "
-                                 "policy), not by --store-gib")
-        from .store_redis import RedisStore
-
-        return RedisStore(str(spec), ttl=ttl)
-    from .store_dir import DirStore
-
-    return DirStore(Path(spec).expanduser(), cap_bytes=cap_bytes, ttl=ttl)
-
-
 def describe_store(spec: str | Path) -> str:
     """`spec` without a password, for logs."""
     return re.sub(r"//[^@/]*@", "//***@", str(spec))
 
 
-__all__ = ["RowStore", "Hit", "Miss", "StoreDown", "EntryGone", "REASONS", "CHUNK", "open_store", "encode_entry",
+__all__ = ["RowStore", "Hit", "Miss", "StoreDown", "EntryGone", "REASONS", "CHUNK", "encode_entry",
            "decode_meta", "header_length", "model_identity", "same_model", "describe_store"]

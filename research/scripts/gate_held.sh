@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue #44: the gate's ladders (every rung a direct handoff, each rung's signals recorded) on held-apart items
+# 300-499 of every task, through the served map (rarecache/data, v3) with the served selector (suffix), bf16 as
+# serve runs; then GSM8K exact match on evaluated items 0-99 (target, 0.5B alone, the served handoff). Resumable:
+# each `eval run` continues its results file. Run from a frozen copy:
+#   nohup bash research/scripts/frozen.sh research/scripts/gate_held.sh >> ~/.cache/rarecache/runs/gate-held.log 2>&1 &
+# then `rarecache eval gate fit RUNS/eval/held-*.jsonl --out policy.json` prints each signal's AUC.
+set -euxo pipefail
+cd "$(dirname "$0")/../.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval; mkdir -p $E
+V3=rarecache/data/general-v3-64k.safetensors
+for task in ${TASKS:-mmlu arc_challenge hellaswag gsm8k_bpb}; do
+  rarecache eval run --task $task --source $S --target $T --map v3=$V3 --arms target ladder:suffix@v3 \
+      --start 300 --limit ${N:-200} --dtype bfloat16 --out $E/held-$task.jsonl > /dev/null
+done
+rarecache eval run --task gsm8k --source $S --target $T --map v3=$V3 --arms target source 0.2:suffix@v3 \
+    --limit ${N_EM:-100} --batch 10 --dtype bfloat16 --out $E/em-gsm8k.jsonl > /dev/null
+echo GATE-HELD DONE

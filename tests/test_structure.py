@@ -1,0 +1,168 @@
+"""The package's shape, checked from its source: the import directions docs/ARCHITECTURE.md tables, no
+import circle (imports inside functions count: hiding one there does not break it), no module past
+400 lines, and no path into docs/ or research/ that code could open at run time."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "rarecache"
+MAX_LINES = 400
+
+# room -> the rooms it may import (docs/ARCHITECTURE.md, "Import directions"); a room imports itself freely
+ALLOWED = {
+    "errors": set(),
+    "packages": {"errors"},
+    "defaults": {"errors", "packages"},
+    "models": {"errors", "packages"},
+    "engine": {"models", "errors"},
+    "transfer": {"defaults", "engine", "models", "errors", "packages"},
+    "eval": {"transfer", "engine", "models", "errors", "packages"},
+    "serve": {"transfer", "engine", "models", "errors"},
+    "bench": {"defaults", "serve", "transfer", "engine", "models", "errors"},
+    "adapters": {"defaults", "transfer", "engine", "models", "errors", "serve"},
+    "demo": {"defaults", "transfer", "engine", "models", "errors"},
+    "commands": {"errors", "packages", "defaults", "models", "engine", "transfer", "eval", "serve", "bench",
+                 "adapters", "demo", "commands"},
+    "cli": {"commands", "errors"},
+}
+ADAPTERS_MAY_IMPORT_SERVE = {"adapters/vllm/serving.py", "adapters/vllm/records.py", "adapters/vllm/launch.py"}
+COMMANDS_MAY_IMPORT_ADAPTERS = {"commands/serve.py", "commands/bench_vllm.py"}
+
+
+def _modules() -> dict[str, Path]:
+    """'rarecache.transfer.mapper' -> its file, for every module of the package."""
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The package modules `name` imports anywhere in its file (module level or inside a function)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            # `from . import x` names a submodule when one exists, else something the package defines
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in MODULES and t != name:
+                found.add(t)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else None  # None: the package's own __init__ (lazy exports of everything)
+
+
+def test_import_directions():
+    wrong = []
+    for name, targets in GRAPH.items():
+        room, rel = _room(name), str(MODULES[name].relative_to(PKG))
+        if room is None:
+            continue
+        for t in targets:
+            other = _room(t)
+            if other is None:
+                wrong.append(f"{rel} imports the package root")
+            elif other == room:
+                continue
+            elif other not in ALLOWED[room]:
+                wrong.append(f"{rel} imports {t}")
+            elif room == "adapters" and other == "serve" and rel not in ADAPTERS_MAY_IMPORT_SERVE:
+                wrong.append(f"{rel} imports {t} (only the serving layer may)")
+            elif room == "commands" and other == "adapters" and rel not in COMMANDS_MAY_IMPORT_ADAPTERS:
+                wrong.append(f"{rel} imports {t} (only serve and bench_vllm may)")
+    assert not wrong, "imports against docs/ARCHITECTURE.md's directions:\n" + "\n".join(wrong)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_hidden_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    assert _cycles(GRAPH) == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_size(name):
+    lines = len(MODULES[name].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{MODULES[name].relative_to(PKG)} has {lines} lines (split it along a seam)"
+
+
+def _code_strings(tree: ast.AST):
+    """String constants that are not docstrings."""
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docs.add(id(first.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node
+
+
+def test_no_path_into_docs_or_research():
+    # help texts may point a user at a manual ("see docs/VLLM.md"); a string that *is* such a path could be opened
+    found = [f"{p.relative_to(PKG)}:{n.lineno} {n.value!r}" for p in MODULES.values()
+             for n in _code_strings(ast.parse(p.read_text()))
+             if n.value.lstrip("./").startswith(("docs/", "research/")) or n.value in ("docs", "research")]
+    assert not found, "paths into docs/ or research/ in package code:\n" + "\n".join(found)
