@@ -61,6 +61,13 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     assert "two powers (keys, values) in [0, 2]" in capsys.readouterr().err
     assert main(["refit", "--map", str(mapped / "m.safetensors"), "--out", str(tmp_path / "x")]) == 2
     assert "calibrate with --keep-state" in capsys.readouterr().err
+    # --weights-dtype alone needs no state: the same map, its weights stored in bfloat16
+    assert main(["refit", "--map", str(mapped / "m.safetensors"), "--weights-dtype", "bfloat16",
+                 "--out", str(tmp_path / "half.safetensors")]) == 0
+    whole, half = Mapper.load(mapped / "m.safetensors"), Mapper.load(tmp_path / "half.safetensors")
+    assert half.info == whole.info and torch.equal(half.sides["v"].bias, whole.sides["v"].bias)
+    assert torch.equal(half.sides["k"].weight, whole.sides["k"].weight.bfloat16().float())
+    assert (tmp_path / "half.safetensors").stat().st_size < 0.75 * (mapped / "m.safetensors").stat().st_size
     # --sharpen alone needs no state: the sharpened map, its state gone, back to plain ridge
     (tmp_path / "s.safetensors.state").unlink(missing_ok=True)
     assert main(["refit", "--map", str(tmp_path / "s.safetensors"), "--sharpen", "0", "0",

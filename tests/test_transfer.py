@@ -272,6 +272,44 @@ def test_map_file_round_trip_and_pair_check(pair, tmp_path):
         back.check_pair(source, source)
 
 
+def test_bf16_weights_halve_the_file_and_map_the_same_rows_in_bf16(pair, tmp_path):
+    """A file that stores its weights in bfloat16: about half the bytes, every tensor read back as float32,
+    the weights the float32 file's rounded once and the rest exact; a bfloat16 handoff maps the same rows
+    from either file, a float32 one only nearly."""
+    source, target, tok, corpus = pair
+    mapper = Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False)
+    mapper.save(tmp_path / "f32.safetensors")
+    mapper.save(tmp_path / "bf16.safetensors", weights="bfloat16")
+    a, b = Mapper.load(tmp_path / "f32.safetensors"), Mapper.load(tmp_path / "bf16.safetensors")
+    weight_bytes = sum(f.weight.numel() for f in a.sides.values()) * 2  # what bf16 saves
+    sizes = [(tmp_path / f"{n}.safetensors").stat().st_size for n in ("f32", "bf16")]
+    assert 0 <= sizes[0] - sizes[1] - weight_bytes < 64  # (the header's dtype names and padding differ)
+    assert b.info == a.info
+    for side in ("k", "v"):
+        for name in ("weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single"):
+            x, y = getattr(a.sides[side], name), getattr(b.sides[side], name)
+            assert y.dtype == torch.float32, name
+            want = x.to(torch.bfloat16).float() if name == "weight" else x
+            assert torch.equal(y, want), name
+        assert not torch.equal(a.sides[side].weight, b.sides[side].weight)  # (it did round)
+    ids = tok.encode(corpus.documents[-1])[:40]
+    own, _ = source.prefill([ids])
+    pos = torch.arange(40)[None]
+    rows = {}
+    for name, m in (("f32", a), ("bf16", b)):
+        for dtype in (torch.bfloat16, torch.float32):
+            cache = target.new_cache(1, 40)
+            m.apply(source, own, target, cache, pos, dtype=dtype)
+            rows[name, dtype] = (cache.k.clone(), cache.v.clone())
+    for i in range(2):
+        assert torch.equal(rows["f32", torch.bfloat16][i], rows["bf16", torch.bfloat16][i])
+        near, exact = rows["bf16", torch.float32][i], rows["f32", torch.float32][i]
+        assert not torch.equal(near, exact)
+        torch.testing.assert_close(near, exact, atol=0.05, rtol=0.05)
+    with pytest.raises(RarecacheError, match="float32 or bfloat16"):
+        mapper.save(tmp_path / "x.safetensors", weights="float16")
+
+
 def test_map_file_is_validated(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a map")
     with pytest.raises(RarecacheError, match="not a map file"):

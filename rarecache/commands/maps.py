@@ -76,6 +76,7 @@ def _add_calibrate(sub) -> None:
                    help="keep OUT.state (the float64 statistics) after the fit, for `rarecache refit`")
     p.add_argument("--device", default="cpu", help="where statistics accumulate (default: cpu)")
     add_model_options(p)
+    add_weights_option(p)
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -87,7 +88,8 @@ def _add_refit(sub) -> None:
                                    "same positions. The new map keeps MAP's models, corpus and documents. "
                                    "--sharpen and --plain-sharpen need no state: a dense map's sharpening is "
                                    "undone and redone exactly (its recorded held-out R2 is dropped), and "
-                                   "--plain-sharpen alone changes only the file's metadata.")
+                                   "--plain-sharpen alone changes only the file's metadata; with no choice given, "
+                                   "--weights-dtype alone writes MAP again as it is (bfloat16: in half the bytes).")
     p.add_argument("--map", type=Path, required=True, help="map whose calibration kept its state (MAP.state)")
     p.add_argument("--state", type=Path, default=None, help="the statistics (default: MAP.state)")
     p.add_argument("--k", type=int, default=None, help="source layers per target layer (default: MAP's)")
@@ -96,7 +98,14 @@ def _add_refit(sub) -> None:
     p.add_argument("--head-matched", action="store_true", help="fit each target KV head from the same source head")
     add_sharpen_option(p, "MAP's", "MAP's")
     p.add_argument("--out", type=Path, required=True, help="map file to write")
+    add_weights_option(p)
     p.set_defaults(func=cmd_refit)
+
+
+def add_weights_option(p) -> None:
+    p.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
+                   help="how the file stores the map's weights: bfloat16 halves the file; a bfloat16 handoff "
+                        "computes the same rows from either, a float32 one sees the rounding (default: float32)")
 
 
 def add_sharpen_option(p, default: str, plain_default: str) -> None:
@@ -117,7 +126,11 @@ def cmd_refit(args) -> int:
     state = args.state or Path(str(args.map) + ".state")
     only_sharpen = (args.sharpen, args.plain_sharpen) != (None, None) and (
         args.k, args.lam, args.rank, args.head_matched) == (None, None, None, False)
-    if only_sharpen and args.sharpen is None and args.state is None:  # metadata only
+    unchanged = (args.k, args.lam, args.rank, args.head_matched, args.sharpen, args.plain_sharpen) == (
+        None, None, None, False, None, None)
+    if unchanged and args.state is None and args.weights_dtype:  # the same map, stored again in that dtype
+        new = mapper
+    elif only_sharpen and args.sharpen is None and args.state is None:  # metadata only
         new = mapper
     elif not state.is_file() and only_sharpen and args.state is None:  # exact from the map alone (resharpen)
         new = resharpen(mapper, tuple(args.sharpen))
@@ -130,7 +143,7 @@ def cmd_refit(args) -> int:
     if args.plain_sharpen:
         new = with_plain(new, tuple(args.plain_sharpen))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    new.save(args.out)
+    new.save(args.out, args.weights_dtype or "float32")
     print(new.summary())
     warn_fit(new)
     print(f"wrote {args.out}")
@@ -216,7 +229,7 @@ def cmd_calibrate(args) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
     mapper = calibration.run(restart=args.restart)
-    mapper.save(args.out)
+    mapper.save(args.out, args.weights_dtype or "float32")
     if not args.keep_state:
         calibration.state_path.unlink(missing_ok=True)
     print(mapper.summary())
@@ -255,6 +268,7 @@ def _add_mlp(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
     p.add_argument("--out", type=Path, required=True, help="map file to write (ridge + MLP)")
     add_model_options(p)
+    add_weights_option(p)
     p.set_defaults(func=cmd_mlp)
 
 
@@ -276,7 +290,7 @@ def cmd_mlp(args) -> int:
     corpus = _corpus(args, tokenizer)
     out, r2 = fit_mlp(mapper, source, target, tokenizer, corpus, cfg, args.tokens, args.heldout_tokens, args.seq_len,
                       str(args.map))
-    out.save(args.out)
+    out.save(args.out, args.weights_dtype or "float32")
     print(f"held-out R2, mean over {target.num_layers} target layers ({args.heldout_tokens} positions after the map's "
           f"fit documents):")
     for s, name in (("k", "keys"), ("v", "values")):
@@ -311,6 +325,7 @@ def _add_refine(sub) -> None:
     p.add_argument("--seq-len", type=int, default=512, help="longest sequence (default: 512)")
     p.add_argument("--out", type=Path, required=True, help="map file to write")
     add_model_options(p)
+    add_weights_option(p)
     p.set_defaults(func=cmd_refine)
 
 
@@ -338,7 +353,7 @@ def cmd_refine(args) -> int:
     state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it
     out, record = refine(mapper, source, target, tokenizer, corpus, replace(cfg, first_document=first),
                          log=lambda line: print(line, file=sys.stderr, flush=True), state=state)
-    out.save(args.out)
+    out.save(args.out, args.weights_dtype or "float32")
     state.unlink(missing_ok=True)
     print(f"held-out KL {record['heldout_kl_before']:.4f} -> {record['heldout_kl']:.4f} nats "
           f"(step {record['kept_step']} of {record['steps']} kept)")

@@ -7,6 +7,11 @@ every value finite, and the sha256 of the tensor data that `write` records, so a
 files written before the checksum load without it); `Mapper.check_pair` checks it against the two models.
 `write` never writes what `read` refuses, and leaves optional fields out when they are off, so files
 without them stay byte-identical to earlier ones.
+
+A file may store its weights (the ridge weights and an MLP's matrices, nearly all of its bytes) in bfloat16
+(`write(..., weights="bfloat16")`): half the bytes. `read` turns every floating tensor into float32, so the
+code past it sees one dtype; a handoff run in bfloat16 casts the weights to bfloat16 anyway, so it computes
+the same rows from either file (tested), and only a float32 handoff sees the rounding.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ _META_KEY = "rarecache.map"
 _SUM_KEY = "rarecache.map.sha256"  # of the tensor data, beside the metadata (older files lack it)
 _TENSORS = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single")
 _MLP = ("w1", "b1", "w2", "b2")
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # how `write` may store the weights
+_WEIGHTS = ("weight", "mlp.w1", "mlp.w2")
 _OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False), ("refined", None))  # (field, left out when)
 
 
@@ -93,8 +100,12 @@ class MapInfo:
         return f"{self.source['name']} -> {self.target['name']}"
 
 
-def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | None, path: str | Path) -> None:
-    """Write a map file atomically (through `partial_path`), its metadata in key order (`canonical_header`)."""
+def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | None, path: str | Path,
+          weights: str = "float32") -> None:
+    """Write a map file atomically (through `partial_path`), its metadata in key order (`canonical_header`);
+    `weights`: the weights' storage dtype (WEIGHT_DTYPES; the module docstring)."""
+    if weights not in WEIGHT_DTYPES:
+        raise RarecacheError(f"a map stores its weights as {' or '.join(WEIGHT_DTYPES)}, not {weights!r}")
     tensors = {f"{s}.{name}": getattr(sides[s], name).contiguous() for s in SIDES for name in _TENSORS}
     if info.heads:  # only the blocks: the rest of a head-matched weight is zero by construction
         tensors.update({f"{s}.weight": head_blocks(sides[s].weight, info.k, info.heads)
@@ -102,6 +113,7 @@ def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | No
     if mlp:
         tensors.update({k: v.contiguous() for s in SIDES for k, v in mlp[s].tensors(s).items()})
     tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
+    tensors.update({k: v.to(WEIGHT_DTYPES[weights]) for k, v in tensors.items() if k.split(".", 1)[1] in _WEIGHTS})
     try:  # what `read` refuses is never written
         check_info(info)
     except TypeError as e:
@@ -144,6 +156,7 @@ def read(path: str | Path) -> tuple[MapInfo, dict[str, SideFit], dict[str, SideM
     want = header.get(_SUM_KEY)
     if want is not None and tensors_sha256(tensors) != want:
         raise RarecacheError(f"{path} is damaged: its tensor data does not match its sha256 checksum")
+    tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}  # (bf16 weights too)
     missing = sorted({f"{s}.{n}" for s in SIDES for n in _TENSORS} - set(tensors))
     if missing:
         raise RarecacheError(f"{path} lacks tensor(s) {', '.join(missing)}")
