@@ -290,7 +290,7 @@ def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(model
         assert got == pytest.approx(js_bits(logits[0], own.logits[0]), rel=1e-3, abs=1e-6) and got > 0
 
 
-def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
+def test_gate_fit_and_report_on_held_apart_items(models, tmp_path, capsys):
     from rarecache.cli import main
     from rarecache.eval.gate import evaluate, read_ladders
     from rarecache.eval.results import load_results
@@ -298,8 +298,16 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path):
     held = _ladder_run(models, tmp_path, slice(0, 3), "held.jsonl")
     ev = _ladder_run(models, tmp_path, slice(3, 5), "ev.jsonl")
     pol = tmp_path / "policy.json"
+    capsys.readouterr()
     assert main(["eval", "gate", "fit", str(held), "--max-changed", "0.5", "--out", str(pol)]) == 0
     policy = GatePolicy.load(pol)
+    printed = capsys.readouterr().out  # every signal's AUC pooled and within each rung, each with its interval
+    line = next(x for x in printed.splitlines() if x.startswith("  nll: "))
+    for rho in ("0.1", "0.2", "0.3", "0.5"):
+        c = policy.fitted["signals"]["rungs"][rho]["nll"]
+        want = "-" if c["auc"] is None else f"{c['auc']:.3f} ({c['ci'][0]:.3f}-{c['ci'][1]:.3f})"
+        assert f"{rho}: {want}" in line, (rho, line)
+    assert "changed answers: rho 0.1: " in printed
     assert policy.fitted["tasks"]["toychoice"]["items"] == ["toy-0", "toy-1", "toy-2"]
     # the same fit at other bounds, stored: a looser bound never costs more; the file's own level is the policy
     levels = policy.fitted["levels"]

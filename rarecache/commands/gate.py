@@ -78,12 +78,17 @@ def cmd_gate_fit(args) -> int:
     pooled = policy.fitted["auc_pooled"]
     print(f"  signal AUC over every task's (item, rung) pairs: {ci(pooled['auc'], pooled['ci'])} "
           "(95% CI: items resampled within each task)")
-    print("each recorded signal's AUC for a changed answer, pooled over tasks (every rung; then within each rung):")
+    print("each recorded signal's AUC for a changed answer, pooled over tasks (every rung; then within each rung, "
+          "where a signal must separate requests of the same budget):")
     table = policy.fitted["signals"]
+    cell = lambda c: "-" if c["auc"] is None else ci(c["auc"], c["ci"])  # noqa: E731
+    some = next(iter(table["pooled"]), None)
+    if some is not None:
+        print("  changed answers: " + "  ".join(f"rho {rho}: {r[some]['changed']} of {r[some]['n']}"
+                                                for rho, r in table["rungs"].items()))
     for name, c in table["pooled"].items():
-        per = "  ".join(f"{rho}: {'-' if r[name]['auc'] is None else format(r[name]['auc'], '.3f')}"
-                        for rho, r in table["rungs"].items())
-        print(f"  {name}: {'-' if c['auc'] is None else ci(c['auc'], c['ci'])}  [{per}]")
+        per = "  ".join(f"{rho}: {cell(r[name])}" for rho, r in table["rungs"].items())
+        print(f"  {name}: {cell(c)}  [{per}]")
     what = "changed" if args.loss == "changed" else "accuracy lost"
     print("other loss levels stored (serve --rho auto --max-loss SHARE):")
     for lv in policy.fitted["levels"]:
