@@ -760,6 +760,34 @@ def test_a_policy_on_js_views_decides_as_the_recorded_ladder_says(fitted):
     torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
 
 
+def test_a_policy_on_nll_measures_it_alone_and_decides_as_the_recorded_ladder_says(fitted):
+    """A served policy on nll computes the rung's surprisal at the prompt's own tokens exactly as the recorded
+    ladder does (and nothing else: no probes, no source pass), accepts the rung the record says, with the
+    same logits, and falls back below every rung's value."""
+    source, target, mapper, prompts = fitted
+    ids = prompts[1]
+    n = len(ids)
+    for sel, rungs in (("rank", (0.1, 0.3, 0.5)), ("suffix", (0.2, 0.5))):
+        _, per_rung, rec = gated_handoff(source, target, mapper, ids, GatePolicy(sel, rungs, NEVER), climb_all=True,
+                                         snapshots=target.new_cache(len(rungs), n))
+        nll = [r.nll for r in rec.rungs[1:]]
+        assert all(x > 0 for x in nll)
+        for th in sorted(set(nll)):
+            k = decide(nll, th)
+            _, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy(sel, rungs, th, signal="nll"))
+            assert res.decision == "accept" and res.rho == rungs[k] and res.reason.startswith("nll")
+            torch.testing.assert_close(logits[0], per_rung[k], atol=1e-5, rtol=0)
+            for online, recorded in zip(res.rungs[1:], rec.rungs[1:]):
+                assert online.nll == pytest.approx(recorded.nll, rel=1e-4, abs=1e-6)
+                assert set(online.signal_seconds) == {"nll"} and online.probe_cos == 0 and online.nll_gap == 0
+        _, logits, res = gated_handoff(source, target, mapper, ids, GatePolicy(sel, rungs, min(nll) / 2, signal="nll"))
+        assert res.decision == "fallback" and "no rung had nll" in res.reason
+        torch.testing.assert_close(logits, target.prefill([ids], max_len=n)[1].logits, atol=1e-5, rtol=0)
+    # a policy that does not read nll measures nothing
+    _, _, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", (0.1, 0.3), 10.0))
+    assert all(r.nll == 0 and not r.signal_seconds for r in res.rungs)
+
+
 def test_policy_signal_round_trip():
     from rarecache.commands.gate import SIGNALS as CLI_SIGNALS
     from rarecache.transfer.gate import SIGNALS, gate_rule

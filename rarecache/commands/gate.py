@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import RarecacheError
 
-SIGNALS = ("js", "js_views")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
+SIGNALS = ("js", "js_views", "nll")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
 
 
 def register(ev) -> None:
@@ -36,7 +36,8 @@ def register(ev) -> None:
                    help="what the policy thresholds: js, the divergence of each rung from the one below "
                         "(default), or js_views, of each rung from the same rung with the rows still mapped "
                         "taken from the map's plain-transfer view (maps with one; recorded by ladders since "
-                        "2026-12-04)")
+                        "2026-12-04), or nll, the target's surprisal (bits per token) at the prompt's own tokens "
+                        "each rung recomputed (recorded by ladders since 2026-12-05)")
     f.add_argument("--out", type=Path, required=True, help="policy file to write (JSON)")
     f.set_defaults(func=cmd_gate_fit)
     r = g.add_parser("report", help="what a policy does on evaluated results files")

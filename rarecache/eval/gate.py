@@ -218,6 +218,9 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
         if policy.signal == "js_views":  # the second view: its map, and one more last-position pass per rung
             fixed += tm.get("views_map", 0.0)
             climbed = [a + b for a, b in zip(climbed, tm.get("views_rungs", [0.0] * len(climbed)))]
+        elif policy.signal == "nll":  # the LM head at each rung's recomputed positions
+            measured = tm.get("rung_signals", [{}] * len(climbed))
+            climbed = [a + (b or {}).get("nll", 0.0) for a, b in zip(climbed, measured)]
         if f and lad.run is not None and len(climbed) > f + 1 and lad.run[k_item][f] > 0:  # the first rung climbed
             climbed[f + 1] *= lad.cost[k_item][f] / lad.run[k_item][f]  # runs its whole set (seconds scale with it)
         spent = fixed + sum(climbed[:1])  # the map, the scores and rung 0 (plain transfer)

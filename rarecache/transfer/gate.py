@@ -6,8 +6,11 @@ selector at ρ = 0.3). The gate spends the budget in rungs (default ρ = 0.1, 0.
 ordering of the positions by the selector's scores. Rung 0 is plain transfer (the last position only)
 through the map's stored fit. After each rung the target's next-token distribution at the last position
 is compared with the rung below (`js`, bits), or (`js_views`) with the same rung's when the rows still
-mapped come from the map's other fit (`Mapper.plain`). The policy accepts the first rung whose signal is
-at most its threshold; past the last rung it climbs, the target prefills the handed-off span itself
+mapped come from the map's other fit (`Mapper.plain`); or the policy reads `nll`, the target's mean
+surprisal (bits per token) at the prompt's own next tokens where the rung recomputed, which the rung's pass
+computes the hidden states of anyway (an LM-head product per recomputed position more). The policy
+accepts the first rung whose signal is at most its threshold; past the last rung it climbs, the target
+prefills the handed-off span itself
 (exact: every row is rewritten), reusing the rows it held before the handoff. The ladder runs in
 `gate_pass.py`; the threshold is fitted offline on held-apart items (`eval/gate_fit.py`).
 
@@ -55,7 +58,7 @@ from .handoff import HandoffConfig, HandoffResult
 
 RUNGS = (0.1, 0.2, 0.3, 0.5)
 POLICY_FORMAT = "rarecache-gate-policy/1"
-SIGNALS = ("js", "js_views")  # what a policy thresholds (GatePolicy.signal; module docstring)
+SIGNALS = ("js", "js_views", "nll")  # what a policy thresholds (GatePolicy.signal; module docstring)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,8 @@ class GatePolicy:
     fitted: dict = field(default_factory=dict, compare=False, hash=False)  # what it was fitted on
     max_rungs: int | None = None  # climb at most this many rungs from first_rung, then fall back (None: all;
     # 0: at once, unmapped)
-    signal: str = "js"  # SIGNALS: the rung-to-rung divergence, or the two views' (needs a map with a plain view)
+    signal: str = "js"  # SIGNALS: the rung-to-rung divergence, the two views' (needs a map with a plain view), or
+    # the target's surprisal at the prompt's own tokens it recomputed
     first_rung: int = 0  # the ladder starts at rungs[first_rung] (a direct handoff there; module docstring)
 
     def __post_init__(self):
@@ -212,8 +216,10 @@ class Rung:
     signal_seconds: dict[str, float] = field(default_factory=dict)  # what measuring each signal cost here
 
     def signal(self, name: str) -> float:
-        """The value a policy with `signal` name thresholds."""
-        return self.js if name == "js" else self.js_views
+        """The value a policy with `signal` name (SIGNALS) thresholds."""
+        if name not in SIGNALS:
+            raise RarecacheError(f"unknown gate signal {name!r}")
+        return getattr(self, name)
 
 
 @dataclass

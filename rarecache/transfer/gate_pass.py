@@ -3,7 +3,8 @@
 
 Serving runs each rung as one `Runner.forward` over the positions it reruns (`rung_run`). An evaluation
 (`climb_all`) climbs every rung and measures the candidate signals on the way (`Rung`: nll, nll_shift,
-nll_gap, probe_cos, row_error per layer), each with its cost: the rung's pass then runs layer by layer
+nll_gap, probe_cos, row_error per layer), each with its cost; a served policy on `nll` measures that one
+alone. The rung's pass then runs layer by layer
 through the runner's own pieces (the same operations `Runner.layer` runs; tested equal to the serving
 pass), so the probe queries and the hidden states the nll reads come from the rung's own pass.
 """
@@ -62,13 +63,16 @@ def _surprisal(runner: Runner, h: torch.Tensor, pos: torch.Tensor, rows: torch.T
 
 
 class _Measure:
-    """The signals an evaluation records per rung (module docstring), and what each costs."""
+    """The signals an evaluation records per rung (module docstring), and what each costs; `light`: only
+    `nll`, what a served policy on that signal reads (no probes, no source pass, no row error)."""
 
     def __init__(self, source: Runner, target: Runner, source_cache: KVCache, cache: KVCache, whole: torch.Tensor,
-                 n: int):
+                 n: int, light: bool = False):
         self.source, self.target, self.source_cache, self.whole, self.n = source, target, source_cache, whole, n
-        self.mapped = target.new_cache(1, n)  # the cache as the map left it: what the probes and row_error read
-        self.mapped.copy_prefix(cache, n)
+        self.light = light
+        self.mapped = None if light else target.new_cache(1, n)  # the cache as the map left it: what the probes
+        if self.mapped is not None:  # and row_error read
+            self.mapped.copy_prefix(cache, n)
         self.own: dict[int, float] = {}  # the source's surprisal per position
         self.source_s = 0.0
         self.below: dict[int, float] = {}  # the rung below's surprisal per position it recomputed
@@ -111,6 +115,9 @@ class _Measure:
             q, k, v = target.qkv(i, h, cos_sin)  # q (1, H, m, D)
             cache.write(i, pos, k, v, step.top)
             out, _ = target.attend(i, q, pos, cache, None, step)  # (1, H, m, D)
+            if self.light:
+                h = target.finish(i, h, out)
+                continue
             t = _now(target)
             ref, _ = target.attend(i, q[:, :, probe], ppos, self.mapped, None, pstep)
             cos.append(F.cosine_similarity(out[:, :, probe].float(), ref.float(), dim=-1).mean().item())
@@ -126,6 +133,10 @@ class _Measure:
         mine.update(zip(pos[0, inner].tolist(), bits.tolist()))
         scored = [p for p in chosen.tolist() if p < n - 1]
         nll_s = _now(target) - t
+        if self.light:
+            self.below = {p: mine[p] for p in scored}
+            nll = sum(self.below.values()) / len(scored) if scored else 0.0
+            return logits, seconds, {"nll": nll, "signal_seconds": {"nll": _now(target) - t + nll_s}}
         src_before = self.source_s
         own = self.source_surprisal(scored)
         t = _now(target)
@@ -200,7 +211,8 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         views_map_s = _now(target) - t
     w = n - target_kept
     scores = m.scores[0, :w]  # (W,)
-    measure = _Measure(source, target, source_cache, cache, whole, n) if climb_all else None
+    measure = _Measure(source, target, source_cache, cache, whole, n, light=not climb_all) if (
+        climb_all or policy.signal == "nll") else None
     last = torch.tensor([n - 1], device=whole.device)
     other_logits: list[torch.Tensor] = []  # the other view's last-position logits, rung 0 first
 
@@ -259,8 +271,10 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
     if accepted is not None:
         r, below = rungs[accepted], rungs[accepted - 1]
         against = f"rho={below.rho:g}" if below.rho else "plain transfer"
-        why = (f"js {r.js:.4g} <= {policy.threshold:.4g} bits against {against}" if policy.signal == "js"
-               else f"js_views {r.js_views:.4g} <= {policy.threshold:.4g} bits (the map's two views agree)") + (
+        why = {"js": f"js {r.js:.4g} <= {policy.threshold:.4g} bits against {against}",
+               "js_views": f"js_views {r.js_views:.4g} <= {policy.threshold:.4g} bits (the map's two views agree)",
+               "nll": f"nll {r.nll:.4g} <= {policy.threshold:.4g} bits per token (the target's surprisal at the "
+                      "prompt's own tokens it recomputed)"}[policy.signal] + (
             f", margin {r.margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
         return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
     logits = own_prefill(cache, timings)
