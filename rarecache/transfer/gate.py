@@ -237,17 +237,46 @@ class GateResult:
     @property
     def summary(self) -> str:
         """One line: what the gate decided and why."""
-        if self.decision == "accept":
-            return f"accepted at rho {self.rho:g}: {self.reason}"
-        if self.decision == "fallback":
-            return f"fell back to the target's own prefill: {self.reason}"
-        return f"{self.decision}: {self.reason}"
+        return gate_summary(self.decision, self.rho, self.reason)
 
     def record(self) -> dict:
         """JSON-ready: what the response's `rarecache` object and result files show."""
         return {"decision": self.decision, "rho": self.rho, "reason": self.reason, "summary": self.summary,
                 "recomputed_share": self.recomputed_share, "source_prefilled": self.source_prefilled,
                 "rungs": [{k: _rounded(v) for k, v in asdict(r).items()} for r in self.rungs]}
+
+
+ALWAYS_FALLS_BACK = "the policy always falls back: the target prefilled the span itself, nothing was mapped"
+
+
+def gate_summary(decision: str, rho: float, reason: str) -> str:
+    """One line: what the gate decided (at rho) and why; every engine's responses say it in these words."""
+    if decision == "accept":
+        return f"accepted at rho {rho:g}: {reason}"
+    if decision == "fallback":
+        return f"fell back to the target's own prefill: {reason}"
+    return f"{decision}: {reason}"
+
+
+def accept_reason(policy: GatePolicy, value: float, margin: float = 0.0, against: str = "plain transfer") -> str:
+    """Why `policy` accepted a rung whose signal is `value` (js: against the rung below, named `against`)."""
+    t = policy.threshold
+    why = {"js": f"js {value:.4g} <= {t:.4g} bits against {against}",
+           "js_views": f"js_views {value:.4g} <= {t:.4g} bits (the map's two views agree)",
+           "nll": f"nll {value:.4g} <= {t:.4g} bits per token (the target's surprisal at the prompt's own tokens it "
+                  "recomputed)"}[policy.signal]
+    return why + (f", margin {margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
+
+
+def fallback_reason(policy: GatePolicy, last: float | None = None, margin: float | None = None) -> str:
+    """Why `policy` fell back after its rungs, the last of which measured `last` (and `margin`, if known)."""
+    climbed = "" if len(policy.climbed) == len(policy.rungs) else (
+        f" of {', '.join(f'{x:g}' for x in policy.climbed)}")
+    sig = policy.signal
+    seen = "" if last is None else (f" (last: {sig} {last:.4g}"
+                                    + ("" if margin is None else f", margin {margin:.3g}") + ")")
+    return f"no rung{climbed} had {sig} <= {policy.threshold:.4g} bits" + (
+        f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "") + seen
 
 
 def _rounded(v):

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from ..engine.cache import KVCache
 from ..engine.runner import Runner, Step, spans
 from ..errors import RarecacheError
-from .gate import GatePolicy, GateResult, Rung, _accepts, js_bits
+from .gate import (ALWAYS_FALLS_BACK, GatePolicy, GateResult, Rung, _accepts, accept_reason, fallback_reason,
+                   js_bits)
 from .handoff import HandoffConfig, HandoffResult, _now, budget, map_and_score, select_top, subset
 from .mapper import Mapper
 
@@ -191,8 +192,7 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
         cache = target_cache or target.new_cache(1, n)
         result = HandoffResult([list(range(target_kept, n))], None, [(target_kept, n)])
         logits = own_prefill(cache, result.timings)
-        return cache, logits, GateResult("fallback", 1.0, "the policy always falls back: the target prefilled "
-                                         "the span itself, nothing was mapped", [], result, 1.0, source_prefilled=False)
+        return cache, logits, GateResult("fallback", 1.0, ALWAYS_FALLS_BACK, [], result, 1.0, source_prefilled=False)
     if policy.signal == "js_views" and not mapper.has_plain_view:
         raise RarecacheError("the gate policy's signal js_views compares the map's two views, and this map has "
                              "one (no plain-transfer sharpening recorded): serve a map made by `calibrate --preset "
@@ -270,19 +270,11 @@ def gated_handoff(source: Runner, target: Runner, mapper: Mapper, ids: list[int]
             views_logits=torch.stack(other_logits[1:]) if views is not None else None)
     if accepted is not None:
         r, below = rungs[accepted], rungs[accepted - 1]
-        against = f"rho={below.rho:g}" if below.rho else "plain transfer"
-        why = {"js": f"js {r.js:.4g} <= {policy.threshold:.4g} bits against {against}",
-               "js_views": f"js_views {r.js_views:.4g} <= {policy.threshold:.4g} bits (the map's two views agree)",
-               "nll": f"nll {r.nll:.4g} <= {policy.threshold:.4g} bits per token (the target's surprisal at the "
-                      "prompt's own tokens it recomputed)"}[policy.signal] + (
-            f", margin {r.margin:.3g} >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "")
+        why = accept_reason(policy, r.signal(policy.signal), r.margin,
+                            f"rho={below.rho:g}" if below.rho else "plain transfer")
         return cache, prev[None], GateResult("accept", r.rho, why, rungs, result, r.recomputed / w)
     logits = own_prefill(cache, timings)
-    climbed = "" if len(policy.climbed) == len(policy.rungs) else (
-        f" of {', '.join(f'{x:g}' for x in policy.climbed)}")
-    sig = policy.signal
-    why = f"no rung{climbed} had {sig} <= {policy.threshold:.4g} bits" + (
-        f" with margin >= {policy.min_margin:.3g} nats" if policy.min_margin is not None else "") + (
-        f" (last: {sig} {rungs[-1].signal(sig):.4g}, margin {rungs[-1].margin:.3g})" if len(rungs) > 1 else "")
+    last = rungs[-1]
+    why = fallback_reason(policy, *((last.signal(policy.signal), last.margin) if len(rungs) > 1 else ()))
     result.positions = [list(range(target_kept, n))]
     return cache, logits, GateResult("fallback", 1.0, why, rungs, result, 1.0)
