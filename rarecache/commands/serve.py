@@ -61,7 +61,8 @@ def register(sub) -> None:
                         "picks it per request and falls back to the model's own prefill (--gate-policy)")
     p.add_argument("--gate-policy", type=Path, default=None,
                    help="with --rho auto: the policy file (`rarecache eval gate fit`), fitted through the map "
-                        "served here; its selector replaces --selector")
+                        "served here; its selector replaces --selector (--engine vllm: a policy on nll climbing one "
+                        "rung with suffix, or one that always falls back)")
     p.add_argument("--max-loss", type=float, default=None, metavar="SHARE",
                    help="with --rho auto: the loss the gate may accept, as the share of changed answers (or, for "
                         "a policy fitted with --loss accuracy, the accuracy lost) on the policy's held-apart "
@@ -162,13 +163,11 @@ def cmd_serve(args) -> int:
     if names[0] == names[1]:
         raise RarecacheError(f"source and target would both be served as {names[0]!r}")
     if args.engine == "vllm":
-        if gate is not None:
-            raise RarecacheError("--rho auto (the quality gate) runs in our own engine only, not --engine vllm")
         if args.heal:
             raise RarecacheError("--heal runs in our own engine only, not --engine vllm")
         from ..adapters.vllm.launch import serve_vllm
 
-        return serve_vllm(args, names, api_key)
+        return serve_vllm(args, names, api_key, gate)  # (the gate's shape is checked there: adapters/vllm/gate.py)
     given = [flag for flag, value in (("--store", args.store), ("--store-gib", args.store_gib),
                                       ("--store-ttl", args.store_ttl), ("--block-size", args.block_size),
                                       ("--max-model-len", args.max_model_len), ("--compile", args.compile),

@@ -99,14 +99,15 @@ def _usage(reply: Reply) -> dict:
 def _info(service: ChatService, reply: Reply) -> dict:
     """The response's `rarecache` object: where the prompt's rows came from, and the handoff's outcome."""
     fields = outcome.outcome(reply, any(b == reply.model for (_, b) in service.maps))
-    if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
-        return {**service.describe(reply), **fields}  # (the outcome is the reply's: handoff_status, ...)
     gate = reply.gate
-    info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
-            "handed_off_from": reply.handed_off_from,
-            "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-            "rho": reply.rho, "selector": reply.selector, **fields,
-            "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+    if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
+        info = {**service.describe(reply), **fields}  # (the outcome is the reply's: handoff_status, ...)
+    else:
+        info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
+                "handed_off_from": reply.handed_off_from,
+                "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
+                "rho": reply.rho, "selector": reply.selector, **fields,
+                "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
     if getattr(service.cfg, "gate", None) is not None:  # a gated server: one line on every response
@@ -125,7 +126,9 @@ def _budget_info(service) -> dict:
         b = cfg.budget
         return {"rho": None if b.gate else b.handoff.rho, "selector": b.selector, "gate": b.gate is not None,
                 "request_budget": cfg.request_budget}
-    return {"rho": cfg.rho, "selector": cfg.selector, "gate": False, "request_budget": cfg.request_budget}
+    gated = getattr(cfg, "gate", None) is not None  # (the vLLM service's config: its rung is its rho)
+    return {"rho": None if gated else cfg.rho, "selector": cfg.selector, "gate": gated,
+            "request_budget": cfg.request_budget}
 
 
 def _prompt_logprobs(reply: Reply) -> list[dict | None]:

@@ -7,8 +7,9 @@ map for a peer model claims the prefix of a new request that the peer's rows cov
 those rows into its own format, recomputes a chosen ρ share of positions with its own
 weights (`weights.py`: our Runner over the modules vLLM loaded, no second copy of the
 weights) and writes the result into vLLM's paged cache. The connector's two halves are
-`scheduler.py` and `worker.py`. `serving.py` (with `engines.py`, `records.py`, `launch.py`)
-is `rarecache serve --engine vllm`: the chat API over two such engines. See docs/VLLM.md.
+`scheduler.py` and `worker.py`. `serving.py` (with `engines.py`, `records.py`, `launch.py`,
+`serve_config.py`) is `rarecache serve --engine vllm`: the chat API over two such engines, with
+the quality gate in the shape one vLLM pass can decide (`gate.py`). See docs/VLLM.md.
 
 Only this subpackage imports vllm, and only `connector.py`, `scheduler.py`, `worker.py` and
 `debug.py` do so at import time; the rest is engine-free (serving.py imports vllm only to

@@ -6,7 +6,9 @@ So each engine gets one thread that owns it outright (vLLM's engine client is no
 shared between threads): between two steps it adds the requests that arrived, runs calls
 such as `collective_rpc`, and aborts the requests that a stop string or a departed client
 ended; then it steps the engine, whose scheduler batches everything running. Text is decoded
-with our tokenizer, as ChatService does, so stop strings and streaming behave the same.
+with our tokenizer, as ChatService does, so stop strings and streaming behave the same. A request
+of the quality gate (gate.py) carries a judge, which decides at its first token, before any text is
+shown, whether it goes on.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class Job:
     stopped: bool = False  # a stop string ended it
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    judge: Callable[[Any], bool] | None = None  # the quality gate (gate.py): whether the request goes on
+    rejected: bool = False  # the judge stopped it: nothing was given to on_text
 
     def take(self, out) -> bool:
         """Take a (cumulative) output; False once the request should be aborted."""
@@ -84,6 +88,11 @@ class Job:
         toks = list(out.outputs[0].token_ids) if out.outputs else []
         if toks and self.first is None:
             self.first = time.perf_counter()
+        if toks and self.judge is not None:  # the first output with a token: before any text is shown
+            judge, self.judge = self.judge, None
+            if not judge(out):
+                self.rejected = True
+                return False
         if self.tokenizer is None or out.finished:
             return True
         text = self.tokenizer.decode(toks)

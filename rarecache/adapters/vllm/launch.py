@@ -26,7 +26,8 @@ from ...errors import RarecacheError
 from .store import describe_store, is_url
 
 
-def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
+def serve_vllm(args, names: tuple[str, str], api_key: str | None, gate=None) -> int:
+    """`gate`: the quality gate's policy (--rho auto; `args.rho` is then None), checked here (gate.py)."""
     try:
         import uvicorn
 
@@ -38,14 +39,17 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
 
     from ...models.store import resolve_model
     from .engines import engine_environment
+    from .gate import gate_rho
     from .serving import VllmChatService, VllmServeConfig
 
     check_store_flags(args.store, args.store_gib, args.store_ttl)
+    rho, selector = (args.rho, args.selector) if gate is None else (
+        gate_rho(gate), args.selector if gate.always_falls_back else gate.selector)
     fresh = args.store is None
     store = _store_path(args.store, "rarecache-rows-")
     try:
         cfg = VllmServeConfig(store=store, store_bytes=store_bytes(args.store_gib), store_ttl=args.store_ttl,
-                              rho=args.rho, selector=args.selector, dtype=args.dtype,
+                              rho=rho, selector=selector, gate=gate, dtype=args.dtype,
                               max_batch=args.max_batch, max_new_tokens=args.max_tokens_limit,
                               kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2, block_size=args.block_size,
                               max_model_len=args.max_model_len, compile=args.compile,
@@ -68,8 +72,11 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None) -> int:
         try:
             app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
                              api_key=api_key, openapi_docs=args.openapi_docs)
+            budget = f"rho {cfg.rho:g}, {cfg.selector}" if gate is None else "gate: " + (
+                "always falls back" if gate.always_falls_back else
+                f"{gate.selector}, rung {cfg.rho:g}, nll threshold {gate.threshold:.4g} bits")
             print(f"serving {' and '.join(names)} in vLLM (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, "
-                  f"rho {cfg.rho:g}, {cfg.selector}; row store {describe_store(store)}) on "
+                  f"{budget}; row store {describe_store(store)}) on "
                   f"http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
             uvicorn.run(app, host=args.host, port=args.port, log_level="info")
         finally:

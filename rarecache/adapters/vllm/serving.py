@@ -22,6 +22,9 @@ the rows go into the paged cache, so a request whose rows were handed off always
 even if it is aborted (a stop string, a client that left) and vLLM returns no output for it.
 The service reads the record back and checks it before it goes into the response.
 
+With the quality gate (`--rho auto`), a handed-off request is judged at its first token, on what vLLM
+computed of the prompt, and a rejected one is answered again from the model's own prefill (gate.py).
+
 Each engine runs in a thread of ours that adds requests, steps the engine and aborts what a
 stop string or a departed client ended, all between steps. vLLM spawns its engine processes:
 scripts that build this service need the `if __name__ == "__main__":` guard.
@@ -37,59 +40,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ...defaults import SERVED
 from ...engine.generate import SamplingConfig
 from ...engine.llm import generation_eos
 from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.tokenizer import Tokenizer
 from ...serve.service import Reply, check_request
-from ...transfer.handoff import check_rho
 from ...transfer.mapper import Mapper
 from . import INSTALL_HINT
-from .core import check_map, check_peer_fits, check_selector, claim
+from .core import check_map, check_peer_fits, claim
 from .engines import Engine, Job, cut
+from .gate import Judge, always_fallback_record
 from .records import account, outcome, settle
+from .serve_config import VllmServeConfig, request_budget
 from .store import CHUNK, Hit, Miss, model_identity, same_model
 from .store_open import open_store
 
 CONNECTOR = "rarecache.adapters.vllm.connector"
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
-
-
-@dataclass(frozen=True)
-class VllmServeConfig:
-    store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (store.py)
-    rho: float = SERVED.rho  # the served default, as `rarecache serve`
-    selector: str = SERVED.selector
-    dtype: str = "bfloat16"
-    max_batch: int = 8  # vLLM's max_num_seqs, per engine
-    max_new_tokens: int = 1024  # the most one request may ask for
-    max_prompt_chars: int = 200_000
-    kv_cache_bytes: int = 2 << 30  # each engine's paged cache
-    block_size: int | None = None  # vLLM's default when None
-    max_model_len: int | None = None
-    compile: bool = False  # let vLLM compile (torch.compile / CUDA graphs); eager is the tested path
-    tensor_parallel_size: int = 1  # each engine's ranks (the connector writes each rank's KV heads)
-    request_budget: bool = True  # a request may name its own rho and selector (False: only the service's)
-    store_bytes: int | None = None  # a directory store's capacity, LRU beyond it (None: unbounded)
-    store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
-    accept_poor_map: bool = False  # serve maps that fit badly (Mapper.fit_problems), refused otherwise
-
-    def __post_init__(self):
-        check_rho(self.rho)
-        check_selector(self.selector)
-        if self.max_batch < 1 or self.max_new_tokens < 1 or self.kv_cache_bytes <= 0:
-            raise RarecacheError("max_batch and max_new_tokens must be >= 1 and the KV cache size > 0")
-        if self.block_size is not None and (self.block_size < CHUNK or self.block_size % CHUNK):
-            raise RarecacheError(f"the block size must be a positive multiple of {CHUNK} (vLLM CPU: of 32), "
-                                 f"not {self.block_size}")
-        if type(self.tensor_parallel_size) is not int or self.tensor_parallel_size < 1:
-            raise RarecacheError(f"tensor_parallel_size must be a positive integer, not {self.tensor_parallel_size!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise RarecacheError(f"max_model_len must be >= 2, not {self.max_model_len}")
-        if self.store_bytes is not None and self.store_bytes <= 0 or self.store_ttl is not None and self.store_ttl <= 0:
-            raise RarecacheError("the store's capacity and entry lifetime must be > 0")
 
 
 @dataclass
@@ -215,22 +183,16 @@ class VllmChatService:
         return ids
 
     def check_budget(self, rho: float | str | None = None, selector: str | None = None) -> tuple[float, str]:
-        """A request's own (rho, selector) instead of the service's, checked: the engine's selectors, no gate."""
-        if rho == "auto":
-            raise RarecacheError("rarecache.rho auto (the quality gate) runs in our own engine only, not --engine vllm")
-        own = (self.cfg.rho if rho is None else check_rho(rho, "rarecache.rho"),
-               self.cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
-        if not self.cfg.request_budget and own != (self.cfg.rho, self.cfg.selector):
-            raise RarecacheError("this server hands off with its own budget only (rarecache serve "
-                                 "--no-request-budget): leave rarecache.rho and selector out")
-        return own
+        """A request's own (rho, selector) instead of the service's, checked (serve_config.request_budget);
+        on a gated server, the gate's rung when it decides."""
+        return request_budget(self.cfg, rho, selector)[:2]
 
     def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
                  selector: str | None = None) -> str | None:
         """The peer to hand `ids` off from: one whose rows cover more whole blocks than `model`'s own."""
         return self.route(model, ids, salt, rho, selector)[0]
 
-    def route(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
+    def route(self, model: str, ids: list[int], salt: str | None, rho: float | str | None = None,
               selector: str | None = None) -> tuple[str | None, dict[str, Any]]:
         """(the peer to hand `ids` off from, or None; the outcome if there is none)."""
         bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
@@ -282,22 +244,23 @@ class VllmChatService:
 
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
-               salt: str | None = None, *, reread: bool = False, rho: float | None = None,
+               salt: str | None = None, *, reread: bool = False, rho: float | str | None = None,
                selector: str | None = None) -> VllmReply:
         """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
         model's vLLM engine prefill it (reusing its own cached blocks), and say which it was.
 
-        `rho`, `selector`: this request's budget instead of the service's. `reread`: vLLM reads the whole prompt
-        itself: no handoff, a salt of its own (its prefix cache holds nothing of the prompt) and
-        nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+        `rho`, `selector`: this request's budget instead of the service's ("auto": the gate's, gate.py).
+        `reread`: vLLM reads the whole prompt itself: no handoff, a salt of its own (its prefix cache
+        holds nothing of the prompt) and nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
         arrived = time.perf_counter()  # first_token counts the routing below too
-        rho, selector = self.check_budget(rho, selector)
-        m = self.models[model]
-        peer, routed = (None, outcome("unsupported", "reread")) if reread else \
-            self.route(model, ids, salt, rho, selector)
+        asked = rho, selector
+        rho, selector, gate = request_budget(self.cfg, rho, selector)
+        peer, routed = (None, outcome("unsupported", "reread")) if reread else self.route(model, ids, salt, *asked)
+        gated = None  # the gate's record, once it decided
+        if peer is not None and gate is not None and gate.always_falls_back:  # decided before any handoff
+            peer, gated = None, always_fallback_record()
+            routed = outcome("fallback_reprefill", "gate", detail=gated["reason"])
+        judge = Judge(gate, ids) if peer is not None and gate is not None else None
         record = uuid.uuid4().hex
         if reread:
             vsalt, rc = f"r:{uuid.uuid4().hex}", {"handoff": False, "capture": False}
@@ -305,21 +268,53 @@ class VllmChatService:
             vsalt, rc = (None if salt is None else f"t:{salt}"), {"handoff": False}
         else:  # a salt of its own: nothing else can reach its (approximate) blocks
             vsalt, rc = f"h:{uuid.uuid4().hex}", {"record": record, "rho": rho, "selector": selector}
+        job = self._run(model, f"rc-{record}", ids, sampling, stop, on_text, cancelled, arrived, salt, vsalt, rc, judge)
+        if job.rejected:  # the gate refused the handoff (nothing was shown): the model answers from its own prefill
+            self._drop_record(record)
+            peer, gated = None, judge.record()
+            routed = outcome("fallback_reprefill", "gate", detail=gated["reason"][:300])
+            job = self._run(model, f"rc-{uuid.uuid4().hex}", ids, sampling, stop, on_text, cancelled, arrived, salt,
+                            None if salt is None else f"t:{salt}", {"handoff": False})
+        reply = self._reply(model, ids, job, salt, peer, record if peer is not None else None)
+        if reply.handoff is None:
+            settle(reply, routed)
+        if judge is not None and judge.ran and gated is None and reply.handoff_status == "applied":
+            gated = judge.record()  # accepted (a handoff that failed, and vLLM read itself, was no gate's)
+        if gated is not None:
+            reply.gate = gated
+            if gated["decision"] == "fallback":  # as our engine: rho 1.0, the policy's selector
+                reply.rho, reply.selector = 1.0, gate.selector
+        return reply
+
+    def _run(self, model: str, rid: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...],
+             on_text: Callable[[str], None] | None, cancelled: Callable[[], bool] | None, arrived: float,
+             salt: str | None, vsalt: str | None, rc: dict[str, Any], judge: Judge | None = None) -> Job:
+        """One request to the model's engine, run to its end; `judge` (gate.py) asks for the prompt
+        log-probabilities it reads."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        m = self.models[model]
+        read = {} if judge is None else {"prompt_logprobs": 0, "skip_reading_prefix_cache": False}  # (gate.py)
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,
             stop_token_ids=list(m.tokenizer.eos_token_ids), output_kind=RequestOutputKind.CUMULATIVE,
-            extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}})
+            extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}}, **read)
         prompt = {"prompt_token_ids": ids, **({"cache_salt": vsalt} if vsalt else {})}
-        job = Job(f"rc-{record}", prompt, params, m.tokenizer, tuple(stop), on_text, cancelled, arrived)
+        job = Job(rid, prompt, params, m.tokenizer, tuple(stop), on_text, cancelled, arrived, judge=judge)
         self.engines[model].submit([job])
         job.done.wait()
         if job.error is not None:
             raise job.error
-        reply = self._reply(model, ids, job, salt, peer, record if peer is not None else None)
-        if reply.handoff is None:
-            settle(reply, routed)
-        return reply
+        return job
+
+    def _drop_record(self, record: str) -> None:
+        """Take a rejected handoff's record out of the store (what it did is not the answer's)."""
+        try:
+            self.store.take_record(record)
+        except (RarecacheError, OSError):
+            pass
 
     def _reply(self, model: str, ids: list[int], job: Job, salt: str | None, peer: str | None,
                record: str | None) -> VllmReply:
