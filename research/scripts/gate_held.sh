@@ -10,7 +10,8 @@ cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval; mkdir -p $E
 V3=rarecache/data/general-v3-64k.safetensors
-for task in ${TASKS:-mmlu arc_challenge hellaswag gsm8k_bpb}; do
+for task in ${TASKS:-mmlu arc_challenge hellaswag gsm8k_bpb}; do  # (TASKS=none: straight to exact match)
+  [ "$task" = none ] && continue
   rarecache eval run --task $task --source $S --target $T --map v3=$V3 --arms target ladder:suffix@v3 \
       --start 300 --limit ${N:-200} --dtype bfloat16 --out $E/held-$task.jsonl > /dev/null
 done
