@@ -166,3 +166,24 @@ def test_no_path_into_docs_or_research():
              for n in _code_strings(ast.parse(p.read_text()))
              if n.value.lstrip("./").startswith(("docs/", "research/")) or n.value in ("docs", "research")]
     assert not found, "paths into docs/ or research/ in package code:\n" + "\n".join(found)
+
+
+def test_no_machine_path_in_any_tracked_file():
+    # a record or a doc names where a run kept its files as RUNS/ or OUT/, never one machine's home folder
+    import subprocess
+
+    root = PKG.parent
+    try:
+        files = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    found = []
+    for name in filter(None, files.decode().split("\0")):
+        path = root / name
+        if path.suffix in {".gz", ".png", ".safetensors"} or not path.is_file():
+            continue
+        text = path.read_bytes()
+        for home in (b"/root/", b"/home/"):
+            if home in text and name != "tests/test_structure.py":
+                found.append(f"{name}: {home.decode()}")
+    assert not found, "machine paths in tracked files:\n" + "\n".join(found)
