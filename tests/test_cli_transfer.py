@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -65,9 +66,15 @@ def test_keep_state_then_refit_head_matched(mapped, tmp_path, capsys):
     assert main(["refit", "--map", str(mapped / "m.safetensors"), "--weights-dtype", "bfloat16",
                  "--out", str(tmp_path / "half.safetensors")]) == 0
     whole, half = Mapper.load(mapped / "m.safetensors"), Mapper.load(tmp_path / "half.safetensors")
-    assert half.info == whole.info and torch.equal(half.sides["v"].bias, whole.sides["v"].bias)
+    assert half.info.weights == "bfloat16" and torch.equal(half.sides["v"].bias, whole.sides["v"].bias)
+    assert half.info == replace(whole.info, weights="bfloat16")
     assert torch.equal(half.sides["k"].weight, whole.sides["k"].weight.bfloat16().float())
     assert (tmp_path / "half.safetensors").stat().st_size < 0.75 * (mapped / "m.safetensors").stat().st_size
+    # a map made from it stays bf16 unless told: --plain-sharpen changes only the metadata
+    assert main(["refit", "--map", str(tmp_path / "half.safetensors"), "--plain-sharpen", "1", "0.5",
+                 "--out", str(tmp_path / "half2.safetensors")]) == 0
+    half2 = Mapper.load(tmp_path / "half2.safetensors")
+    assert half2.info.weights == "bfloat16" and torch.equal(half2.sides["k"].weight, half.sides["k"].weight)
     # --sharpen alone needs no state: the sharpened map, its state gone, back to plain ridge
     (tmp_path / "s.safetensors.state").unlink(missing_ok=True)
     assert main(["refit", "--map", str(tmp_path / "s.safetensors"), "--sharpen", "0", "0",

@@ -237,7 +237,11 @@ def test_policy_file_round_trip_and_validation(tmp_path):
            (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.1],
                         "threshold": "x"}), "must be a number"),
            (json.dumps({"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.1],
-                        "threshold": 0.1, "code": "import os"}), "unknown gate policy field")]
+                        "threshold": 0.1, "code": "import os"}), "unknown gate policy field"),
+           ('{"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [0.1], "threshold": 1' + "0" * 400
+            + "}", "too large"),
+           ('{"format": "rarecache-gate-policy/1", "selector": "rank", "rungs": [1' + "0" * 400 + '], "threshold": 1}',
+            "too large")]
     for text, msg in bad:
         f.write_text(text)
         with pytest.raises(RarecacheError, match=msg):
@@ -788,6 +792,23 @@ def test_a_policy_on_nll_measures_it_alone_and_decides_as_the_recorded_ladder_sa
     # a policy that does not read nll measures nothing
     _, _, res = gated_handoff(source, target, mapper, ids, GatePolicy("rank", (0.1, 0.3), 10.0))
     assert all(r.nll == 0 and not r.signal_seconds for r in res.rungs)
+
+
+def test_a_served_nll_counts_its_cost_once(fitted, monkeypatch):
+    """Each rung's nll seconds are the surprisal read's (a fake clock: every read costs 1 s)."""
+    from rarecache.transfer import gate_pass
+
+    source, target, mapper, prompts = fitted
+    clock, real = [0.0], gate_pass._surprisal
+
+    def slow(*a, **k):
+        clock[0] += 1.0
+        return real(*a, **k)
+
+    monkeypatch.setattr(gate_pass, "_surprisal", slow)
+    monkeypatch.setattr(gate_pass, "_now", lambda runner: clock[0])
+    _, _, res = gated_handoff(source, target, mapper, prompts[0], GatePolicy("suffix", (0.3,), 1e9, signal="nll"))
+    assert [r.signal_seconds["nll"] for r in res.rungs] == [1.0, 1.0]
 
 
 def test_policy_signal_round_trip():

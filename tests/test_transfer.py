@@ -283,8 +283,12 @@ def test_bf16_weights_halve_the_file_and_map_the_same_rows_in_bf16(pair, tmp_pat
     a, b = Mapper.load(tmp_path / "f32.safetensors"), Mapper.load(tmp_path / "bf16.safetensors")
     weight_bytes = sum(f.weight.numel() for f in a.sides.values()) * 2  # what bf16 saves
     sizes = [(tmp_path / f"{n}.safetensors").stat().st_size for n in ("f32", "bf16")]
-    assert 0 <= sizes[0] - sizes[1] - weight_bytes < 64  # (the header's dtype names and padding differ)
-    assert b.info == a.info
+    assert abs(sizes[0] - sizes[1] - weight_bytes) < 80  # (the headers differ: dtype names, metadata, padding)
+    assert (a.info.weights, b.info.weights) == ("float32", "bfloat16") and b.info == replace(a.info, weights="bfloat16")
+    b.save(tmp_path / "again.safetensors")  # a map made from a bf16 file stays bf16 unless told
+    assert (tmp_path / "again.safetensors").read_bytes() == (tmp_path / "bf16.safetensors").read_bytes()
+    b.save(tmp_path / "back.safetensors", weights="float32")
+    assert Mapper.load(tmp_path / "back.safetensors").info == a.info
     for side in ("k", "v"):
         for name in ("weight", "bias", "mean", "basis", "eigenvalues", "r2", "r2_single"):
             x, y = getattr(a.sides[side], name), getattr(b.sides[side], name)
@@ -308,6 +312,71 @@ def test_bf16_weights_halve_the_file_and_map_the_same_rows_in_bf16(pair, tmp_pat
         torch.testing.assert_close(near, exact, atol=0.05, rtol=0.05)
     with pytest.raises(RarecacheError, match="float32 or bfloat16"):
         mapper.save(tmp_path / "x.safetensors", weights="float16")
+    # a file whose metadata and weights disagree is refused
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(tmp_path / "f32.safetensors"), "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    meta["rarecache.map"] = meta["rarecache.map"][:-1] + ', "weights": "bfloat16"}'
+    del meta["rarecache.map.sha256"]
+    save_file(tensors, str(tmp_path / "liar.safetensors"), metadata=meta)
+    with pytest.raises(RarecacheError, match="stored as bfloat16, and its tensors hold float32"):
+        Mapper.load(tmp_path / "liar.safetensors")
+    import re  # and one whose lambda is an integer too large for a float: one line, no traceback
+
+    meta["rarecache.map"] = re.sub(r'"lam": [^,]+', '"lam": 1' + "0" * 400, meta["rarecache.map"])
+    save_file(tensors, str(tmp_path / "huge.safetensors"), metadata=meta)
+    with pytest.raises(RarecacheError, match="no valid rarecache map metadata"):
+        Mapper.load(tmp_path / "huge.safetensors")
+
+
+def test_bf16_weights_reach_plain_transfer_rounded(pair, tmp_path):
+    """The plain view is re-sharpened from the stored weights before any cast, so a bf16 file's plain
+    transfer differs from a float32 file's even in bf16 (the stored fit's does not): what the docs say."""
+    from rarecache.transfer.calibrate import with_plain
+
+    source, target, tok, corpus = pair
+    mapper = with_plain(Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False), (1.0, 0.5))
+    mapper.save(tmp_path / "f.safetensors")
+    mapper.save(tmp_path / "b.safetensors", weights="bfloat16")
+    a, b = Mapper.load(tmp_path / "f.safetensors"), Mapper.load(tmp_path / "b.safetensors")
+    fit = [m.tensors("k", torch.bfloat16, "cpu")["weight"] for m in (a, b)]
+    plain = [m.plain().tensors("k", torch.bfloat16, "cpu")["weight"] for m in (a, b)]
+    assert torch.equal(*fit) and not torch.equal(*plain)
+    torch.testing.assert_close(plain[0].float(), plain[1].float(), atol=0.02, rtol=0.02)
+
+
+def test_bf16_weights_round_trip_head_matched_and_mlp_maps(fitted, tmp_path):
+    """Head-matched blocks and an MLP's matrices are weights too: stored bf16, read back rounded once, the
+    biases exact; a flipped byte is still caught by the checksum."""
+    from rarecache.transfer import mapfile
+    from rarecache.transfer.mlp import SideMLP
+
+    _, _, mapper, _ = fitted
+    info, k = mapper.info, mapper.info.k
+    sides = {s: replace(f, weight=from_head_blocks(head_blocks(f.weight, k, 2), k)) for s, f in mapper.sides.items()}
+    mapfile.write(replace(info, heads=2, plain_sharpen=None), sides, None, tmp_path / "h.safetensors", "bfloat16")
+    _, back, _ = mapfile.read(tmp_path / "h.safetensors")
+    for s in sides:
+        assert back[s].weight.dtype == torch.float32 and torch.equal(back[s].weight, sides[s].weight.bfloat16().float())
+    g = torch.Generator().manual_seed(0)
+    mlp = {}
+    for s, f in mapper.sides.items():
+        lt, kd, dt = f.weight.shape
+        mlp[s] = SideMLP(torch.randn(lt, kd, 8, generator=g), torch.randn(lt, 8, generator=g),
+                         torch.randn(lt, 8, dt, generator=g), torch.randn(lt, dt, generator=g))
+    mapfile.write(replace(info, mlp_hidden=8, plain_sharpen=None), mapper.sides, mlp, tmp_path / "m.safetensors",
+                  "bfloat16")
+    _, _, got = mapfile.read(tmp_path / "m.safetensors")
+    for s in mlp:
+        assert torch.equal(got[s].w1, mlp[s].w1.bfloat16().float()) and torch.equal(got[s].b1, mlp[s].b1)
+        assert torch.equal(got[s].w2, mlp[s].w2.bfloat16().float()) and torch.equal(got[s].b2, mlp[s].b2)
+    raw = bytearray((tmp_path / "m.safetensors").read_bytes())
+    raw[-3] ^= 0x40
+    (tmp_path / "bad.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(RarecacheError, match="damaged"):
+        mapfile.read(tmp_path / "bad.safetensors")
 
 
 def test_map_file_is_validated(tmp_path):

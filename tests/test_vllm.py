@@ -956,7 +956,8 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
     assert judge(out(64)) and judge.ran and math.isclose(judge.nll, 2.0)
     rec = judge.record()
     assert rec == {"decision": "accept", "rho": 0.2, "reason": rec["reason"], "summary": f"accepted at rho 0.2: "
-                   f"{rec['reason']}", "recomputed_share": k / P, "rungs": [{"rho": 0.2, "recomputed": k, "nll": 2.0}]}
+                   f"{rec['reason']}", "recomputed_share": (P - 64) / P,
+                   "rungs": [{"rho": 0.2, "recomputed": P - 64, "budget": k, "nll": 2.0}]}  # (vLLM computed 43 >= K)
     assert rec["reason"].startswith("nll 2 <= 3 bits per token (the target's surprisal")
     judge = Judge(_nll_policy(1.0), ids)
     assert not judge(out(64))
@@ -966,7 +967,7 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
     assert rec["summary"] == f"fell back to the target's own prefill: {rec['reason']}"
     judge = Judge(_nll_policy(1e9), ids)
     assert not judge(out(96)) and judge.record()["reason"] == UNMEASURED  # a claim past P - K: never read
-    assert judge.record()["rungs"] == [{"rho": 0.2, "recomputed": k, "nll": None}]
+    assert judge.record()["rungs"] == [{"rho": 0.2, "recomputed": P - 96, "budget": k, "nll": None}]
 
     shown = []
     tok = SimpleNamespace(decode=lambda t: "".join(chr(97 + x % 26) for x in t))
@@ -1065,7 +1066,8 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     assert job.params.prompt_logprobs == 0 and job.params.skip_reading_prefix_cache is False
     assert job.prompt["cache_salt"].startswith("h:")
     assert reply.tokens == [7, 8, 9, 10] and reply.handed_off_from == "src" and reply.handed_off == 96
-    assert info["gate"]["decision"] == "accept" and info["gate"]["rungs"] == [{"rho": 0.1, "recomputed": 11, "nll": 2.0}]
+    assert info["gate"]["decision"] == "accept"
+    assert info["gate"]["rungs"] == [{"rho": 0.1, "recomputed": 11, "budget": 11, "nll": 2.0}]
     assert info["gate_summary"] == info["gate"]["summary"] and (info["rho"], info["selector"]) == (0.1, "suffix")
     assert (info["handoff"], info["fallback_reason"]) == ("applied", None)
 
@@ -1084,6 +1086,12 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     assert info["handoff_detail"]["reason"] == "gate"
     record = first.params.extra_args["kv_transfer_params"]["rarecache"]["record"]
     assert svc.store.take_record(record) is None  # the rejected handoff's record is gone
+
+    svc = service(_nll_policy(1.0, rungs=(0.1,), first_rung=0))  # rejected after the client left: no second
+    reply = svc.answer("tgt", ids, sampling, on_text=lambda t: pytest.fail(f"streamed {t!r}"), salt="A",
+                       cancelled=lambda: True)  # request, nothing of the first one shown
+    (job,) = svc.engines["tgt"].jobs
+    assert job.rejected and reply.tokens == [] and reply.text == "" and reply.gate["decision"] == "fallback"
 
     svc = service(_nll_policy(1e9, rungs=(0.1,), first_rung=0), cached=128)
     reply, info, jobs = ask(svc)  # a claim past P - K (impossible for suffix): unmeasured, never accepted

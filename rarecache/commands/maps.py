@@ -104,8 +104,9 @@ def _add_refit(sub) -> None:
 
 def add_weights_option(p) -> None:
     p.add_argument("--weights-dtype", choices=("float32", "bfloat16"), default=None,
-                   help="how the file stores the map's weights: bfloat16 halves the file; a bfloat16 handoff "
-                        "computes the same rows from either, a float32 one sees the rounding (default: float32)")
+                   help="how the file stores the map's weights: bfloat16 halves the file (a bfloat16 handoff "
+                        "through its fit maps the same rows from either; plain transfer and float32 handoffs see "
+                        "the rounding) (default: float32 for a new map, else as MAP's file)")
 
 
 def add_sharpen_option(p, default: str, plain_default: str) -> None:
@@ -143,7 +144,7 @@ def cmd_refit(args) -> int:
     if args.plain_sharpen:
         new = with_plain(new, tuple(args.plain_sharpen))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    new.save(args.out, args.weights_dtype or "float32")
+    new.save(args.out, args.weights_dtype)
     print(new.summary())
     warn_fit(new)
     print(f"wrote {args.out}")
@@ -229,7 +230,7 @@ def cmd_calibrate(args) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     calibration = Calibration(source, target, tokenizer, corpus, cfg, args.out, args.device)
     mapper = calibration.run(restart=args.restart)
-    mapper.save(args.out, args.weights_dtype or "float32")
+    mapper.save(args.out, args.weights_dtype)
     if not args.keep_state:
         calibration.state_path.unlink(missing_ok=True)
     print(mapper.summary())
@@ -290,7 +291,7 @@ def cmd_mlp(args) -> int:
     corpus = _corpus(args, tokenizer)
     out, r2 = fit_mlp(mapper, source, target, tokenizer, corpus, cfg, args.tokens, args.heldout_tokens, args.seq_len,
                       str(args.map))
-    out.save(args.out, args.weights_dtype or "float32")
+    out.save(args.out, args.weights_dtype)
     print(f"held-out R2, mean over {target.num_layers} target layers ({args.heldout_tokens} positions after the map's "
           f"fit documents):")
     for s, name in (("k", "keys"), ("v", "values")):
@@ -353,7 +354,7 @@ def cmd_refine(args) -> int:
     state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it
     out, record = refine(mapper, source, target, tokenizer, corpus, replace(cfg, first_document=first),
                          log=lambda line: print(line, file=sys.stderr, flush=True), state=state)
-    out.save(args.out, args.weights_dtype or "float32")
+    out.save(args.out, args.weights_dtype)
     state.unlink(missing_ok=True)
     print(f"held-out KL {record['heldout_kl_before']:.4f} -> {record['heldout_kl']:.4f} nats "
           f"(step {record['kept_step']} of {record['steps']} kept)")

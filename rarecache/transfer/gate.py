@@ -163,8 +163,11 @@ class GatePolicy:
         if (not isinstance(rungs, list) or not all(isinstance(r, (int, float)) for r in rungs)
                 or not isinstance(sel, str) or not isinstance(fitted, dict)):
             raise RarecacheError(f"{path}: gate policy needs selector (text), rungs (numbers), fitted (object)")
-        return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted,
-                   data.get("max_rungs"), data.get("signal", "js"), data.get("first_rung", 0))
+        try:
+            return cls(sel, tuple(float(r) for r in rungs), data.get("threshold"), data.get("min_margin"), fitted,
+                       data.get("max_rungs"), data.get("signal", "js"), data.get("first_rung", 0))
+        except OverflowError:  # an integer too large for a float (JSON allows any)
+            raise RarecacheError(f"{path}: a gate policy number is too large") from None
 
 
 def gate_rule(policy: GatePolicy) -> dict:

@@ -9,9 +9,11 @@ files written before the checksum load without it); `Mapper.check_pair` checks i
 without them stay byte-identical to earlier ones.
 
 A file may store its weights (the ridge weights and an MLP's matrices, nearly all of its bytes) in bfloat16
-(`write(..., weights="bfloat16")`): half the bytes. `read` turns every floating tensor into float32, so the
-code past it sees one dtype; a handoff run in bfloat16 casts the weights to bfloat16 anyway, so it computes
-the same rows from either file (tested), and only a float32 handoff sees the rounding.
+(`write(..., weights="bfloat16")`, recorded as `MapInfo.weights`, which a map made from it keeps): half the
+bytes. `read` turns every floating tensor into float32, so the code past it sees one dtype. A handoff run in
+bfloat16 casts the stored fit's weights to bfloat16 anyway, so it maps the same rows from either file
+(tested); a float32 handoff, and plain transfer through a map's plain view (re-sharpened from the stored
+weights before the cast), see the rounding.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,8 @@ _TENSORS = ("sources", "weight", "bias", "mean", "basis", "eigenvalues", "r2", "
 _MLP = ("w1", "b1", "w2", "b2")
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # how `write` may store the weights
 _WEIGHTS = ("weight", "mlp.w1", "mlp.w2")
-_OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False), ("refined", None))  # (field, left out when)
+_OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", False), ("refined", None),
+             ("weights", "float32"))  # (field, left out when)
 
 
 def partial_path(path: Path) -> Path:
@@ -94,6 +97,7 @@ class MapInfo:
     token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token
     exact_layer0: bool = False  # the target's layer-0 rows computed from the token, not mapped
     refined: dict[str, Any] | None = None  # the output-aware refinement's record (refine.py), when refined
+    weights: str = "float32"  # how the file stores its weights (WEIGHT_DTYPES); what a new file of it keeps
 
     @property
     def direction(self) -> str:
@@ -101,11 +105,14 @@ class MapInfo:
 
 
 def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | None, path: str | Path,
-          weights: str = "float32") -> None:
+          weights: str | None = None) -> None:
     """Write a map file atomically (through `partial_path`), its metadata in key order (`canonical_header`);
-    `weights`: the weights' storage dtype (WEIGHT_DTYPES; the module docstring)."""
+    `weights`: the weights' storage dtype (WEIGHT_DTYPES; the module docstring), by default `info.weights`:
+    a map made from a bf16 file stays bf16."""
+    weights = info.weights if weights is None else weights
     if weights not in WEIGHT_DTYPES:
         raise RarecacheError(f"a map stores its weights as {' or '.join(WEIGHT_DTYPES)}, not {weights!r}")
+    info = replace(info, weights=weights)
     tensors = {f"{s}.{name}": getattr(sides[s], name).contiguous() for s in SIDES for name in _TENSORS}
     if info.heads:  # only the blocks: the rest of a head-matched weight is zero by construction
         tensors.update({f"{s}.weight": head_blocks(sides[s].weight, info.k, info.heads)
@@ -120,7 +127,8 @@ def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | No
         raise RarecacheError(f"not writing {path}: the map's metadata is invalid ({e})") from None
     meta = {f.name: getattr(info, f.name) for f in fields(MapInfo)}
     for name, off in _OPTIONAL:
-        if meta[name] is off:  # left out: files without it stay byte-identical to earlier ones
+        if meta[name] is off or isinstance(off, str) and meta[name] == off:  # left out: files without it stay
+            # byte-identical to earlier ones
             del meta[name]
     path = Path(path)
     tmp = partial_path(path)
@@ -151,11 +159,15 @@ def read(path: str | Path) -> tuple[MapInfo, dict[str, SideFit], dict[str, SideM
                                  f"this rarecache reads {FORMAT_VERSION}")
         info = MapInfo(**meta)
         check_info(info)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # (OverflowError: an integer too big for a float)
         raise RarecacheError(f"{path} has no valid rarecache map metadata ({e})") from None
     want = header.get(_SUM_KEY)
     if want is not None and tensors_sha256(tensors) != want:
         raise RarecacheError(f"{path} is damaged: its tensor data does not match its sha256 checksum")
+    stored = {str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if k.split(".", 1)[-1] in _WEIGHTS}
+    if stored - {info.weights}:
+        raise RarecacheError(f"{path}: its metadata says the weights are stored as {info.weights}, and its "
+                             f"tensors hold {', '.join(sorted(stored))}")
     tensors = {k: (v.float() if v.is_floating_point() else v) for k, v in tensors.items()}  # (bf16 weights too)
     missing = sorted({f"{s}.{n}" for s in SIDES for n in _TENSORS} - set(tensors))
     if missing:
@@ -254,6 +266,8 @@ def check_info(info: MapInfo) -> None:
         raise TypeError("token_inputs needs a dense linear map (not head-matched, no MLP)")
     if info.refined is not None and not isinstance(info.refined, dict):
         raise TypeError("refined must be null or a JSON object")
+    if not (isinstance(info.weights, str) and info.weights in WEIGHT_DTYPES):
+        raise TypeError(f"weights must be one of {', '.join(WEIGHT_DTYPES)}")
     plain = info.plain_sharpen
     if plain is not None:
         if not (isinstance(plain, dict) and all(side in SIDES and isinstance(p, (int, float)) and not isinstance(

@@ -147,8 +147,9 @@ class Mapper:
             raise RarecacheError("a token-input map takes no residual MLP (its MLP would not read the token block)")
         return Mapper(replace(self.info, mlp_hidden=hidden, plain_sharpen=None, refined=None), self.sides, mlp)
 
-    def save(self, path: str | Path, weights: str = "float32") -> None:
-        """`weights`: how the file stores the weights, float32 or bfloat16 (half the bytes; mapfile)."""
+    def save(self, path: str | Path, weights: str | None = None) -> None:
+        """`weights`: how the file stores the weights, float32 or bfloat16 (half the bytes; mapfile); by
+        default as the map's own file did (`info.weights`)."""
         mapfile.write(self.info, self.sides, self.mlp, path, weights)
 
     @classmethod

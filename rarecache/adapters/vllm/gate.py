@@ -101,6 +101,7 @@ class Judge:
     ran: bool = False  # the output showed a handoff (vLLM took claimed tokens): the gate decided
     nll: float | None = None
     accepted: bool = True
+    computed: int = 0  # prompt positions vLLM computed itself (the rung's K, or more: the claim is whole blocks)
 
     @property
     def rho(self) -> float:
@@ -117,6 +118,7 @@ class Judge:
             return True
         self.ran = True
         P, k = len(self.ids), self.k
+        self.computed = P - n
         self.nll = prompt_nll(out.prompt_logprobs, self.ids, k) if n <= P - k else None  # (claims stay below P - k)
         self.accepted = self.nll is not None and self.nll <= self.policy.threshold
         return self.accepted
@@ -124,8 +126,8 @@ class Judge:
     def record(self) -> dict:
         p, P, k = self.policy, len(self.ids), self.k
         nll = round(self.nll, 6) if self.nll is not None and math.isfinite(self.nll) else None  # (JSON: no inf)
-        rungs = [{"rho": self.rho, "recomputed": k, "nll": nll}]
+        rungs = [{"rho": self.rho, "recomputed": self.computed, "budget": k, "nll": nll}]
         if self.accepted:
-            return gate_record("accept", self.rho, accept_reason(p, self.nll), k / P, rungs)
+            return gate_record("accept", self.rho, accept_reason(p, self.nll), self.computed / P, rungs)
         return gate_record("fallback", 1.0, UNMEASURED if self.nll is None else fallback_reason(p, self.nll), 1.0,
                            rungs)

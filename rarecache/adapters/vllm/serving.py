@@ -273,8 +273,11 @@ class VllmChatService:
             self._drop_record(record)
             peer, gated = None, judge.record()
             routed = outcome("fallback_reprefill", "gate", detail=gated["reason"][:300])
-            job = self._run(model, f"rc-{uuid.uuid4().hex}", ids, sampling, stop, on_text, cancelled, arrived, salt,
-                            None if salt is None else f"t:{salt}", {"handoff": False})
+            if cancelled is not None and cancelled():  # the client left: no second answer, nothing of the first
+                job.output, job.first = None, None
+            else:
+                job = self._run(model, f"rc-{uuid.uuid4().hex}", ids, sampling, stop, on_text, cancelled, arrived,
+                                salt, None if salt is None else f"t:{salt}", {"handoff": False})
         reply = self._reply(model, ids, job, salt, peer, record if peer is not None else None)
         if reply.handoff is None:
             settle(reply, routed)
