@@ -1101,6 +1101,9 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     reply, info, jobs = ask(svc)  # always falls back: one plain request, no handoff tried
     (job,) = jobs
     assert job.params.prompt_logprobs is None and job.prompt["cache_salt"] == "t:A"
+    assert job.params.stop_token_ids == list(tok.eos_token_ids) and job.params.ignore_eos is False
+    svc.answer("tgt", ids, SamplingConfig(max_new_tokens=4, ignore_eos=True), salt="A")  # vLLM would stop on
+    assert svc.engines["tgt"].jobs[-1].params.stop_token_ids == []  # stop_token_ids even with ignore_eos
     assert info["gate"] == {"decision": "fallback", "rho": 1.0, "reason": ALWAYS_FALLS_BACK, "recomputed_share": 1.0,
                             "summary": f"fell back to the target's own prefill: {ALWAYS_FALLS_BACK}", "rungs": []}
     assert (info["handoff"], info["fallback_reason"]) == ("fallback_reprefill", "gate")

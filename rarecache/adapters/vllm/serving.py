@@ -302,7 +302,8 @@ class VllmChatService:
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,
-            stop_token_ids=list(m.tokenizer.eos_token_ids), output_kind=RequestOutputKind.CUMULATIVE,
+            stop_token_ids=[] if sampling.ignore_eos else list(m.tokenizer.eos_token_ids),  # (vLLM stops on them even
+            output_kind=RequestOutputKind.CUMULATIVE,  # with ignore_eos)
             extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}}, **read)
         prompt = {"prompt_token_ids": ids, **({"cache_salt": vsalt} if vsalt else {})}
         job = Job(rid, prompt, params, m.tokenizer, tuple(stop), on_text, cancelled, arrived, judge=judge)
