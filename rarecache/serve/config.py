@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..errors import RarecacheError
-from ..transfer.gate import GatePolicy
+from ..transfer.gate import GatePolicy, gate_decides
 from ..transfer.handoff import HandoffConfig, check_rho
 from ..transfer.selectors import SELECTORS
 
@@ -66,17 +66,9 @@ def request_budget(cfg: ServiceConfig, rho: float | str | None = None, selector:
         return server
     if selector is not None and not isinstance(selector, str):
         raise RarecacheError(f"rarecache.selector must be a selector's name, got {selector!r}")
-    if rho == "auto":
-        if cfg.gate is None:
-            raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
-        if selector is not None and selector != cfg.gate.selector:
-            raise RarecacheError(f"rarecache.rho auto hands off with the gate policy's selector "
-                                 f"({cfg.gate.selector}); leave selector out")
+    if gate_decides(cfg.gate, rho, selector):
         return server
     if rho is None:
-        if cfg.gate is not None:
-            raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a "
-                                 "selector must name its rho too (a number, or \"auto\")")
         rho = cfg.handoff.rho
     rho = check_rho(rho, "rarecache.rho")
     if selector is not None:

@@ -181,6 +181,24 @@ def rungs_climbed(rungs: int, max_rungs: int | None) -> int:
     return rungs if max_rungs is None else min(max_rungs, rungs)
 
 
+def gate_decides(gate: GatePolicy | None, rho, selector) -> bool:
+    """Whether a request's own budget (`rarecache.rho`, `rarecache.selector` in its body) leaves the budget to
+    the server's gate policy `gate`: `rho` "auto" does (refused without a gate, or with another selector than
+    the policy's); on a gated server a request naming a selector must name its rho too. The rule every
+    engine's server applies (serve/config.py, adapters/vllm/serve_config.py)."""
+    if rho == "auto":
+        if gate is None:
+            raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
+        if selector is not None and selector != gate.selector:
+            raise RarecacheError(f"rarecache.rho auto hands off with the gate policy's selector ({gate.selector}); "
+                                 "leave selector out")
+        return True
+    if rho is None and selector is not None and gate is not None:
+        raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a selector "
+                             "must name its rho too (a number, or \"auto\")")
+    return False
+
+
 def climbed_signals(signal: list[float], first_rung: int, from_plain: list[float] | None = None) -> list[float]:
     """A recorded ladder's signal per rung as a policy starting at `first_rung` sees it: `js` compares
     each rung with the rung below, and the first rung climbed with plain transfer (`from_plain`, the

@@ -133,16 +133,15 @@ class _Measure:
         mine = dict(self.below)
         mine.update(zip(pos[0, inner].tolist(), bits.tolist()))
         scored = [p for p in chosen.tolist() if p < n - 1]
+        mine = {p: mine[p] for p in scored}
+        nll = sum(mine.values()) / len(scored) if scored else 0.0
         nll_s = _now(target) - t
         if self.light:
-            self.below = {p: mine[p] for p in scored}
-            nll = sum(self.below.values()) / len(scored) if scored else 0.0
+            self.below = mine
             return logits, seconds, {"nll": nll, "signal_seconds": {"nll": nll_s}}
         src_before = self.source_s
         own = self.source_surprisal(scored)
         t = _now(target)
-        mine = {p: mine[p] for p in scored}
-        nll = sum(mine.values()) / len(scored) if scored else 0.0
         nll_shift = nll - (sum(own) / len(scored) if scored else 0.0)
         gap = [abs(mine[p] - self.below.get(p, o)) for p, o in zip(scored, own)]
         self.below = mine

@@ -45,6 +45,11 @@ _OPTIONAL = (("plain_sharpen", None), ("token_inputs", False), ("exact_layer0", 
              ("weights", "float32"))  # (field, left out when)
 
 
+def _is_weight(name: str) -> bool:
+    """A tensor `write` may store in bfloat16 ("k.weight", "v.mlp.w1", ...)."""
+    return name.split(".", 1)[-1] in _WEIGHTS
+
+
 def partial_path(path: Path) -> Path:
     """Where a file is written before it is renamed into place (and what a killed write leaves)."""
     return path.with_name(path.name + ".partial")
@@ -120,7 +125,7 @@ def write(info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | No
     if mlp:
         tensors.update({k: v.contiguous() for s in SIDES for k, v in mlp[s].tensors(s).items()})
     tensors = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
-    tensors.update({k: v.to(WEIGHT_DTYPES[weights]) for k, v in tensors.items() if k.split(".", 1)[1] in _WEIGHTS})
+    tensors.update({k: v.to(WEIGHT_DTYPES[weights]) for k, v in tensors.items() if _is_weight(k)})
     try:  # what `read` refuses is never written
         check_info(info)
     except TypeError as e:
@@ -164,7 +169,7 @@ def read(path: str | Path) -> tuple[MapInfo, dict[str, SideFit], dict[str, SideM
     want = header.get(_SUM_KEY)
     if want is not None and tensors_sha256(tensors) != want:
         raise RarecacheError(f"{path} is damaged: its tensor data does not match its sha256 checksum")
-    stored = {str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if k.split(".", 1)[-1] in _WEIGHTS}
+    stored = {str(v.dtype).removeprefix("torch.") for k, v in tensors.items() if _is_weight(k)}
     if stored - {info.weights}:
         raise RarecacheError(f"{path}: its metadata says the weights are stored as {info.weights}, and its "
                              f"tensors hold {', '.join(sorted(stored))}")

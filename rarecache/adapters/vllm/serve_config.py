@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...defaults import SERVED
 from ...errors import RarecacheError
-from ...transfer.gate import GatePolicy
+from ...transfer.gate import GatePolicy, gate_decides
 from ...transfer.handoff import check_rho
 from .core import check_selector
 from .gate import check_vllm_gate, gate_rho
@@ -66,16 +66,8 @@ def request_budget(cfg: VllmServeConfig, rho: float | str | None = None,
     (serve/config.py `request_budget`), with the engine's selectors; and the gate policy when the gate
     decides (`rho` "auto", or nothing named on a gated server), whose rung is then the rho."""
     gate = cfg.gate
-    if rho == "auto" or (rho is None and selector is None and gate is not None):
-        if gate is None:
-            raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")
-        if selector is not None and selector != gate.selector:
-            raise RarecacheError(f"rarecache.rho auto hands off with the gate policy's selector ({gate.selector}); "
-                                 "leave selector out")
+    if (rho is None and selector is None and gate is not None) or gate_decides(gate, rho, selector):
         return gate_rho(gate), gate.selector, gate
-    if rho is None and gate is not None:
-        raise RarecacheError("this server picks the budget per request (--rho auto): a request naming a selector "
-                             "must name its rho too (a number, or \"auto\")")
     own = (cfg.rho if rho is None else check_rho(rho, "rarecache.rho"),
            cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
     if not cfg.request_budget and (gate is not None or own != (cfg.rho, cfg.selector)):
