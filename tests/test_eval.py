@@ -564,3 +564,25 @@ def test_resuming_keeps_the_record_of_a_replaced_map(tmp_path):
     assert json.loads(out.with_suffix(".meta.json").read_text())["maps_replaced"] == replaced
     with pytest.raises(RarecacheError, match="map general"):
         check_meta(out, {**meta, "maps": {"general": {"file": "m", "sha256": "a" * 64}}})
+
+
+def test_published_results_read_as_written(tmp_path):
+    """Records are published gzipped (`x.jsonl.gz` beside `x.meta.json`, `x.timings.jsonl.gz`): the
+    readers take them as the plain files they were, and a file that is neither says so in one line."""
+    import gzip
+
+    from rarecache.eval.results import load_results, map_sha256, sibling
+
+    rows = [{"item": "a", "arm": "target", "correct": True}, {"item": "b", "arm": "target", "correct": False}]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "x.jsonl").write_text(text)
+    (tmp_path / "y.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "y.meta.json").write_text(json.dumps({"maps": {"m": {"sha256": "abc"}}}))
+    (tmp_path / "y.timings.jsonl.gz").write_bytes(gzip.compress(b'{"item": "a"}\n'))
+    assert load_results(tmp_path / "y.jsonl.gz") == load_results(tmp_path / "x.jsonl") == rows
+    assert map_sha256(tmp_path / "y.jsonl.gz", "m") == "abc"
+    assert sibling(tmp_path / "y.jsonl.gz", ".timings.jsonl") == tmp_path / "y.timings.jsonl.gz"
+    assert sibling(tmp_path / "x.jsonl", ".timings.jsonl") == tmp_path / "x.timings.jsonl"
+    (tmp_path / "bad.jsonl").write_bytes(b"\x8b\x00 not json")
+    with pytest.raises(RarecacheError, match="not a results file"):
+        load_results(tmp_path / "bad.jsonl")

@@ -34,7 +34,7 @@ from ..transfer.conversation import Conversation, kept
 from ..transfer.gate import GatePolicy, gate_rule
 from ..transfer.handoff import HandoffConfig, _now
 from ..transfer.mapper import Mapper
-from .results import check_meta, read_done
+from .results import check_meta, load_results, read_done, sibling
 from .tasks.coqa import CALIBRATION_STORIES, INSTRUCTION, MAX_TURNS, _stories
 
 
@@ -204,7 +204,7 @@ def report(path: Path) -> tuple[str, dict]:
 
     if not path.is_file():
         raise RarecacheError(f"no drift results file {path}")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = load_results(path)
     alone = {(r["story"], r["turn"], r["model"]): r["bpb"] for r in rows if r["arm"] == "alone"}
     arms = sorted({r["arm"] for r in rows if r["arm"] != "alone"})
     lines = ["| arm | stories | target turns | Δ bpb vs target alone (95% CI over stories) | by turn (2, 4, 6, 8, 10) "
@@ -254,7 +254,7 @@ def report(path: Path) -> tuple[str, dict]:
 def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict:
     """The gate arm of a drift file as one task of `eval gate report` (coqa_bpb), after checking from
     its record that it ran with this policy's rule through the map `map_sha256` (that of the ladders)."""
-    meta_path = path.with_suffix(".meta.json")
+    meta_path = sibling(path, ".meta.json")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):

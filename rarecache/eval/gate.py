@@ -32,7 +32,7 @@ from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate
 from .gate_fit import Item, fit_thresholds
 from .metrics import paired_diff_ci
 from .report import answer_field
-from .results import load_results, map_sha256
+from .results import load_results, map_sha256, sibling
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
 LOSSES = ("changed", "accuracy")  # what a multiple-choice rung's loss counts (module docstring)
@@ -128,7 +128,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
 
 
 def _timings(path: Path, arm: str) -> dict[str, dict]:
-    tf = path.with_suffix(".timings.jsonl")
+    tf = sibling(path, ".timings.jsonl")
     if not tf.is_file():
         return {}
     return {t["item"]: t["phases"] for t in load_results(tf) if t.get("arm") == arm}

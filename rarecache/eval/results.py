@@ -8,6 +8,7 @@ different is refused.
 
 from __future__ import annotations
 
+import gzip
 import json
 import platform
 from dataclasses import asdict
@@ -42,15 +43,32 @@ def read_done(path: Path, key: tuple[str, str] = ("item", "arm")) -> set[tuple[s
     return done
 
 
+def sibling(path: Path, suffix: str) -> Path:
+    """The file beside results file `path` (`x.jsonl`, or `x.jsonl.gz` as records are published) with
+    `suffix` for its own: `.meta.json`, `.timings.jsonl` (`x.timings.jsonl.gz` when only that exists)."""
+    stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
+    plain = path.with_name(stem + suffix)
+    packed = plain.with_name(plain.name + ".gz")
+    return packed if suffix.endswith(".jsonl") and not plain.is_file() and packed.is_file() else plain
+
+
 def map_sha256(path: Path, label: str) -> str | None:
     """The sha256 of the map labelled `label` that produced the results file `path` (its meta file)."""
-    meta = path.with_suffix(".meta.json")
+    meta = sibling(path, ".meta.json")
     entry = json.loads(meta.read_text()).get("maps", {}).get(label) if meta.is_file() else None
     return entry.get("sha256") if isinstance(entry, dict) else None
 
 
 def load_results(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The rows of a results (or timings) file, plain JSONL or gzipped (`.jsonl.gz`, as published)."""
+    try:
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data).decode()
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except OSError as e:
+        raise RarecacheError(f"cannot read {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, json.JSONDecodeError) as e:
+        raise RarecacheError(f"{path} is not a results file (JSON lines, plain or gzipped): {e}") from None
 
 
 def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype: str,

@@ -37,7 +37,7 @@ from ..errors import RarecacheError
 from ..transfer.handoff import LAYER_PREFIX
 from .metrics import gap_closed_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
-from .results import load_results, map_sha256
+from .results import load_results, map_sha256, sibling
 
 RHOS = (0.1, 0.2, 0.3)
 
@@ -198,7 +198,7 @@ def _map_of(results: Path, label: str):
     from ..packages import sha256_file
     from ..transfer.mapper import Mapper
 
-    entry = json.loads(results.with_suffix(".meta.json").read_text()).get("maps", {}).get(label)
+    entry = json.loads(sibling(results, ".meta.json").read_text()).get("maps", {}).get(label)
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not Path(entry["file"]).is_file():
         raise RarecacheError(f"--served-map: {results} does not name an existing file for map {label!r} (the "
                              "check compares the served map with the very files the results went through)")
