@@ -107,3 +107,46 @@ def test_general_summary_carries_agreement(tmp_path):
     assert main(["eval", "report", str(path), "--general-summary", str(out)]) == 0
     t = json.loads(out.read_text())["tasks"]["mmlu"]
     assert t["agreement_default_rho0.2"] == pytest.approx(5 / 6) and t["agreement_plain"] == pytest.approx(0.5)
+
+
+def _drift(tmp_path, sha="new", name="drift.jsonl.gz"):
+    """Two stories, target turns 2 and 4: alone (both models every turn) and the switching arm at 0.2."""
+    import gzip
+
+    rows = []
+    for s, (own, small, handed) in enumerate(((0.4, 0.9, 0.6), (0.6, 1.1, 0.6))):
+        for turn in (1, 2, 3, 4):
+            for model in ("source", "target"):
+                bpb = (small if model == "source" else own) + 0.01 * turn * (turn % 2)  # odd turns: the source's
+                rows.append({"story": f"s{s}", "turn": turn, "arm": "alone", "model": model, "bpb": bpb})
+            if turn % 2 == 0:  # the target answers after a handoff
+                rows.append({"story": f"s{s}", "turn": turn, "arm": "switch/0.2:suffix", "model": "target",
+                             "bpb": handed, "handed_off": 50, "recomputed": 10,
+                             "seconds": {"prefill_or_handoff": 0.1}})
+            else:
+                rows.append({"story": f"s{s}", "turn": turn, "arm": "switch/0.2:suffix", "model": "source",
+                             "bpb": small, "seconds": {"prefill_or_handoff": 0.1}})
+    path = tmp_path / name
+    path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    meta = tmp_path / name.replace(".jsonl.gz", ".meta.json")
+    meta.write_text(json.dumps({"maps": {"source->target": {"sha256": sha}}}))
+    return path
+
+
+def test_fidelity_summary_takes_coqa_from_a_drift_file(tmp_path, capsys):
+    """coqa_bpb: the switching arm against the target alone on the target's turns, the source alone on
+    those same turns; a drift file through another map is refused."""
+    mmlu, out = _mmlu(tmp_path), tmp_path / "fid.json"
+    base = ["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--arm", "0.2:suffix", "--map-label", "v4"]
+    assert main(base + ["--drift", str(_drift(tmp_path))]) == 0
+    c = json.loads(out.read_text())["tasks"]["coqa_bpb"]
+    assert set(c) == KEYS | {"stories"} and c["metric"] == "bpb" and c["agreement"] is None
+    # story 0: target 0.4, handoff 0.6 (+0.2); story 1: 0.6, 0.6 (0); the 0.5B 0.9 and 1.1 on those turns
+    assert (c["n"], c["stories"]) == (4, 2)
+    assert (c["target"], c["handoff"], c["source"], c["delta"]) == pytest.approx((0.5, 0.6, 1.0, 0.1))
+    assert "| coqa_bpb | 4 | 0.5000 | 1.0000 | 0.6000 | +0.1000 (" in capsys.readouterr().out
+    other = _drift(tmp_path, sha="else", name="other.jsonl.gz")
+    assert main(base + ["--drift", str(other)]) == 2
+    assert "handed off through map else" in capsys.readouterr().err
+    assert main(base + ["--previous-drift", str(other)]) == 2
+    assert "--previous-drift needs --previous-label" in capsys.readouterr().err

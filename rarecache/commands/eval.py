@@ -174,6 +174,11 @@ def _add_report(ev) -> None:
     e.add_argument("--probe", type=Path, default=None, metavar="SUMMARY",
                    help="--fidelity-summary: the probe's figures for the arm, from the OUT.summary.json "
                         "`eval probe` wrote over both maps")
+    e.add_argument("--drift", type=Path, default=None, metavar="DRIFT",
+                   help="--fidelity-summary: an `eval drift run` file through the same map, for coqa_bpb (its "
+                        "switch/RHO:SELECTOR arm against the target alone, over the target's turns)")
+    e.add_argument("--previous-drift", type=Path, default=None, metavar="DRIFT",
+                   help="--fidelity-summary: the same through --previous-label's map")
     e.add_argument("--map-label", default=None,
                    help="--general-summary: the map label the arms go through, if the files have several; "
                         "--fidelity-summary: the map it summarises")
@@ -200,9 +205,9 @@ def cmd_eval_report(args) -> int:
         raise RarecacheError("--served-map and the check it asks for belong to --general-summary")
     if args.map_label and not (args.general_summary or args.fidelity_summary):
         raise RarecacheError("--map-label belongs to --general-summary or --fidelity-summary")
-    fidelity = (args.arm, args.previous_label, args.probe)
+    fidelity = (args.arm, args.previous_label, args.probe, args.drift, args.previous_drift)
     if any(x is not None for x in fidelity) and not args.fidelity_summary:
-        raise RarecacheError("--arm, --previous-label and --probe belong to --fidelity-summary")
+        raise RarecacheError("--arm, --previous-label, --probe and the drift files belong to --fidelity-summary")
     if args.fidelity_summary and (args.arm is None or args.map_label is None):
         raise RarecacheError("--fidelity-summary needs --arm RHO:SELECTOR and --map-label LABEL")
     for k, path in enumerate(args.results):
@@ -233,7 +238,11 @@ def _fidelity(args) -> None:
 
     if args.probe is not None and not args.probe.is_file():
         raise RarecacheError(f"no probe summary {args.probe}")
-    summary = fidelity_summary(args.results, args.arm, args.map_label, args.previous_label, args.probe)
+    for drift in (args.drift, args.previous_drift):
+        if drift is not None and not drift.is_file():
+            raise RarecacheError(f"no drift results file {drift}")
+    summary = fidelity_summary(args.results, args.arm, args.map_label, args.previous_label, args.probe,
+                               args.drift, args.previous_drift)
     print("\n" + markdown(summary, args.map_label, args.previous_label))
     args.fidelity_summary.parent.mkdir(parents=True, exist_ok=True)
     args.fidelity_summary.write_text(json.dumps(summary, indent=1) + "\n")

@@ -8,6 +8,11 @@ target (handoff − target: percentage points for accuracy, bits per byte for bp
 byte, where a fixed text is scored and there is no answer to agree on; its Δ stands instead). Accuracy
 nets gains against losses; agreement does not, which is why it is the figure an adoption rule reads.
 
+CoQA (`coqa_bpb`, issue 41's conversation workload) comes from an `eval drift run` file: the switching arm
+at the same budget (`switch/RHO:SELECTOR`, a handoff at every target turn, no healing) against the target
+reading the whole conversation itself, over the target's turns; the source is the 0.5B answering those same
+turns alone, and the interval resamples stories (`drift.report`).
+
 Every figure of a task is read over the items on which every arm it names has a record (target, source,
 the handoff through the map and, given one, through the previous map), so the current and previous
 columns are paired with each other as well as with the target. The schema is issue 41's.
@@ -22,7 +27,7 @@ from ..errors import RarecacheError
 from .arms import handoff_arm
 from .metrics import paired_diff_ci
 from .report import agreement, arm_name
-from .results import map_sha256
+from .results import map_sha256, sibling
 from .summary import read_task
 
 
@@ -70,10 +75,41 @@ def _probe(probe: Path, arm: str, label: str, previous: str | None) -> dict:
     return out
 
 
+def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
+    """coqa_bpb from a drift file whose switching arm `spec` ("RHO:SELECTOR") ran through the map `sha`."""
+    import numpy as np
+
+    from .drift import parse_arm, report
+    from .results import load_results
+
+    try:
+        meta = json.loads(sibling(drift, ".meta.json").read_text())
+    except (OSError, ValueError):
+        raise RarecacheError(f"--drift {drift}: no readable run record beside it (.meta.json)") from None
+    ran = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
+    if ran != sha:
+        raise RarecacheError(f"--drift {drift}: handed off through map {str(ran)[:12]}, the summary's map is "
+                             f"{sha[:12]}")
+    arm = parse_arm(spec)[0]
+    figures = report(drift)[1].get(arm)
+    if figures is None:
+        raise RarecacheError(f"--drift {drift}: no target turn of arm {arm}")
+    rows = load_results(drift)
+    turns = {(r["story"], r["turn"]) for r in rows if r["arm"] == arm and r["model"] == "target" and "handed_off" in r}
+    source = {}  # the source alone on the target's turns, story by story
+    for r in rows:
+        if r["arm"] == "alone" and r["model"] == "source" and (r["story"], r["turn"]) in turns:
+            source.setdefault(r["story"], []).append(r["bpb"])
+    return {"metric": "bpb", "n": figures["n"], "stories": figures["stories"], "target": figures["target"],
+            "source": float(np.mean([np.mean(v) for v in source.values()])) if source else None,
+            "handoff": figures["gated"], "delta": figures["delta"], "ci": figures["ci"], "agreement": None}
+
+
 def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
-                     probe: Path | None = None) -> dict:
+                     probe: Path | None = None, drift: Path | None = None,
+                     previous_drift: Path | None = None) -> dict:
     """The summary of `paths` (one results file per task) for the handoff `spec` ("RHO:SELECTOR") through
-    map `label`, and through `previous` beside it."""
+    map `label`, and through `previous` beside it; CoQA from the drift files through each."""
     arm = handoff_arm(spec, label)
     before = handoff_arm(spec, previous) if previous is not None else None
     tasks = [(p, read_task(p)) for p in paths]
@@ -95,8 +131,14 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
         if before:
             prev[task.name] = _task_cell(task, before.name, items)
     out = {"map": _one_sha(tasks, label), "selector": arm.method, "rho": arm.rho, "tasks": cur}
+    if drift is not None:
+        cur["coqa_bpb"] = _coqa_cell(drift, spec, out["map"])
     if before:
         out["previous"] = {"map": _one_sha(tasks, previous), "selector": arm.method, "rho": arm.rho, "tasks": prev}
+        if previous_drift is not None:
+            prev["coqa_bpb"] = _coqa_cell(previous_drift, spec, out["previous"]["map"])
+    elif previous_drift is not None:
+        raise RarecacheError("--previous-drift needs --previous-label")
     if probe is not None:
         out["probe"] = _probe(probe, arm_name(arm.rho, arm.method), label, previous)
     return out
@@ -111,7 +153,9 @@ def markdown(summary: dict, label: str, previous: str | None = None) -> str:
              + (f" {previous}: handoff | delta (95% CI) | agreement |" if previous else ""),
              "|---" * (7 + (3 if previous else 0)) + "|"]
 
-    def cells(t: dict) -> list[str]:
+    def cells(t: dict | None) -> list[str]:
+        if t is None:
+            return ["—", "—", "—"]
         f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"
         fd = "{:+.4f}" if t["metric"] == "bpb" else "{:+.1f}"
         ag = "—" if t["agreement"] is None else f"{t['agreement']:.0%}"
@@ -120,9 +164,10 @@ def markdown(summary: dict, label: str, previous: str | None = None) -> str:
 
     for name, t in summary["tasks"].items():
         f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"
-        row = [name, str(t["n"]), f.format(t["target"]), f.format(t["source"]), *cells(t)]
+        source = "—" if t["source"] is None else f.format(t["source"])
+        row = [name, str(t["n"]), f.format(t["target"]), source, *cells(t)]
         if previous:
-            row += cells(summary["previous"]["tasks"][name])
+            row += cells(summary["previous"]["tasks"].get(name))
         lines.append("| " + " | ".join(row) + " |")
     if "probe" in summary:
         p = summary["probe"]
