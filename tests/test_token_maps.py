@@ -15,7 +15,8 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner, pad_batch
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig, refit
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.refit import refit
 from rarecache.transfer.corpus import load_corpus
 from rarecache.transfer.features import token_rows
 from rarecache.transfer.handoff import HandoffConfig, handoff, handoff_variants

@@ -453,7 +453,7 @@ def test_head_matched_refuses_models_with_other_head_counts(pair, tmp_path):
 def test_refit_from_the_kept_state(pair, tmp_path):
     """A dense run's kept statistics refit to the same map, to other choices, and to the head-matched map of
     the very same positions (equal to a head-matched calibration's)."""
-    from rarecache.transfer.calibrate import refit
+    from rarecache.transfer.refit import refit
 
     source, target, tok, corpus = pair
     dense = Calibration(source, target, tok, corpus, CFG, tmp_path / "d.map").run(progress=False)
@@ -486,7 +486,7 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     back = refit(sharp, state, powers=(0.0, 0.0))
     assert back.info == dense.info and torch.equal(back.sides["v"].bias, dense.sides["v"].bias)
     # without the state: the sharpening is undone and redone exactly from the map alone
-    from rarecache.transfer.calibrate import resharpen
+    from rarecache.transfer.refit import resharpen
 
     for start, powers, want in ((sharp, (0.0, 0.0), dense), (dense, (1.0, 0.5), sharp), (sharp, (1.0, 0.5), sharp)):
         again = resharpen(start, powers)

@@ -67,6 +67,15 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--exact-layer0", action="store_true",
                    help="the target's layer-0 K/V rows are computed from the token (embedding, norm, projection), "
                         "not mapped; recorded in the map")
+    p.add_argument("--attention-weights", type=float, default=0.0, metavar="POWER",
+                   help="weigh each fit position by the attention it receives in the target's own prefill "
+                        "(summed over the queries that read it, mean over layers and heads), as "
+                        "(received / sequence mean)^POWER capped at --weight-cap, so that the rows the target "
+                        "reads most are fitted most closely (CacheBridge's attention-sensitivity weighting, "
+                        "shared by every target layer); 0 = every position alike (default); recorded in the map")
+    p.add_argument("--weight-cap", type=float, default=8.0,
+                   help="with --attention-weights: the largest weight before scaling to mean 1 (the attention "
+                        "sink receives hundreds of times the mean; default: 8)")
     p.add_argument("--out", type=Path, default=None,
                    help="map file to write (.safetensors); with --preset general the default is the general "
                         "map's place, where `rarecache serve` looks for it: "
@@ -120,7 +129,8 @@ def add_sharpen_option(p, default: str, plain_default: str) -> None:
 
 
 def cmd_refit(args) -> int:
-    from ..transfer.calibrate import refit, resharpen, with_plain
+    from ..transfer.calibrate import with_plain
+    from ..transfer.refit import refit, resharpen
     from ..transfer.mapper import Mapper
 
     mapper = Mapper.load(args.map)
@@ -217,7 +227,8 @@ def cmd_calibrate(args) -> int:
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),
                             stride=args.stride, skip_first=args.skip_first, k=args.k, lam=args.lam,
                             rank=args.rank, head_matched=args.head_matched, token_inputs=args.token_inputs,
-                            exact_layer0=args.exact_layer0, **_sharpening(args, general))
+                            exact_layer0=args.exact_layer0, attention_weights=args.attention_weights,
+                            weight_cap=args.weight_cap, **_sharpening(args, general))
     _check_corpus_flags(args)
     early = _task_file_corpus(args)
     source, target, tokenizer = load_models(args)

@@ -32,9 +32,9 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
-from .features import SIDES, features, token_block, token_rows
-from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads,
-                  matched_heads, sharpen, unsharpen)
+from .features import SIDES, features, features_received, token_block, token_rows
+from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads, matched_heads,
+                  sharpen)
 from .mapfile import MapInfo, partial_path
 from .mapper import Mapper, identity
 from .stats import RegressionStats
@@ -60,6 +60,11 @@ class CalibrationConfig:
     plain_sharpen: tuple[float, float] | None = None  # the powers plain transfer uses (Mapper.plain); None: sharpen's
     token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token (mapper.py)
     exact_layer0: bool = False  # the target's layer-0 rows are computed from the token, not mapped
+    # each fit position weighs (attention it receives in the target / its sequence's mean)^power, capped at
+    # weight_cap, then scaled to mean 1 per sequence (0: every position alike, the plain ridge); `Calibration`
+    attention_weights: float = 0.0
+    weight_cap: float = 8.0
+
     def __post_init__(self):
         if self.tokens < 1 or self.heldout_tokens < 0 or self.seq_len < 2 or self.stride < 1 or self.k < 1:
             raise RarecacheError("calibration needs tokens >= 1, heldout >= 0, seq_len >= 2, stride >= 1, k >= 1")
@@ -72,6 +77,8 @@ class CalibrationConfig:
                 raise RarecacheError("a head-matched map has one sharpening for every budget (no plain_sharpen)")
         if self.token_inputs and self.head_matched:
             raise RarecacheError("token inputs need a dense map (not head-matched)")
+        if not 0 <= self.attention_weights <= 4 or self.weight_cap < 1:
+            raise RarecacheError("attention weights take a power in [0, 4] and a cap >= 1")
 
 
 def layouts(source: Runner, target: Runner, token_inputs: bool = False) -> tuple[Layout, Layout]:
@@ -82,9 +89,25 @@ def layouts(source: Runner, target: Runner, token_inputs: bool = False) -> tuple
 
 
 def run_config(cfg: CalibrationConfig) -> dict:
-    """What of `cfg` a state is tied to: the statistics' choices (token inputs only when on, so states
-    written before the option resume)."""
-    return {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY and not (k == "token_inputs" and not v)}
+    """What of `cfg` a state is tied to: the statistics' choices (token inputs and attention weights only
+    when on, so states written before those options resume)."""
+    off = (set() if cfg.token_inputs else {"token_inputs"}) | (
+        set() if cfg.attention_weights else {"attention_weights", "weight_cap"})
+    return {k: v for k, v in asdict(cfg).items() if k not in FIT_ONLY and k not in off}
+
+
+QUERY_EVERY = 4  # attention weights: the queries whose probabilities are summed (features_received)
+
+
+def attention_weights(received: torch.Tensor, power: float, cap: float) -> torch.Tensor:
+    """Weights (N,) of a sequence's fit positions from the attention each receives (N,) in the target:
+    (received / mean)^power, capped at `cap` (the first position, an attention sink, receives hundreds of
+    times the mean), then scaled to mean 1. In the spirit of CacheBridge (arXiv 2609.00891), which weighs
+    each row of a target head's ridge by how much that head's attention output depends on it: a position
+    the target reads more is fitted more closely."""
+    r = received.double().clamp(min=0)
+    w = (r / r.mean().clamp(min=1e-12)).pow(power).clamp(max=cap)
+    return w * (len(w) / w.sum().clamp(min=1e-12))
 
 
 class Calibration:
@@ -122,14 +145,24 @@ class Calibration:
         """Statistics of the part whose n counts its positions (every set of a part has the same n)."""
         return self.stats[self._names(part, "k")[0]]
 
-    def _update(self, part: str, xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor]) -> None:
+    def _update(self, part: str, xs: dict[str, torch.Tensor], ys: dict[str, torch.Tensor],
+                w: torch.Tensor | None = None) -> None:
         for s in SIDES:
             if not self.heads:
-                self.stats[f"{part}.{s}"].update(xs[s], ys[s])
+                self.stats[f"{part}.{s}"].update(xs[s], ys[s], w)
                 continue
             for h in range(self.heads):
                 self.stats[f"{part}.{s}.h{h}"].update(head_rows(xs[s], self.src, self.heads, h),
-                                                      head_rows(ys[s], self.tgt, self.heads, h))
+                                                      head_rows(ys[s], self.tgt, self.heads, h), w)
+
+    def _targets(self, ids: list[int], keep: torch.Tensor, part: str):
+        """The target's rows at `keep`, and with attention weights (fit part only: held-out R² stays
+        unweighted, comparable across maps) each position's weight."""
+        if not self.cfg.attention_weights or part != "fit":
+            return features(self.target, ids, keep), None
+        ys, received = features_received(self.target, ids, keep, QUERY_EVERY)
+        return ys, attention_weights(received[keep.to(received.device)], self.cfg.attention_weights,
+                                     self.cfg.weight_cap)
 
     def _inputs(self, ids: list[int], keep: torch.Tensor) -> dict[str, torch.Tensor]:
         """The regression's inputs at positions `keep` per side (N, dx): the source's rows, then with token
@@ -198,7 +231,7 @@ class Calibration:
             if part == "heldout" and doc < self.fit_documents:
                 keep = keep[:0]  # held-out data never shares a document with the fit
             if len(keep):
-                self._update(part, self._inputs(ids, keep), features(self.target, ids, keep))
+                self._update(part, self._inputs(ids, keep), *self._targets(ids, keep, part))
                 bar.update(len(keep))
             self.sequences_done, self.documents_used = i + 1, doc + 1
             if part == "fit":
@@ -224,6 +257,9 @@ class Calibration:
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
                  "sequences": self.sequences_done, "heldout_tokens": self._counter("heldout").n,
                  "document_ids": list(self.corpus.ids[: self.documents_used])}
+        if cfg.attention_weights:
+            calib["attention_weights"] = {"power": cfg.attention_weights, "cap": cfg.weight_cap,
+                                          "query_every": QUERY_EVERY}
         info = MapInfo(source=self.run_id["source"], target=self.run_id["target"], k=min(cfg.k, self.src.layers),
                        lam=cfg.lam, rank=self.rank, tokens=self._counter("fit").n,
                        corpus=self.corpus.describe(), calibration=calib, r2_heldout=r2_held, heads=self.heads,
@@ -292,79 +328,6 @@ def read_state(path: Path, device: str | torch.device = "cpu") -> tuple[dict, di
     except (OSError, SafetensorError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise RarecacheError(f"{path} is not a calibration state ({e}); delete it to start over") from None
     return meta, tensors
-
-
-def refit(mapper: Mapper, state: Path, k: int | None = None, lam: float | None = None, rank: int | None = None,
-          head_matched: bool = False, powers: tuple[float, float] | None = None) -> Mapper:
-    """The map fitted again from the statistics its calibration kept (`calibrate --keep-state`), with other
-    fitting choices: k, λ, rank, or head-matched (a dense state holds every head block, `fit.head_stats`,
-    so the head-matched map of the very same positions costs no pass over data), or sharpening (`powers`,
-keys' and values'; None keeps the map's). Plain transfer's sharpening (`MapInfo.plain_sharpen`) is kept,
-except by a head-matched refit, which has none. Seconds, not hours."""
-    meta, tensors = read_state(state)
-    run, info = meta["run"], mapper.info
-    if run.get("source") != info.source or run.get("target") != info.target:
-        raise RarecacheError(f"{state} is the state of another pair's calibration, not of {info.direction}")
-    heads = 0
-    if "fit.k.h0.xx" in tensors:
-        heads = sum(1 for n in tensors if n.startswith("fit.k.h") and n.endswith(".xx"))
-        if not head_matched:
-            raise RarecacheError(f"{state} holds head-matched statistics: it refits head-matched maps only "
-                                 "(pass --head-matched)")
-    names = [n for part in ("fit", "heldout") for s in SIDES for n in stat_names(part, s, heads)]
-    try:
-        stats = {n: RegressionStats.from_tensors(tensors, n) for n in names}
-    except KeyError as e:
-        raise RarecacheError(f"{state} lacks statistics {e}") from None
-    if stats[names[0]].n != info.tokens:
-        raise RarecacheError(f"{state} holds {stats[names[0]].n} fit positions, the map {info.tokens}: "
-                             "not the state this map was fitted from")
-    if bool(run.get("config", {}).get("token_inputs", False)) != info.token_inputs:
-        raise RarecacheError(f"{state} and the map disagree on token inputs: not the state this map was fitted from")
-    if head_matched and info.token_inputs:
-        raise RarecacheError("a token-input map has no head-matched refit (its token block spans every head)")
-    fit = mapper.sides["k"]
-    src = Layout(fit.r2_single.shape[1], (fit.weight.shape[1] - mapper.extra_width) // info.k, mapper.extra_width)
-    tgt = Layout(fit.weight.shape[0], fit.weight.shape[2])
-    if head_matched and not heads:
-        heads = info.heads or _heads_of(run)
-        for part in ("fit", "heldout"):
-            for s in SIDES:
-                for h, block in enumerate(head_stats(stats.pop(f"{part}.{s}"), src, tgt, heads)):
-                    stats[f"{part}.{s}.h{h}"] = block
-    k, lam, rank = k or info.k, info.lam if lam is None else lam, info.rank if rank is None else rank
-    if rank > tgt.width or k < 1 or lam < 0:
-        raise RarecacheError(f"refit needs k >= 1, lambda >= 0 and rank <= {tgt.width}")
-    if powers is None:
-        powers = tuple(info.sharpen.get(s, 0.0) for s in SIDES)
-    check_sharpen(powers)
-    sides, r2_held = fit_sides(stats, src, tgt, heads, k, lam, rank, powers)
-    return Mapper(replace(info, k=min(k, src.layers), lam=lam, rank=rank, r2_heldout=r2_held, heads=heads,
-                          mlp_hidden=0, sharpen=sharpen_info(powers), refined=None,
-                          plain_sharpen=None if heads else info.plain_sharpen), sides)
-
-
-def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:
-    """The map with other sharpening powers, from the map alone (no statistics): sharpening scales each
-    layer's centred prediction by a known factor (fit.sharpen), so it is undone and redone exactly.
-    The recorded held-out R² belonged to the old predictions and is dropped (`calibrate --keep-state`
-    and `refit` give it again). Dense linear maps only."""
-    info = mapper.info
-    if info.heads or info.mlp_hidden:
-        raise RarecacheError("changing the sharpening without the calibration state works on dense linear maps "
-                             "only; refit from the state (calibrate --keep-state)")
-    check_sharpen(powers)
-    sides = {s: sharpen(unsharpen(mapper.sides[s], info.sharpen.get(s, 0.0)), p) for s, p in zip(SIDES, powers)}
-    return Mapper(replace(info, r2_heldout={}, sharpen=sharpen_info(powers), refined=None), sides)  # (new weights)
-
-
-def _heads_of(run: dict) -> int:
-    """The KV heads of a dense state's models, if a head-matched refit can split them."""
-    heads = run.get("kv_heads")
-    if not (isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads)):
-        raise RarecacheError("this calibration state does not record the models' KV heads (it was written "
-                             "before head-matched maps): calibrate again with --head-matched")
-    return matched_heads(*heads)
 
 
 def collect_rows(source, target, tokenizer, corpus, tokens: int, seq_len: int, first_document: int = 0,

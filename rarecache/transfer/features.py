@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.runner import Runner
+from ..engine.runner import AttnCapture, Runner
 
 SIDES = ("k", "v")  # keys and values: every map, statistic and file is per side
 
@@ -40,6 +40,24 @@ def features(runner: Runner, ids: list[int], keep: torch.Tensor) -> dict[str, to
     cache, _ = runner.prefill([ids])
     pos = keep[None].to(runner.device)
     return {s: rows(runner, cache, pos, s)[0] for s in SIDES}
+
+
+def features_received(runner: Runner, ids: list[int], keep: torch.Tensor, every: int = 4
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`features`, and the attention each position of the sequence receives in the same prefill (T,):
+    summed over the queries that read it, averaged over every layer and head. Queries are sampled every
+    `every`-th position (and the last), their sum scaled by `every`, to keep the captured probabilities
+    small; `every` 1 reads every query."""
+    T = len(ids)
+    q = torch.unique(torch.cat([torch.arange(0, T, every), torch.tensor([T - 1])]))  # (R,) sampled queries
+    cache = runner.new_cache(1, T)
+    cap = AttnCapture(frozenset(range(runner.num_layers)), q[None].to(runner.device))
+    out = runner.forward(torch.tensor([ids], device=runner.device), torch.arange(T, device=runner.device)[None],
+                         cache, logits_at=None, capture=cap)
+    got = sum(p[0].float().sum(dim=(0, 1)) for p in out.attn.values())  # (S,) over heads and sampled queries
+    received = got[:T] * (T / len(q)) / (runner.num_layers * runner.config.num_heads)
+    pos = keep[None].to(runner.device)
+    return {s: rows(runner, cache, pos, s)[0] for s in SIDES}, received
 
 
 def token_rows(runner: Runner, tokens: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -22,15 +22,19 @@ class RegressionStats:
         self.xx = torch.zeros(dx, dx, **f64)
         self.xy = torch.zeros(dx, dy, **f64)
 
-    def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """x (N, dx), y (N, dy) rows of the same N tokens."""
+    def update(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor | None = None) -> None:
+        """x (N, dx), y (N, dy) rows of the same N tokens; `w` (N,) weighs each token's row (a weighted
+        ridge: every sum becomes a weighted sum). Weights should average 1 over the N tokens, so that `n`
+        still counts them (calibrate's `attention_weights` normalises them so)."""
         x, y = x.to(self.xx), y.to(self.xx)
         self.n += x.shape[0]
-        self.sx += x.sum(0)
-        self.sy += y.sum(0)
-        self.syy += (y * y).sum(0)
-        self.xx += x.T @ x
-        self.xy += x.T @ y
+        wx = x if w is None else x * w.to(self.xx)[:, None]  # (N, dx)
+        wy = y if w is None else y * w.to(self.xx)[:, None]  # (N, dy)
+        self.sx += wx.sum(0)
+        self.sy += wy.sum(0)
+        self.syy += (wy * y).sum(0)
+        self.xx += wx.T @ x
+        self.xy += wx.T @ y
 
     def block(self, ix: torch.Tensor, iy: torch.Tensor) -> "RegressionStats":
         """The statistics of the x columns `ix` against the y columns `iy`: exactly what accumulating
