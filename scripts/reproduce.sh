@@ -36,17 +36,17 @@ find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git histo
   return 1
 }
 
-STEPS=(acc-hellaswag acc-arc_challenge acc-mmlu acc-gsm8k_bpb drift-coqa reverse-hellaswag
+STEPS=(acc-hellaswag acc-arc_challenge acc-mmlu acc-gsm8k_bpb drift-coqa reverse
        bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
 what() {  # the figure a step makes, and where the committed one is
   case $1 in
     acc-*) local t=${1#acc-}
       echo "results table, ${t}: target / source / plain transfer / suffix rho 0.2 through v3 and the delta's CI" \
            "(docs/artifacts/v3-${t}-300.report.md)";;
-    drift-coqa) echo "results table, CoQA: +0.46 bpb per target turn at suffix 0.2, +0.06 healed" \
-                     "(docs/artifacts/drift-coqa-heal-10.md; through v2)";;
-    reverse-hellaswag) echo "results table, large -> small HellaSwag (docs/artifacts/general16k-hellaswag-reverse-300.report.md;" \
-                            "makes the 16k reverse map first if none is found: 1,516 s when it was made)";;
+    drift-coqa) echo "results table, CoQA: +0.519 bpb per target turn at suffix 0.2, 50 stories switching every turn" \
+                     "(docs/artifacts/drift-report.md, research/gate/drift-coqa-v3-50; bf16; about 20 minutes)";;
+    reverse) echo "results table, large -> small MMLU and HellaSwag (research/fidelity/runs/reverse-v4tok-*-300;" \
+                  "bf16; makes the 64k reverse map first if none is found: 22 minutes when it was made)";;
     bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
                         "bf16, rank; timed through the served map, of the same shapes as the record's)";;
     bench-serve) echo "speed table: a switched conversation's first token in rarecache serve (docs/artifacts/bench-serve-switch.txt)";;
@@ -65,13 +65,14 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0.2:suffix@v3 --limit $n --dtype float32 --out \$OUT/v3-$t.jsonl"
       echo "\$RC eval report \$OUT/v3-$t.jsonl > \$OUT/v3-$t.report.md";;
     drift-coqa)
-      echo "V2=\$(find_map general-64k.safetensors d7eaf97:docs/artifacts/maps/general-64k.safetensors)"
-      echo "\$RC eval drift run --source \$S --target \$T --map \$V2 --arms alone 0.2:suffix 0.2:suffix:heal --stories 10 --dtype float32 --out \$OUT/drift-coqa-heal.jsonl"
-      echo "\$RC eval drift report \$OUT/drift-coqa-heal.jsonl > \$OUT/drift-coqa-heal.md";;
-    reverse-hellaswag)
-      echo "REV=\$(find_map general-16k-1.5b-to-0.5b.safetensors f64b7b3:docs/artifacts/maps/general-16k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-16k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general-v2 --tokens 16384 --heldout-tokens 8192 --dtype float32 --out \$REV; }"
-      echo "\$RC eval run --task hellaswag --source \$T --target \$S --map general=\$REV --arms target source 0:rank@general 0.2:suffix@general --limit 300 --dtype float32 --out \$OUT/general16k-hellaswag-reverse.jsonl"
-      echo "\$RC eval report \$OUT/general16k-hellaswag-reverse.jsonl > \$OUT/general16k-hellaswag-reverse.report.md";;
+      echo "\$RC eval drift run --source \$S --target \$T --map \$SERVED --arms alone 0.2:suffix --stories 50 --dtype bfloat16 --out \$OUT/drift-coqa-v3.jsonl"
+      echo "\$RC eval drift report \$OUT/drift-coqa-v3.jsonl > \$OUT/drift-coqa-v3.md";;
+    reverse)
+      echo "REV=\$(find_map general-tok-64k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-tok-64k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general --tokens 65536 --token-inputs --exact-layer0 --dtype bfloat16 --out \$REV; }"
+      for t in mmlu hellaswag; do
+        echo "\$RC eval run --task $t --source \$T --target \$S --map rv=\$REV --arms target source 0:suffix@rv 0.2:suffix@rv 0.2:rank@rv --limit 300 --dtype bfloat16 --out \$OUT/reverse-$t.jsonl"
+        echo "\$RC eval report \$OUT/reverse-$t.jsonl > \$OUT/reverse-$t.report.md"
+      done;;
     bench-handoff)
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 512 2048 --rhos 0.2 0.3 0.5 --batches 1 --repeats 5 --selector rank --dtype bfloat16 --out \$OUT/bench-handoff.json --no-summary | tee \$OUT/bench-handoff.txt";;
     bench-serve)
