@@ -154,7 +154,8 @@ item. Bits per byte tasks score a fixed text and give no answer, so their agreem
 def _add_report(ev) -> None:
     e = ev.add_parser("report", help="summarise results JSONL files (and write the general map's summary)",
                       description=REPORT_DESCRIPTION)
-    e.add_argument("results", type=Path, nargs="+", help="results JSONL file(s); each gets its own report")
+    e.add_argument("results", type=Path, nargs="+",
+                   help="results JSONL file(s), plain or gzipped as published (.jsonl.gz); each gets its own report")
     e.add_argument("--general-summary", type=Path, default=None, metavar="JSON",
                    help="also pick the default selector across the files (highest mean share of the source-to-"
                         "target gap kept at rho 0.1, 0.2, 0.3; eval/summary.py says why not gap closed) and "

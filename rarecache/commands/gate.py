@@ -21,7 +21,8 @@ def register(ev) -> None:
                                   "target's own prefill.")
     g = p.add_subparsers(dest="gate", required=True, metavar="ACTION")
     f = g.add_parser("fit", help="fit a gate policy on held-apart results files (one per task)")
-    f.add_argument("results", type=Path, nargs="+", help="results JSONL of held-apart items, one per task")
+    f.add_argument("results", type=Path, nargs="+",
+                   help="results JSONL (or .jsonl.gz) of held-apart items, one per task")
     f.add_argument("--max-changed", type=float, default=0.01,
                    help="multiple-choice tasks: most changed answers (share of items) the gate may accept "
                         "(default: 0.01)")
@@ -41,7 +42,8 @@ def register(ev) -> None:
     f.add_argument("--out", type=Path, required=True, help="policy file to write (JSON)")
     f.set_defaults(func=cmd_gate_fit)
     r = g.add_parser("report", help="what a policy does on evaluated results files")
-    r.add_argument("results", type=Path, nargs="+", help="results JSONL of evaluated items, one per task")
+    r.add_argument("results", type=Path, nargs="+",
+                   help="results JSONL (or .jsonl.gz) of evaluated items, one per task")
     r.add_argument("--policy", type=Path, required=True, help="policy file from `eval gate fit`")
     r.add_argument("--arm", default=None, help="the ladder arm, if a file has several")
     r.add_argument("--summary", type=Path, default=None,
