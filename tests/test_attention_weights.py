@@ -48,6 +48,8 @@ def test_weighted_statistics_equal_repeated_rows():
     for name in ("sx", "sy", "syy", "xx", "xy"):
         torch.testing.assert_close(getattr(weighted, name), getattr(repeated, name))
     assert weighted.n == 4
+    with pytest.raises(ValueError, match="average 1"):
+        RegressionStats(3, 2).update(x, y, torch.tensor([2.0, 2.0, 1.0, 1.0]))
     plain = RegressionStats(3, 2)
     plain.update(x, y, torch.ones(4))
     unweighted = RegressionStats(3, 2)
@@ -67,7 +69,7 @@ def test_attention_received_is_the_sum_of_what_queries_read(pair_dir):
     ys, received = features_received(target, ids, keep, every=1)
     plain = features(target, ids, keep)
     for s in SIDES:
-        torch.testing.assert_close(ys[s], plain[s])
+        assert torch.equal(ys[s], plain[s])  # the probabilities are computed on the side
     assert received.shape == (T,) and received.sum().item() == pytest.approx(T, rel=1e-4)
     assert bool((received <= torch.arange(T, 0, -1) + 1e-4).all()) and bool((received > 0).all())
     sampled = features_received(target, ids, keep, every=4)[1]
@@ -100,6 +102,8 @@ def test_weighted_calibration_records_resumes_and_refits(models, tmp_path):
     assert weighted.info.tokens == plain.info.tokens
     again = refit(weighted, tmp_path / "w.map.state")
     assert torch.equal(again.sides["k"].weight, weighted.sides["k"].weight)
+    with pytest.raises(RarecacheError, match="disagree on attention weights"):
+        refit(plain, tmp_path / "w.map.state")  # (same positions, so only the record tells them apart)
     with pytest.raises(RarecacheError, match="different calibration"):
         Calibration(source, target, tok, corpus, BASE, tmp_path / "w.map").run(progress=False)
     assert "attention_weights" not in run_config(BASE) and "weight_cap" not in run_config(BASE)
@@ -107,7 +111,8 @@ def test_weighted_calibration_records_resumes_and_refits(models, tmp_path):
     path = tmp_path / "w.safetensors"
     weighted.save(path)
     assert Mapper.load(path).info.calibration["attention_weights"]["power"] == 1.0
-    for bad in (dict(attention_weights=-1.0), dict(attention_weights=5.0), dict(weight_cap=0.5)):
+    for bad in (dict(attention_weights=-1.0), dict(attention_weights=5.0), dict(weight_cap=0.5),
+                dict(weight_cap=float("nan")), dict(attention_weights=float("nan"))):
         with pytest.raises(RarecacheError, match="attention weights"):
             CalibrationConfig(**bad)
 
@@ -122,3 +127,6 @@ def test_calibrate_cli_takes_attention_weights(pair_dir, tmp_path, capsys):
     capsys.readouterr()
     assert main(args[:-2] + ["--weight-cap", "0", "--out", str(tmp_path / "b.safetensors")]) == 2
     assert "attention weights take a power" in capsys.readouterr().err
+    plain_args = [a for a in args[:-2] if a not in ("--attention-weights", "0.5")]
+    assert main(plain_args + ["--weight-cap", "4", "--out", str(tmp_path / "c.safetensors")]) == 2
+    assert "--weight-cap belongs to --attention-weights" in capsys.readouterr().err

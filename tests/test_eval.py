@@ -583,6 +583,12 @@ def test_published_results_read_as_written(tmp_path):
     assert map_sha256(tmp_path / "y.jsonl.gz", "m") == "abc"
     assert sibling(tmp_path / "y.jsonl.gz", ".timings.jsonl") == tmp_path / "y.timings.jsonl.gz"
     assert sibling(tmp_path / "x.jsonl", ".timings.jsonl") == tmp_path / "x.timings.jsonl"
-    (tmp_path / "bad.jsonl").write_bytes(b"\x8b\x00 not json")
-    with pytest.raises(RarecacheError, match="not a results file"):
-        load_results(tmp_path / "bad.jsonl")
+    packed = gzip.compress(text.encode())
+    for name, data in (("bad.jsonl", b"\x8b\x00 not json"), ("cut.jsonl.gz", packed[: len(packed) // 2]),
+                       ("rot.jsonl.gz", packed[:12] + bytes(b ^ 0x55 for b in packed[12:-8]) + packed[-8:])):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(RarecacheError, match="not a results file"):
+            load_results(tmp_path / name)
+    # a run may write any --out name: its record is named as the run names it (with_suffix)
+    assert sibling(tmp_path / "r.json", ".meta.json") == tmp_path / "r.meta.json"
+    assert sibling(tmp_path / "r", ".meta.json") == tmp_path / "r.meta.json"

@@ -150,3 +150,15 @@ def test_fidelity_summary_takes_coqa_from_a_drift_file(tmp_path, capsys):
     assert "handed off through map else" in capsys.readouterr().err
     assert main(base + ["--previous-drift", str(other)]) == 2
     assert "--previous-drift needs --previous-label" in capsys.readouterr().err
+    # both maps' CoQA side by side; without --previous-drift the previous map's column says "—"
+    old = _drift(tmp_path, sha="old", name="old.jsonl.gz")
+    assert main(base + ["--previous-label", "v3", "--drift", str(_drift(tmp_path)), "--previous-drift", str(old)]) == 0
+    s = json.loads(out.read_text())
+    assert s["previous"]["tasks"]["coqa_bpb"]["delta"] == pytest.approx(0.1)
+    assert "| coqa_bpb | 4 | 0.5000 | 1.0000 | 0.6000 | +0.1000 (" in capsys.readouterr().out
+    assert main(base + ["--previous-label", "v3", "--drift", str(_drift(tmp_path))]) == 0
+    assert "coqa_bpb" not in json.loads(out.read_text())["previous"]["tasks"]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| coqa_bpb |"))
+    assert row.endswith("| — | — | — |") and "+0.1000 (" in row
+    assert main(base + ["--previous-label", "v3", "--previous-drift", str(old)]) == 2
+    assert "--previous-drift needs --drift" in capsys.readouterr().err

@@ -279,9 +279,10 @@ def _report(args, path: Path) -> None:
         print(f"\n{turns}")
     if args.plots:
         from ..eval.plots import plot_selectors, plot_vs_rho
+        from ..eval.results import results_stem
 
         args.plots.mkdir(parents=True, exist_ok=True)
-        stem = path.stem + (f"-{metric}" if args.metric else "")
+        stem = results_stem(path) + (f"-{metric}" if args.metric else "")
         title = f"{stem} ({items} items)"
         plot_vs_rho(rows, metric, args.plots / f"{stem}-vs-rho.png", title, lower_is_better=bpb)
         plot_selectors(rows, metric, args.plots / f"{stem}-selectors.png", title, lower_is_better=bpb)

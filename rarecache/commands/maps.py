@@ -70,9 +70,11 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--attention-weights", type=float, default=0.0, metavar="POWER",
                    help="weigh each fit position by the attention it receives in the target's own prefill "
                         "(summed over the queries that read it, mean over layers and heads), as "
-                        "(received / sequence mean)^POWER capped at --weight-cap, so that the rows the target "
-                        "reads most are fitted most closely (CacheBridge's attention-sensitivity weighting, "
-                        "shared by every target layer); 0 = every position alike (default); recorded in the map")
+                        "(received / mean over the sequence's fit positions)^POWER capped at --weight-cap, so that "
+                        "the rows the target reads most are fitted most closely (CacheBridge's attention-"
+                        "sensitivity weighting, shared by every target layer; the in-sample R2 that picks source "
+                        "layers is weighted too, held-out R2 is not); 0 = every position alike (default); "
+                        "recorded in the map")
     p.add_argument("--weight-cap", type=float, default=8.0,
                    help="with --attention-weights: the largest weight before scaling to mean 1 (the attention "
                         "sink receives hundreds of times the mean; default: 8)")
@@ -222,6 +224,8 @@ def cmd_calibrate(args) -> int:
 
     from ..eval import mix
 
+    if args.weight_cap != 8.0 and not args.attention_weights:
+        raise RarecacheError("--weight-cap belongs to --attention-weights")
     general = args.preset is not None  # every preset is a general mix: its sequence length and sharpening
     cfg = CalibrationConfig(tokens=args.tokens, heldout_tokens=args.heldout_tokens,
                             seq_len=args.seq_len or (mix.SEQ_LEN if general else 512),

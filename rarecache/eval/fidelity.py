@@ -27,7 +27,7 @@ from ..errors import RarecacheError
 from .arms import handoff_arm
 from .metrics import paired_diff_ci
 from .report import agreement, arm_name
-from .results import map_sha256, sibling
+from .results import load_results, map_sha256, sibling
 from .summary import read_task
 
 
@@ -80,7 +80,6 @@ def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
     import numpy as np
 
     from .drift import parse_arm, report
-    from .results import load_results
 
     try:
         meta = json.loads(sibling(drift, ".meta.json").read_text())
@@ -95,7 +94,9 @@ def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
     if figures is None:
         raise RarecacheError(f"--drift {drift}: no target turn of arm {arm}")
     rows = load_results(drift)
-    turns = {(r["story"], r["turn"]) for r in rows if r["arm"] == arm and r["model"] == "target" and "handed_off" in r}
+    alone = {(r["story"], r["turn"]) for r in rows if r["arm"] == "alone" and r["model"] == "target"}
+    turns = {(r["story"], r["turn"]) for r in rows if r["arm"] == arm and r["model"] == "target" and "handed_off" in r
+             and (r["story"], r["turn"]) in alone}  # the turns `report` compares
     source = {}  # the source alone on the target's turns, story by story
     for r in rows:
         if r["arm"] == "alone" and r["model"] == "source" and (r["story"], r["turn"]) in turns:
@@ -139,6 +140,8 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
             prev["coqa_bpb"] = _coqa_cell(previous_drift, spec, out["previous"]["map"])
     elif previous_drift is not None:
         raise RarecacheError("--previous-drift needs --previous-label")
+    if previous_drift is not None and drift is None:
+        raise RarecacheError("--previous-drift needs --drift (the table compares the two maps' CoQA)")
     if probe is not None:
         out["probe"] = _probe(probe, arm_name(arm.rho, arm.method), label, previous)
     return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import json
 import platform
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
@@ -43,11 +44,16 @@ def read_done(path: Path, key: tuple[str, str] = ("item", "arm")) -> set[tuple[s
     return done
 
 
+def results_stem(path: Path) -> str:
+    """A results file's name without its suffix: `x` for `x.jsonl`, and for `x.jsonl.gz` as published."""
+    return path.name.removesuffix(".jsonl.gz") if path.name.endswith(".jsonl.gz") else path.stem
+
+
 def sibling(path: Path, suffix: str) -> Path:
-    """The file beside results file `path` (`x.jsonl`, or `x.jsonl.gz` as records are published) with
-    `suffix` for its own: `.meta.json`, `.timings.jsonl` (`x.timings.jsonl.gz` when only that exists)."""
-    stem = path.name.removesuffix(".gz").removesuffix(".jsonl")
-    plain = path.with_name(stem + suffix)
+    """The file beside results file `path` with `suffix` for its own (`.meta.json`, `.timings.jsonl`), named
+    as a run writes it (`path.with_suffix`), or beside a published `x.jsonl.gz` (`x.timings.jsonl.gz` when
+    only that exists)."""
+    plain = path.with_name(results_stem(path) + suffix)
     packed = plain.with_name(plain.name + ".gz")
     return packed if suffix.endswith(".jsonl") and not plain.is_file() and packed.is_file() else plain
 
@@ -67,7 +73,7 @@ def load_results(path: Path) -> list[dict]:
         return [json.loads(line) for line in text.splitlines() if line.strip()]
     except OSError as e:
         raise RarecacheError(f"cannot read {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError) as e:
         raise RarecacheError(f"{path} is not a results file (JSON lines, plain or gzipped): {e}") from None
 
 

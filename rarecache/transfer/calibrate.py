@@ -60,8 +60,9 @@ class CalibrationConfig:
     plain_sharpen: tuple[float, float] | None = None  # the powers plain transfer uses (Mapper.plain); None: sharpen's
     token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token (mapper.py)
     exact_layer0: bool = False  # the target's layer-0 rows are computed from the token, not mapped
-    # each fit position weighs (attention it receives in the target / its sequence's mean)^power, capped at
-    # weight_cap, then scaled to mean 1 per sequence (0: every position alike, the plain ridge); `Calibration`
+    # each fit position weighs (attention it receives in the target / the mean over its sequence's fit
+    # positions)^power, capped at weight_cap, then scaled to mean 1 per sequence (0: every position alike, the
+    # plain ridge); the in-sample R² that picks source layers and sharpens is then weighted too; `Calibration`
     attention_weights: float = 0.0
     weight_cap: float = 8.0
 
@@ -77,7 +78,7 @@ class CalibrationConfig:
                 raise RarecacheError("a head-matched map has one sharpening for every budget (no plain_sharpen)")
         if self.token_inputs and self.head_matched:
             raise RarecacheError("token inputs need a dense map (not head-matched)")
-        if not 0 <= self.attention_weights <= 4 or self.weight_cap < 1:
+        if not 0 <= self.attention_weights <= 4 or not self.weight_cap >= 1:  # (NaN fails both)
             raise RarecacheError("attention weights take a power in [0, 4] and a cap >= 1")
 
 

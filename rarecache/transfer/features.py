@@ -46,8 +46,8 @@ def features_received(runner: Runner, ids: list[int], keep: torch.Tensor, every:
                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """`features`, and the attention each position of the sequence receives in the same prefill (T,):
     summed over the queries that read it, averaged over every layer and head. Queries are sampled every
-    `every`-th position (and the last), their sum scaled by `every`, to keep the captured probabilities
-    small; `every` 1 reads every query."""
+    `every`-th position (and the last), their sum scaled by T / (queries sampled) so that the total stays T,
+    to keep the captured probabilities small; `every` 1 reads every query."""
     T = len(ids)
     q = torch.unique(torch.cat([torch.arange(0, T, every), torch.tensor([T - 1])]))  # (R,) sampled queries
     cache = runner.new_cache(1, T)

@@ -42,6 +42,11 @@ except by a head-matched refit, which has none. Seconds, not hours."""
                              "not the state this map was fitted from")
     if bool(run.get("config", {}).get("token_inputs", False)) != info.token_inputs:
         raise RarecacheError(f"{state} and the map disagree on token inputs: not the state this map was fitted from")
+    weighted = (run.get("config", {}).get("attention_weights") or 0.0,
+                (info.calibration.get("attention_weights") or {}).get("power", 0.0))
+    if weighted[0] != weighted[1]:
+        raise RarecacheError(f"{state} and the map disagree on attention weights ({weighted[0]} vs {weighted[1]}): "
+                             "not the state this map was fitted from")
     if head_matched and info.token_inputs:
         raise RarecacheError("a token-input map has no head-matched refit (its token block spans every head)")
     fit = mapper.sides["k"]

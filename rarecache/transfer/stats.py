@@ -27,6 +27,8 @@ class RegressionStats:
         ridge: every sum becomes a weighted sum). Weights should average 1 over the N tokens, so that `n`
         still counts them (calibrate's `attention_weights` normalises them so)."""
         x, y = x.to(self.xx), y.to(self.xx)
+        if w is not None and not abs(float(w.double().sum()) - x.shape[0]) <= 1e-6 * x.shape[0]:
+            raise ValueError("row weights must average 1 over the rows given (n counts rows)")
         self.n += x.shape[0]
         wx = x if w is None else x * w.to(self.xx)[:, None]  # (N, dx)
         wy = y if w is None else y * w.to(self.xx)[:, None]  # (N, dy)
