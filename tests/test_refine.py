@@ -16,7 +16,8 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner, pack_float32, pad_batch
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig, resharpen
+from rarecache.transfer.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.refit import resharpen
 from rarecache.transfer.corpus import load_corpus, token_sequences
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 from rarecache.transfer.mapper import SIDES, Mapper
