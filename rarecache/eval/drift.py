@@ -214,6 +214,7 @@ def report(path: Path) -> tuple[str, dict]:
     for arm in arms:
         per_story: dict[str, list[float]] = {}
         own_bpb: dict[str, list[float]] = {}  # the target alone on the same turns
+        small_bpb: dict[str, list[float]] = {}  # the source alone on them (absent in files without its rows)
         by_turn: dict[int, list[float]] = {}
         shares, fell, own, spent, healed = [], 0, [], [], []
         for r in rows:
@@ -223,6 +224,8 @@ def report(path: Path) -> tuple[str, dict]:
             d = r["bpb"] - alone[key]
             per_story.setdefault(r["story"], []).append(d)
             own_bpb.setdefault(r["story"], []).append(alone[key])
+            if (r["story"], r["turn"], "source") in alone:
+                small_bpb.setdefault(r["story"], []).append(alone[r["story"], r["turn"], "source"])
             by_turn.setdefault(r["turn"], []).append(d)
             g = r.get("gate")
             fell += bool(g and g["decision"] == "fallback")
@@ -243,32 +246,45 @@ def report(path: Path) -> tuple[str, dict]:
                      f"{fell / n:.1%} | {np.mean(shares):.3f} | {'—' if speedup is None else f'{speedup:.2f}×'} | "
                      f"{'—' if heal is None else f'{heal:.2f}'} |")
         target = float(np.mean([np.mean(v) for v in own_bpb.values()]))
+        source = float(np.mean([np.mean(v) for v in small_bpb.values()])) if small_bpb else None
         out[arm] = {"unit": "bpb", "delta": m, "ci": [lo, hi], "n": n, "stories": len(per_story),
-                    "target": target, "gated": target + m, "expected_speedup": speedup,
+                    "target": target, "gated": target + m, "source": source, "expected_speedup": speedup,
                     "fallback_share": fell / n, "mean_recomputed_share": float(np.mean(shares)),
                     "heal_over_own_prefill": heal,
                     "by_turn": {t: float(np.mean(v)) for t, v in sorted(by_turn.items())}}
     return "\n".join(lines), out
 
 
-def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict:
-    """The gate arm of a drift file as one task of `eval gate report` (coqa_bpb), after checking from
-    its record that it ran with this policy's rule through the map `map_sha256` (that of the ladders)."""
+def run_record(path: Path, map_sha256: str | None, whose: str) -> dict:
+    """A drift file's run record, after checking it handed off through the map `map_sha256` (`whose`: what
+    else went through that map, for the message)."""
     meta_path = sibling(path, ".meta.json")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         raise RarecacheError(f"{path}: no readable run record {meta_path} (a drift file written before "
-                             "drift runs recorded one cannot say which policy it ran)") from None
+                             "drift runs recorded one cannot say what it ran)") from None
+    sha = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
+    if map_sha256 is None or sha != map_sha256:
+        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, {whose} through "
+                             f"{str(map_sha256)[:12]}")
+    return meta
+
+
+def arm_figures(path: Path, arm: str) -> dict:
+    """`report`'s figures of one arm of a drift file (refused when it has no target turn of that arm)."""
+    figures = report(path)[1].get(arm)
+    if figures is None:
+        raise RarecacheError(f"{path} holds no target turn of arm {arm} yet")
+    return figures
+
+
+def gate_figures(path: Path, policy: GatePolicy, map_sha256: str | None) -> dict:
+    """The gate arm of a drift file as one task of `eval gate report` (coqa_bpb), after checking from
+    its record that it ran with this policy's rule through the map `map_sha256` (that of the ladders)."""
+    meta = run_record(path, map_sha256, "the ladders")
     rule = gate_rule(policy)
     if meta.get("gate") != rule:
         raise RarecacheError(f"{path}: its gate arm ran with another rule ({meta.get('gate')}) than the policy's "
                              f"({rule})")
-    sha = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
-    if map_sha256 is None or sha != map_sha256:
-        raise RarecacheError(f"{path}: handed off through map {str(sha)[:12]}, the ladders through "
-                             f"{str(map_sha256)[:12]}")
-    figures = report(path)[1].get("switch/gate")
-    if figures is None:
-        raise RarecacheError(f"{path} holds no gate arm turns yet")
-    return {**figures, "auc": None, "auc_ci": None}
+    return {**arm_figures(path, "switch/gate"), "auc": None, "auc_ci": None}

@@ -27,7 +27,7 @@ from ..errors import RarecacheError
 from .arms import handoff_arm
 from .metrics import paired_diff_ci
 from .report import agreement, arm_name
-from .results import load_results, map_sha256, sibling
+from .results import map_sha256
 from .summary import read_task
 
 
@@ -77,33 +77,12 @@ def _probe(probe: Path, arm: str, label: str, previous: str | None) -> dict:
 
 def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
     """coqa_bpb from a drift file whose switching arm `spec` ("RHO:SELECTOR") ran through the map `sha`."""
-    import numpy as np
+    from .drift import arm_figures, parse_arm, run_record
 
-    from .drift import parse_arm, report
-
-    try:
-        meta = json.loads(sibling(drift, ".meta.json").read_text())
-    except (OSError, ValueError):
-        raise RarecacheError(f"--drift {drift}: no readable run record beside it (.meta.json)") from None
-    ran = (meta.get("maps", {}).get("source->target") or {}).get("sha256")
-    if ran != sha:
-        raise RarecacheError(f"--drift {drift}: handed off through map {str(ran)[:12]}, the summary's map is "
-                             f"{sha[:12]}")
-    arm = parse_arm(spec)[0]
-    figures = report(drift)[1].get(arm)
-    if figures is None:
-        raise RarecacheError(f"--drift {drift}: no target turn of arm {arm}")
-    rows = load_results(drift)
-    alone = {(r["story"], r["turn"]) for r in rows if r["arm"] == "alone" and r["model"] == "target"}
-    turns = {(r["story"], r["turn"]) for r in rows if r["arm"] == arm and r["model"] == "target" and "handed_off" in r
-             and (r["story"], r["turn"]) in alone}  # the turns `report` compares
-    source = {}  # the source alone on the target's turns, story by story
-    for r in rows:
-        if r["arm"] == "alone" and r["model"] == "source" and (r["story"], r["turn"]) in turns:
-            source.setdefault(r["story"], []).append(r["bpb"])
-    return {"metric": "bpb", "n": figures["n"], "stories": figures["stories"], "target": figures["target"],
-            "source": float(np.mean([np.mean(v) for v in source.values()])) if source else None,
-            "handoff": figures["gated"], "delta": figures["delta"], "ci": figures["ci"], "agreement": None}
+    run_record(drift, sha, "the summary's map goes")
+    f = arm_figures(drift, parse_arm(spec)[0])
+    return {"metric": "bpb", "n": f["n"], "stories": f["stories"], "target": f["target"], "source": f["source"],
+            "handoff": f["gated"], "delta": f["delta"], "ci": f["ci"], "agreement": None}
 
 
 def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
