@@ -16,6 +16,8 @@ run() { rarecache eval run --task "$1" --source $S --target $T --map v3=$V3 v4b=
     --limit 300 --dtype bfloat16 --out "$E/$1.jsonl" > /dev/null; }
 drift() { rarecache eval drift run --source $S --target $T --map "$V4B" --arms alone 0.2:suffix "$@" --stories 50 \
     --dtype bfloat16 --out $E/drift-coqa-v4b-50.jsonl > /dev/null; }
+rarecache eval probe --source $S --target $T --map v3=$V3 v4b="$V4B" --arms 0:rank 0.2:suffix 0.3:suffix 0.2:rank \
+    0.3:rank --dtype bfloat16 --out $E/probe.jsonl > /dev/null  # the summary file's probe, through the served files
 for task in mmlu arc_challenge hellaswag coqa_passage; do run $task 0.3:suffix@v4b 0.3:rank@v4b; done
 drift 0.3:suffix 0.3:rank
 for task in mmlu arc_challenge hellaswag coqa_passage; do run $task 0.2:rank@v4b; done
