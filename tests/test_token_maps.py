@@ -302,9 +302,8 @@ def test_calibrate_cli_writes_a_token_map_that_hands_off(pair_dir, tmp_path, cap
 
 def test_vllm_row_handoff_with_a_token_map(tok_pair):
     """The adapter's row handoff (no vLLM needed) maps as `Mapper.apply` does, layer 0 from the target's
-    weights; without the target's Runner, or under tensor parallelism, it refuses."""
+    weights; without the target's Runner it refuses."""
     from rarecache.adapters.vllm.core import hand_rows, target_namespace
-    from rarecache.adapters.vllm.sharding import kv_head_range
 
     source, target, _, _, maps, _, prompts = tok_pair
     mapper, prompt = maps["both"], prompts[0]
@@ -322,8 +321,78 @@ def test_vllm_row_handoff_with_a_token_map(tok_pair):
     with pytest.raises(RarecacheError, match="needs the target's Runner"):
         hand_rows(target_namespace(target.config, target.dtype), mapper, source.config, k_src, v_src, prompt, 0,
                   "rank")
-    with pytest.raises(RarecacheError, match="no tensor parallelism"):
-        hand_rows(target, mapper, source.config, k_src, v_src, prompt, 0, "rank", heads=kv_head_range(2, 2, 0))
+
+
+def _rank_runner(path, tp: int, rank: int) -> Runner:
+    """The target as tensor-parallel rank `rank` of `tp` holds it, without vLLM: q, k and v projections cut to
+    the rank's heads (weights.rank_config, sharding.kv_head_range); enough for its layer-0 rows."""
+    from rarecache.adapters.vllm.sharding import kv_head_range
+    from rarecache.adapters.vllm.weights import rank_config
+    from rarecache.models.loader import load_model
+
+    model = load_model(path)
+    cfg = rank_config(model.config, tp, rank)
+    D = cfg.head_dim
+    cols = {"q_proj": slice(rank * cfg.num_heads * D, (rank + 1) * cfg.num_heads * D),
+            "k_proj": kv_head_range(model.config.num_kv_heads, tp, rank).columns(D)}
+    cols["v_proj"] = cols["k_proj"]
+    with torch.no_grad():
+        for layer in model.layers:
+            a = layer.self_attn
+            for name, rows in cols.items():
+                full = getattr(a, name)
+                cut = torch.nn.Linear(full.in_features, rows.stop - rows.start, bias=full.bias is not None)
+                cut.weight.copy_(full.weight[rows])  # (h·D, C): the rank's heads' output rows
+                if full.bias is not None:
+                    cut.bias.copy_(full.bias[rows])
+                setattr(a, name, cut)
+            a.num_heads, a.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+    model.config = cfg
+    return Runner(model, path, pack=False)
+
+
+@pytest.mark.parametrize("tp", [2, 4])  # 2 KV heads: one per rank; at 4, each head on two ranks
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_vllm_row_handoff_with_a_token_map_under_tensor_parallelism(pair_dir, tok_pair, kind, tp):
+    """Tensor parallel, without vLLM: each rank's Runner computes its own heads' layer-0 rows, `gather` joins
+    the ranks' pieces into whole rows (a stand-in all-gather over threads, joined as the worker joins them:
+    sharding.join_gathered), and each rank holds its heads of what one whole process hands off. Without
+    `gather` a rank refuses."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rarecache.adapters.vllm.core import hand_rows
+    from rarecache.adapters.vllm.sharding import join_gathered, kv_head_range
+
+    source, target, _, _, maps, _, prompts = tok_pair
+    mapper, prompt = maps[kind], prompts[0]
+    H, D = target.config.num_kv_heads, target.config.head_dim
+    sc, _ = source.prefill([prompt])
+    k_src, v_src = sc.k[:, 0, :, :len(prompt)], sc.v[:, 0, :, :len(prompt)]
+    ref = hand_rows(target, mapper, source.config, k_src, v_src, prompt, 0, "rank")
+    ranks = [_rank_runner(pair_dir / "tgt", tp, r) for r in range(tp)]
+    heads = [kv_head_range(H, tp, r) for r in range(tp)]
+    sent, barrier = [None] * tp, threading.Barrier(tp, timeout=60)
+
+    def gather(rank):
+        def joined(rows):  # this rank's (..., h·D) -> (..., Hkv·D), once every rank has sent its own
+            sent[rank] = rows
+            barrier.wait()
+            return join_gathered(torch.stack(sent), H, D)  # (tp, ..., h·D) -> (..., Hkv·D)
+        return joined
+
+    def run(rank):
+        return hand_rows(ranks[rank], mapper, source.config, k_src, v_src, prompt, 0, "rank", heads=heads[rank],
+                         gather=gather(rank))
+
+    with ThreadPoolExecutor(tp) as pool:
+        got = list(pool.map(run, range(tp)))
+    assert all(sent[r].shape[-1] == heads[r].count * D for r in range(tp))  # each rank sent only its heads
+    for h, out in zip(heads, got):
+        torch.testing.assert_close(out.k, ref.k[:, h.start:h.stop], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.v, ref.v[:, h.start:h.stop], atol=1e-5, rtol=0)
+    with pytest.raises(RarecacheError, match="under tensor parallelism it needs `gather`"):
+        hand_rows(ranks[0], mapper, source.config, k_src, v_src, prompt, 0, "rank", heads=heads[0])
 
 
 def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):

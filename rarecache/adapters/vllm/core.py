@@ -280,7 +280,7 @@ class Handed:
 def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfig, k_src: torch.Tensor,
               v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0,
               heads: HeadRange | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              rho: float | None = None) -> Handed:
+              rho: float | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Handed:
     """Map the peer's rows k_src, v_src (Ls, Hs, n, Ds) of `tokens` into the target and recompute
     the `recompute` positions the selector scores highest with the target's weights, over the
     mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
@@ -293,6 +293,9 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     map and the scores run on whole rows, so every rank picks the same positions, and only the
     rank's columns go into its cache. `agree(positions)` returns the positions every rank is to
     recompute (rank 0's, broadcast), so the ranks' collectives line up whatever their scores.
+    A map that `needs_tokens` reads whole layer-0 rows, but a rank's Runner computes its own heads'
+    only: `gather(rows)` joins every rank's (..., h·D) into whole rows (..., Hkv·D) (an all-gather
+    and sharding.join_gathered); every rank calls it, in step, as it calls the embedding.
     `rho`, the request's budget: at 0 (plain transfer) the map's plain-transfer view maps
     (`Mapper.at_rho`); None maps with the map as it is."""
     Ls, Hs, n, Ds = k_src.shape
@@ -301,9 +304,12 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     device, dtype = target.device, target.dtype
     if rho is not None:
         mapper = mapper.at_rho(rho)
-    if mapper.needs_tokens and (heads is not None or not isinstance(target, Runner)):
+    if mapper.needs_tokens and not isinstance(target, Runner):
         raise RarecacheError("this map reads the tokens (token inputs or exact layer 0): it needs the target's "
-                             "Runner with whole rows (no tensor parallelism)")
+                             "Runner to compute their layer-0 rows")
+    if mapper.needs_tokens and heads is not None and gather is None:
+        raise RarecacheError("this map reads the tokens (token inputs or exact layer 0): under tensor parallelism "
+                             "it needs `gather`, which joins the ranks' layer-0 rows into whole rows")
     positions = torch.arange(n, device=device)[None]  # (1, n)
     whole = torch.tensor([tokens], device=device)  # (1, n)
     src_cache = KVCache(Ls, 1, Hs, Ds, n, k_src.dtype, device)
@@ -311,6 +317,9 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     src_cache.mark(positions)
     source = SimpleNamespace(rope=Rope(peer.rope, peer.head_dim, device))
     own = mapper.own_rows(target, whole, positions)  # the target's layer-0 rows, if the map reads them
+    if own is not None and heads is not None:  # this rank's heads (1, n, h·D) -> whole rows, one collective
+        both = gather(torch.stack([own["k"], own["v"]]))  # (2, 1, n, Hkv·D)
+        own = {"k": both[0], "v": both[1]}
     # as Mapper.apply_reference: each source layer de-rotated once, in the target's dtype; (1, n, Ls·Hs·Ds) per side
     out = mapper.map_sides({side: rows(source, src_cache, positions, side).to(dtype) for side in ("k", "v")}, own)
     cfg = target.config

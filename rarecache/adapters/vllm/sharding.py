@@ -4,8 +4,10 @@ The groundwork for tensor parallelism (docs/VLLM.md, "Tensor parallel"). With TP
 paged cache holds only its own KV heads, so the plan is: capture files one piece per rank
 with its head range, and a reader joins the pieces into whole rows, so a stored entry does
 not depend on the writer's TP size; the map reads and writes whole rows on every rank, and
-each rank then keeps its own heads' columns (`rank_columns`). This module is that
-bookkeeping and nothing else: pure tensor code, no vllm import, no engine.
+each rank then keeps its own heads' columns (`rank_columns`). Rows a rank computes itself (a
+map's token block: the target's layer-0 rows, `transfer.features.token_rows`) come out with
+its heads only, and are joined the same way after an all-gather (`join_gathered`). This module
+is that bookkeeping and nothing else: pure tensor code, no vllm import, no engine.
 
 The rule is vLLM's own (0.32): `QKVParallelLinear.__init__` in
 vllm/model_executor/layers/linear.py sets, for tp_size ranks and H KV heads,
@@ -169,4 +171,15 @@ def join_rows(pieces: list[Piece] | tuple[Piece, ...], num_kv_heads: int, head_d
     return torch.cat(out, dim=-1)  # (..., Hkv·D), heads in order
 
 
-__all__ = ["HeadRange", "Piece", "kv_head_range", "rank_columns", "split_rows", "join_rows"]
+def join_gathered(every: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Every rank's rows (tp, ..., h·D), stacked in rank order as an all-gather over the TP group
+    returns them -> whole rows (..., Hkv·D) (`join_rows`: replicated heads checked identical)."""
+    if not isinstance(every, torch.Tensor) or every.dim() < 2:
+        shape = tuple(every.shape) if isinstance(every, torch.Tensor) else type(every).__name__
+        raise RarecacheError(f"gathered rows {shape} are not (tp, ..., h·D)")
+    tp = every.shape[0]
+    return join_rows([Piece(kv_head_range(num_kv_heads, tp, r), every[r]) for r in range(tp)], num_kv_heads,
+                     head_dim)
+
+
+__all__ = ["HeadRange", "Piece", "kv_head_range", "rank_columns", "split_rows", "join_rows", "join_gathered"]

@@ -30,7 +30,7 @@ except ImportError as _e:
 
 from .core import hand_rows, target_namespace
 from .paged import Layout, slots
-from .sharding import HeadRange, Piece, join_rows, kv_head_range
+from .sharding import HeadRange, join_gathered, kv_head_range
 from .scheduler import SEEN_SALTS, LoadSpec, RarecacheMetadata
 from .store import RECORD_VERSION, Hit, StoreDown
 
@@ -81,12 +81,6 @@ class WorkerSide:
         self._layout = Layout.probe(self._write_block, H, bs, two_d // 2, first.dtype, first.device)
         if self.settings.peers:
             from .weights import runner_over
-
-            reads = [p.name for p in self.settings.peers.values() if p.mapper.needs_tokens]
-            if self._tp > 1 and reads:
-                raise RarecacheError(f"the maps of {', '.join(reads)} read the tokens (token inputs or exact layer "
-                                     "0), which the adapter computes from whole rows: run them without tensor "
-                                     "parallelism")
 
             self._runner = runner_over(_model_runner_of_caller().model, self.settings.model, self._tp, self._rank)
             logger.info("rarecache: recompute runs over vLLM's loaded %s (no weight copy; rank %d of %d, KV heads %s)",
@@ -143,7 +137,8 @@ class WorkerSide:
         own = spec.recompute > 0 or peer.mapper.needs_tokens  # the target's weights run
         target = self._runner if own else target_namespace(self._local, self._kv[0].dtype, device)
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
-                        spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None, rho=spec.rho)
+                        spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None, rho=spec.rho,
+                        gather=self._gather_heads if self._tp > 1 else None)
         t2 = time.perf_counter()
         # filed before the rows go in (a failure here fails the load): rows written => a record says so
         self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
@@ -180,20 +175,22 @@ class WorkerSide:
         buf = positions.to(device=self._kv[0].device, dtype=torch.int64).contiguous()
         return self._tp_group().broadcast(buf, src=0).to(positions.device)
 
+    def _gather_heads(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (..., h·D) -> every rank's joined into whole rows (..., Hkv·D): one all-gather
+        over the TP group, joined by vLLM's head rule (sharding.join_gathered; replicas checked identical)."""
+        cfg = self.settings.config
+        every = self._tp_group().all_gather(rows[None].contiguous(), dim=0)  # (tp, ..., h·D)
+        return join_gathered(every, cfg.num_kv_heads, cfg.head_dim)
+
     def _whole_rows(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows k, v (L, h, n, D) -> every rank's joined into whole rows (L, Hkv, n, D)."""
         if self._tp == 1:
             return k, v
-        cfg = self.settings.config
         L, h, n, D = k.shape
-        both = self._tp_group().all_gather(torch.stack([k, v])[None].contiguous(), dim=0)  # (tp, 2, L, h, n, D)
-        out = []
-        for side in range(2):
-            pieces = [Piece(kv_head_range(cfg.num_kv_heads, self._tp, r),
-                            both[r, side].permute(0, 2, 1, 3).reshape(L, n, h * D)) for r in range(self._tp)]
-            whole = join_rows(pieces, cfg.num_kv_heads, D)  # (L, n, Hkv·D)
-            out.append(whole.view(L, n, cfg.num_kv_heads, D).permute(0, 2, 1, 3).contiguous())  # (L, Hkv, n, D)
-        return out[0], out[1]
+        H = self.settings.config.num_kv_heads
+        rows = torch.stack([k, v]).permute(0, 1, 3, 2, 4).reshape(2, L, n, h * D)  # (2, L, n, h·D)
+        whole = self._gather_heads(rows).view(2, L, n, H, D).permute(0, 1, 3, 2, 4)  # (2, L, Hkv, n, D)
+        return whole[0].contiguous(), whole[1].contiguous()
 
     def _record(self, spec: LoadSpec, what: dict[str, Any], strict: bool = True) -> None:
         """File what the load of `spec` did under its record name (if the request gave one; rank 0
