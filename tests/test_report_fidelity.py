@@ -67,6 +67,32 @@ def test_fidelity_summary_writes_the_issue_schema_with_the_delta_sign_and_agreem
     assert "| mmlu | 5 | 80.0 | 20.0 | 100.0 | +20.0 (" in table and "| coqa_passage | 2 |" in table
 
 
+def test_fidelity_summary_compares_the_previous_map_at_its_own_served_arm(tmp_path, capsys):
+    """A map adopted with a new default arm (rank 0.3 here) is set beside the old map as it was served
+    (suffix 0.2): --previous-arm picks the old map's arm, in the tasks and in the probe."""
+    mmlu = _mmlu(tmp_path)
+    rows = [json.loads(line) for line in mmlu.read_text().splitlines()]
+    rows += [{**r, "arm": "rho=0.3/rank@v4"} for r in rows if r["arm"] == "target"]  # answers as the target
+    _write(mmlu, "mmlu", [{k: v for k, v in r.items() if k != "task"} for r in rows])
+    probe = tmp_path / "probe.summary.json"
+    probe.write_text(json.dumps({"arms": {"v4": {"rho=0.3/rank": {"kl": 0.2, "attn_cos": 0.95}},
+                                          "v3": {"rho=0.2/suffix": {"kl": 1.3, "attn_cos": 0.8}}}}))
+    out = tmp_path / "fid.json"
+    base = ["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--arm", "0.3:rank", "--map-label", "v4",
+            "--previous-label", "v3", "--probe", str(probe)]
+    assert main(base) == 2 and "no rho=0.3/rank@v3 arm" in capsys.readouterr().err  # default: the same arm
+    assert main([*base, "--previous-arm", "0.2:suffix"]) == 0
+    s = json.loads(out.read_text())
+    assert (s["selector"], s["rho"], s["previous"]["selector"], s["previous"]["rho"]) == ("rank", 0.3, "suffix", 0.2)
+    assert s["tasks"]["mmlu"]["agreement"] == pytest.approx(1.0) and s["tasks"]["mmlu"]["delta"] == 0
+    assert s["previous"]["tasks"]["mmlu"]["agreement"] == pytest.approx(0.6)
+    assert s["probe"] == {"kl": 0.2, "attn_cos": 0.95, "previous_kl": 1.3}
+    assert "v3 (suffix 0.2): handoff" in capsys.readouterr().out
+    assert main(["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--arm", "0.3:rank",
+                 "--map-label", "v4", "--previous-arm", "0.2:suffix"]) == 2
+    assert "--previous-arm needs --previous-label" in capsys.readouterr().err
+
+
 def test_fidelity_summary_refuses_what_it_cannot_compare(tmp_path, capsys):
     mmlu = _mmlu(tmp_path)
     out = tmp_path / "fid.json"

@@ -172,6 +172,9 @@ def _add_report(ev) -> None:
                    help="--fidelity-summary: the handoff it summarises (e.g. 0.2:suffix)")
     e.add_argument("--previous-label", default=None,
                    help="--fidelity-summary: the map label of the map it would replace (the same arm through it)")
+    e.add_argument("--previous-arm", default=None, metavar="RHO:SELECTOR",
+                   help="--fidelity-summary: the handoff through --previous-label's map, when that map was served "
+                        "with another default (default: --arm)")
     e.add_argument("--probe", type=Path, default=None, metavar="SUMMARY",
                    help="--fidelity-summary: the probe's figures for the arm, from the OUT.summary.json "
                         "`eval probe` wrote over both maps")
@@ -206,9 +209,12 @@ def cmd_eval_report(args) -> int:
         raise RarecacheError("--served-map and the check it asks for belong to --general-summary")
     if args.map_label and not (args.general_summary or args.fidelity_summary):
         raise RarecacheError("--map-label belongs to --general-summary or --fidelity-summary")
-    fidelity = (args.arm, args.previous_label, args.probe, args.drift, args.previous_drift)
+    fidelity = (args.arm, args.previous_label, args.previous_arm, args.probe, args.drift, args.previous_drift)
     if any(x is not None for x in fidelity) and not args.fidelity_summary:
-        raise RarecacheError("--arm, --previous-label, --probe and the drift files belong to --fidelity-summary")
+        raise RarecacheError("--arm, --previous-label, --previous-arm, --probe and the drift files belong to "
+                             "--fidelity-summary")
+    if args.previous_arm is not None and args.previous_label is None:
+        raise RarecacheError("--previous-arm needs --previous-label (the map it goes through)")
     if args.fidelity_summary and (args.arm is None or args.map_label is None):
         raise RarecacheError("--fidelity-summary needs --arm RHO:SELECTOR and --map-label LABEL")
     for k, path in enumerate(args.results):
@@ -243,7 +249,7 @@ def _fidelity(args) -> None:
         if drift is not None and not drift.is_file():
             raise RarecacheError(f"no drift results file {drift}")
     summary = fidelity_summary(args.results, args.arm, args.map_label, args.previous_label, args.probe,
-                               args.drift, args.previous_drift)
+                               args.drift, args.previous_drift, args.previous_arm)
     print("\n" + markdown(summary, args.map_label, args.previous_label))
     args.fidelity_summary.parent.mkdir(parents=True, exist_ok=True)
     args.fidelity_summary.write_text(json.dumps(summary, indent=1) + "\n")

@@ -54,24 +54,24 @@ def _task_cell(task, arm: str, items: list[str]) -> dict:
             "handoff": mean(arm), "delta": scale * d, "ci": [scale * lo, scale * hi], "agreement": share}
 
 
-def _probe(probe: Path, arm: str, label: str, previous: str | None) -> dict:
-    """The probe's figures for `arm` (a name without map) through `label` and `previous`, from the summary
-    `eval probe` writes (eval/probe.py)."""
+def _probe(probe: Path, arm: str, label: str, previous: str | None, previous_arm: str | None = None) -> dict:
+    """The probe's figures for `arm` (a name without map) through `label` and `previous_arm` (default
+    `arm`) through `previous`, from the summary `eval probe` writes (eval/probe.py)."""
     try:
         arms = json.loads(probe.read_text())["arms"]
     except (OSError, ValueError, KeyError, TypeError):
         raise RarecacheError(f"--probe {probe}: not a probe summary (the .summary.json eval probe writes)") from None
 
-    def cell(lab: str) -> dict:
-        got = arms.get(lab, {}).get(arm) if isinstance(arms, dict) else None
+    def cell(lab: str, name: str = arm) -> dict:
+        got = arms.get(lab, {}).get(name) if isinstance(arms, dict) else None
         if not isinstance(got, dict):
-            raise RarecacheError(f"--probe {probe}: no {arm} through map {lab!r} (it has: "
+            raise RarecacheError(f"--probe {probe}: no {name} through map {lab!r} (it has: "
                                  f"{', '.join(f'{k}/{a}' for k, v in arms.items() for a in v) or 'nothing'})")
         return got
 
     out = {"kl": cell(label)["kl"], "attn_cos": cell(label)["attn_cos"]}
     if previous is not None:
-        out["previous_kl"] = cell(previous)["kl"]
+        out["previous_kl"] = cell(previous, previous_arm or arm)["kl"]
     return out
 
 
@@ -87,11 +87,13 @@ def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
 
 def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
                      probe: Path | None = None, drift: Path | None = None,
-                     previous_drift: Path | None = None) -> dict:
+                     previous_drift: Path | None = None, previous_spec: str | None = None) -> dict:
     """The summary of `paths` (one results file per task) for the handoff `spec` ("RHO:SELECTOR") through
-    map `label`, and through `previous` beside it; CoQA from the drift files through each."""
+    map `label`, and through `previous` beside it at `previous_spec` (default `spec`: a map adopted with a
+    new default arm is compared with the old map as it was served); CoQA from the drift files through each."""
+    previous_spec = previous_spec or spec
     arm = handoff_arm(spec, label)
-    before = handoff_arm(spec, previous) if previous is not None else None
+    before = handoff_arm(previous_spec, previous) if previous is not None else None
     tasks = [(p, read_task(p)) for p in paths]
     names = [t.name for _, t in tasks]
     if len(set(names)) < len(names):
@@ -114,20 +116,25 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
     if drift is not None:
         cur["coqa_bpb"] = _coqa_cell(drift, spec, out["map"])
     if before:
-        out["previous"] = {"map": _one_sha(tasks, previous), "selector": arm.method, "rho": arm.rho, "tasks": prev}
+        out["previous"] = {"map": _one_sha(tasks, previous), "selector": before.method, "rho": before.rho,
+                           "tasks": prev}
         if previous_drift is not None:
-            prev["coqa_bpb"] = _coqa_cell(previous_drift, spec, out["previous"]["map"])
+            prev["coqa_bpb"] = _coqa_cell(previous_drift, previous_spec, out["previous"]["map"])
     elif previous_drift is not None:
         raise RarecacheError("--previous-drift needs --previous-label")
     if previous_drift is not None and drift is None:
         raise RarecacheError("--previous-drift needs --drift (the table compares the two maps' CoQA)")
     if probe is not None:
-        out["probe"] = _probe(probe, arm_name(arm.rho, arm.method), label, previous)
+        out["probe"] = _probe(probe, arm_name(arm.rho, arm.method), label, previous,
+                              arm_name(before.rho, before.method) if before else None)
     return out
 
 
 def markdown(summary: dict, label: str, previous: str | None = None) -> str:
     """The summary as a table: per task the map's and (given) the previous map's figures."""
+    was = summary.get("previous", {})
+    if previous and (was.get("selector"), was.get("rho")) != (summary["selector"], summary["rho"]):
+        previous = f"{previous} ({was['selector']} {was['rho']:g})"
     lines = [f"fidelity through map {label} (sha256 {summary['map'][:12]}), {summary['selector']} at "
              f"rho {summary['rho']:g}; delta = handoff - target (pp for accuracy, bpb for bits per byte), "
              "agreement = share of answers equal to the target's (— on bits per byte)", "",
