@@ -1,0 +1,178 @@
+"""Issue #41 item 4: research/fidelity/ADOPTION.md's rules 2-4, checked in code on the adoption runs'
+files (research/scripts/adopt_v4.sh, adopt_v4_rule4.sh), so the decision is the rule written before the runs
+and not a reading of tables afterwards. Rule 1 (300 items, GSM8K 100) is the files' item counts; rule 5
+(map + score <= 3% at T = 2048) is research/fidelity/bench/handoff-2048-*-v4b.txt; rule 6 is the bf16 file.
+
+  python research/scripts/adopt_rules.py [DIR] > research/fidelity/adopt/rules.md
+DIR: where the runs are (default research/fidelity/adopt, the committed copies; RUNS/adopt while running).
+Every comparison is paired over the items (stories, for CoQA) on which every compared arm has a record.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from rarecache.eval.drift import report as drift_report
+from rarecache.eval.metrics import paired_diff_ci
+from rarecache.eval.report import answer_field
+from rarecache.eval.results import load_results
+from rarecache.eval.summary import read_task
+
+SERVED = "rho=0.2/suffix@v3"  # the served map as it was served
+ARMS = ["rho=0.2/suffix@v4b", "rho=0.3/suffix@v4b", "rho=0.2/rank@v4b", "rho=0.3/rank@v4b"]  # rule 4a
+ANSWER_TASKS = ["mmlu", "arc_challenge", "hellaswag", "gsm8k"]
+BPB_TASKS = ["coqa_passage"]
+
+
+def find(d: Path, stem: str) -> Path | None:
+    for name in (f"{stem}.jsonl", f"{stem}.jsonl.gz"):
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def agree(rows: list[dict], arm: str, metric: str) -> dict[str, float]:
+    """Per item: 1 where `arm`'s answer is the target's own."""
+    field = answer_field(metric)
+    got: dict[str, dict[str, object]] = {}
+    for r in rows:
+        if field in r:
+            got.setdefault(r["arm"], {})[r["item"]] = r[field]
+    return {i: float(a == got["target"][i]) for i, a in got.get(arm, {}).items() if i in got.get("target", {})}
+
+
+def fmt(d: float, lo: float, hi: float, scale: float = 100.0, f: str = "{:+.1f}") -> str:
+    return f"{f.format(scale * d)} ({f.format(scale * lo)}, {f.format(scale * hi)})"
+
+
+def coqa(d: Path, v3_drift: Path) -> dict[str, dict[str, float]]:
+    """Per arm: story -> mean bpb delta over the target's handed-off turns (drift.report's per-story means)."""
+    out: dict[str, dict[str, float]] = {}
+    for path, rename in ((find(d, "drift-coqa-v4b-50"), "@v4b"), (v3_drift, "@v3")):
+        if path is None:
+            continue
+        rows = load_results(path)
+        alone = {(r["story"], r["turn"]): r["bpb"] for r in rows if r["arm"] == "alone" and r["model"] == "target"}
+        per: dict[str, dict[str, list[float]]] = {}
+        for r in rows:
+            if r["arm"].startswith("switch/") and r["model"] == "target" and "handed_off" in r \
+                    and (r["story"], r["turn"]) in alone:
+                arm = "rho=" + r["arm"].removeprefix("switch/").replace(":", "/") + rename
+                per.setdefault(arm, {}).setdefault(r["story"], []).append(r["bpb"] - alone[r["story"], r["turn"]])
+        for arm, stories in per.items():
+            out[arm] = {s: float(np.mean(v)) for s, v in stories.items()}
+        drift_report(path)  # the package's own reading of the file (raises on a malformed one)
+    return out
+
+
+def main() -> None:
+    d = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("research/fidelity/adopt")
+    v3_drift = Path("research/gate/drift-coqa-v3-50.jsonl.gz")
+    print(f"# Adoption rules 2-4 on {d} (research/fidelity/ADOPTION.md)\n")
+    print("Paired 95% bootstrap intervals over items (CoQA: stories). Agreement: the share of items whose answer "
+          "is the 1.5B's own. v4b: v4-tok stored in bf16; v3 at its served arm, suffix 0.2.\n")
+    figures: dict[str, dict[str, float]] = {}  # task -> arm -> the figure rule 4 ranks by
+    rule3: list[str] = []
+    print("| task | n | arm | metric | agreement | Δ vs the 1.5B (CI) | arm − v3 served: metric (CI) | agreement (CI) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for task in ANSWER_TASKS + BPB_TASKS:
+        path = find(d, task)
+        if path is None:
+            print(f"| {task} | — | not run yet | | | | | |")
+            continue
+        t = read_task(path)
+        bpb = t.metric == "bpb"
+        scale, f = (1.0, "{:+.3f}") if bpb else (100.0, "{:+.1f}")
+        arms = [a for a in ARMS if a in t.vals]
+        figures[task] = {}
+        for arm in [SERVED] + arms:
+            items = sorted(set(t.vals["target"]) & set(t.vals[SERVED]) & set(t.vals[arm]))
+            a = [t.vals[arm][i] for i in items]
+            dt = paired_diff_ci(a, [t.vals["target"][i] for i in items])
+            row = [task, str(len(items)), arm, f"{scale * np.mean(a):.3f}" if bpb else f"{scale * np.mean(a):.1f}%"]
+            if bpb:
+                row.append("—")
+                figures[task][arm] = dt[0]
+            else:
+                ag = agree(t.rows, arm, t.metric)
+                row.append(f"{np.mean([ag[i] for i in items]):.1%}")
+                figures[task][arm] = float(np.mean([ag[i] for i in items]))
+            row.append(fmt(*dt[:3], scale=scale, f=f))
+            if arm == SERVED:
+                row += ["—", "—"]
+            else:
+                dv = paired_diff_ci(a, [t.vals[SERVED][i] for i in items])
+                row.append(fmt(*dv[:3], scale=scale, f=f))
+                if bpb:
+                    row.append("—")
+                    worse = dv[1] > 0  # rule 3 for bpb: the lower end must be below 0
+                else:
+                    ag3 = agree(t.rows, SERVED, t.metric)
+                    da = paired_diff_ci([ag[i] for i in items], [ag3[i] for i in items])
+                    row.append(fmt(*da[:3]))
+                    worse = dv[2] < 0  # rule 3: the upper end must be above 0
+                if worse:
+                    rule3.append(f"{task} {arm}")
+            print("| " + " | ".join(row) + " |")
+    per_story = coqa(d, v3_drift)
+    served_c = per_story.get("rho=0.2/suffix@v3", {})
+    if served_c:
+        figures["coqa_bpb"] = {}
+        for arm in ["rho=0.2/suffix@v3"] + [a for a in ARMS if a in per_story]:
+            stories = sorted(set(per_story[arm]) & set(served_c))
+            vals = [per_story[arm][s] for s in stories]
+            m = float(np.mean(vals))
+            figures["coqa_bpb"][arm] = m
+            row = ["coqa_bpb", f"{len(stories)} stories", arm, "—", "—", f"{m:+.3f}"]
+            if arm.endswith("@v3"):
+                row += ["—", "—"]
+            else:
+                dv = paired_diff_ci(vals, [served_c[s] for s in stories])
+                row += [fmt(*dv[:3], scale=1.0, f="{:+.3f}"), "—"]
+                if dv[1] > 0:
+                    rule3.append(f"coqa_bpb {arm}")
+            print("| " + " | ".join(row) + " |")
+
+    print("\n## Rule 4: the default arm (4b: mean rank over the tasks; answer tasks by agreement, bpb by Δ)\n")
+    # 4a: GSM8K (the slowest task) joins the ranking only where every contender ran it
+    contenders = [a for a in ARMS if all(a in figures[t] for t in figures if t != "gsm8k")]
+    ranked = {t: f for t, f in figures.items() if all(a in f for a in contenders)}
+    ranks: dict[str, list[float]] = {a: [] for a in contenders}
+    print("| task | " + " | ".join(contenders) + " |")
+    print("|---" * (len(contenders) + 1) + "|")
+    for task, figs in ranked.items():
+        lower_better = task in BPB_TASKS or task == "coqa_bpb"
+        vals = [figs[a] for a in contenders]
+        order = [-v if not lower_better else v for v in vals]
+        r = [1 + sum(o < x for o in order) + 0.5 * (sum(o == x for o in order) - 1) for x in order]
+        for a, k in zip(contenders, r):
+            ranks[a].append(k)
+        cells = [f"{v:+.3f} ({k:g})" if lower_better else f"{v:.1%} ({k:g})" for v, k in zip(vals, r)]
+        print(f"| {task} | " + " | ".join(cells) + " |")
+    mean_rank = {a: float(np.mean(r)) for a, r in ranks.items()}
+    print("| **mean rank** | " + " | ".join(f"**{mean_rank[a]:.2f}**" for a in contenders) + " |")
+    rho = lambda a: float(a.split("/")[0].removeprefix("rho="))  # noqa: E731
+    best = min(contenders, key=lambda a: (mean_rank[a], rho(a), "suffix" not in a)) if contenders else None
+    print(f"\nTasks ranked: {', '.join(ranked)}; arms on every one of them: {', '.join(contenders) or 'none'}.")
+    print(f"Default arm by rule 4: **{best}**" if best else "Rule 4: no arm ran on every task yet")
+
+    print("\n## Rules 2 and 3\n")
+    if best:
+        have = [t for t in ANSWER_TASKS if t in figures and best in figures[t]]
+        if len(have) < len([t for t in ANSWER_TASKS if t in figures]):
+            print(f"{best} has not run on every answer task yet ({', '.join(sorted(set(figures) - set(have)))} "
+                  "missing): rules 2 and 3 are not decided.")
+        new = float(np.mean([figures[t][best] for t in have]))
+        old = float(np.mean([figures[t][SERVED] for t in have]))
+        print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against v3's served arm {old:.1%}: "
+              f"{'rises' if new > old else 'does NOT rise'}.")
+    worse = [w for w in rule3 if best and w.endswith(best)]
+    print(f"Rule 3, a task significantly worse than v3's served arm at the default arm: "
+          f"{', '.join(worse) if worse else 'none'} (any arm: {', '.join(rule3) or 'none'}).")
+
+
+if __name__ == "__main__":
+    main()
