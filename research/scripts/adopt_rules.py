@@ -162,9 +162,10 @@ def main() -> None:
     print("\n## Rules 2 and 3\n")
     if best:
         have = [t for t in ANSWER_TASKS if t in figures and best in figures[t]]
-        if len(have) < len([t for t in ANSWER_TASKS if t in figures]):
-            print(f"{best} has not run on every answer task yet ({', '.join(sorted(set(figures) - set(have)))} "
-                  "missing): rules 2 and 3 are not decided.")
+        missing = [t for t in ANSWER_TASKS if t in figures and t not in have]
+        if missing:
+            print(f"{best} has not run on every answer task yet ({', '.join(missing)} missing): rules 2 and 3 "
+                  "are not decided.")
         new = float(np.mean([figures[t][best] for t in have]))
         old = float(np.mean([figures[t][SERVED] for t in have]))
         print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against v3's served arm {old:.1%}: "
