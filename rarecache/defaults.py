@@ -5,8 +5,9 @@ one command does not hand off differently from another. The map ships inside the
 (package data, found in the package's own directory), so a regular install resolves the same
 defaults as an editable one; nothing here reads docs/ or depends on the current folder.
 
-The selector and budget are what the general summary measured best through this very map
-(tests/test_defaults.py holds them, and the file's sha256, equal to the committed summary's).
+The selector and budget are the ones the adoption runs picked through this very map, by agreement with
+the target across the tasks (the rule written before them; tests/test_defaults.py holds them, and the
+file's sha256, equal to the committed fidelity summary's).
 Light on purpose: `--help` reads it, so it must not import torch.
 """
 
@@ -25,7 +26,8 @@ class ServedMap:
     sha256: str
     source: str  # the pair it maps, by bundled model name
     target: str
-    calibrate: str  # the command that made it (the map's own metadata records the same settings)
+    calibrate: str  # the command that made its fit (the map's own metadata records the same settings)
+    store: str | None  # the command that wrote the served file from the fit (`{fit}`: calibrate's --out), if any
     selector: str  # the default position selector
     rho: float  # the default share of handed-off positions recomputed
 
@@ -35,16 +37,20 @@ class ServedMap:
         return Path(str(files(__package__).joinpath(self.file)))
 
 
-# v3 of the general calibration mix (eval/mix.py), float32 statistics, plain transfer's sharpening recorded.
+# v4 (issue #41): the general mix of v3 (eval/mix.py), every target layer also reading the target's own
+# layer-0 rows of the token and layer 0 computed exactly (transfer/mapper.py), bf16 statistics, stored with
+# bf16 weights. Adopted over v3 by the rule written before its runs (research/fidelity/ADOPTION.md).
 SERVED = ServedMap(
-    file="data/general-v3-64k.safetensors",
-    sha256="f13342397623b22055a78e2ed0a6f2c41d9ade53d3783506bc1558517ea29067",
+    file="data/general-v4-64k.safetensors",
+    sha256="7145adb2044d14f1235a732ef4e62bd7e89ee23cb88c8f1629805762119e79eb",
     source="qwen2.5-coder-0.5b-instruct",
     target="qwen2.5-coder-1.5b-instruct",
     calibrate="rarecache calibrate --source qwen2.5-coder-0.5b-instruct --target qwen2.5-coder-1.5b-instruct "
-              "--preset general-v3 --tokens 65536 --heldout-tokens 8192 --dtype float32",
+              "--preset general-v3 --tokens 65536 --heldout-tokens 8192 --token-inputs --exact-layer0 "
+              "--dtype bfloat16",
+    store="rarecache refit --map {fit} --weights-dtype bfloat16",
     selector="suffix",
-    rho=0.2,
+    rho=0.3,
 )
 
 # The selector registry's names (transfer/selectors.py SELECTORS, then the layer-prefix schedule), spelled
@@ -84,10 +90,18 @@ def served_map_file() -> Path:
     path = SERVED.path
     if not path.is_file():
         raise RarecacheError(f"the served map {path} is missing from this install of rarecache: reinstall it, "
-                             f"or make the map with `{SERVED.calibrate} --out FILE` and pass --map FILE")
+                             f"or make the map again ({remake('FILE')}) and pass --map FILE")
     if sha256_file(path) != SERVED.sha256:
         raise RarecacheError(f"the served map {path} is not the recorded one (sha256 differs): reinstall rarecache")
     return path
+
+
+def remake(out: str) -> str:
+    """The commands that make SERVED's file again, written to `out`."""
+    if SERVED.store is None:
+        return f"`{SERVED.calibrate} --out {out}`"
+    fit = f"{out}.fit.safetensors"
+    return f"`{SERVED.calibrate} --out {fit}`, then `{SERVED.store.format(fit=fit)} --out {out}`"
 
 
 def pair_map(source: str, target: str, cache_dir: Path | None = None) -> Path | None:

@@ -59,6 +59,13 @@ def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM) -> Mapper:
     return demo_map(cfg, source, target)
 
 
+def map_name(mapper: Mapper) -> str:
+    """How the demo names the map it hands off through: the shipped file, or the quick map's corpus."""
+    shipped = mapper.info == Mapper.load(served_map_file()).info
+    return f"the shipped map {Path(SERVED.file).name}" if shipped else \
+        f"a quick map fitted on {mapper.info.corpus.get('name', 'a small corpus')}"
+
+
 def demo_map(cfg: DemoConfig, source: LLM, target: LLM) -> Mapper:
     """A small map fitted on chat-formatted `cfg.corpus` (cached; resumable): the fallback where the shipped
     map does not fit the pair as converted here."""
@@ -86,7 +93,7 @@ def run_demo(cfg: DemoConfig) -> int:
     texts = PROMPTS + [long_prompt(cfg, pipe.mapper)]
     prompts = [[{"role": "user", "content": t}] for t in texts]
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
-    print(f"\nhandoff {SOURCE} -> {TARGET} through {pipe.mapper.info.corpus.get('name', 'the')} map, selector "
+    print(f"\nhandoff {SOURCE} -> {TARGET} through {map_name(pipe.mapper)}, selector "
           f"{cfg.selector}, served budget rho {SERVED.rho:g}, {cfg.dtype}, greedy, at most "
           f"{cfg.max_new_tokens} new tokens; the {len(prompts)} prompts run as one batch per arm\n", file=sys.stderr)
     warm = [prompts[0]]  # first calls pay one-time costs (allocation, kernel choice): not timed

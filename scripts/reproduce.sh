@@ -22,7 +22,7 @@ RC=${RARECACHE:-rarecache}  # e.g. RARECACHE="python -m rarecache.cli" where the
 # machine is checked, not assumed.
 served_map() {
   "${PYTHON:-python}" -c "from rarecache.defaults import served_map_file; print(served_map_file())" 2>/dev/null \
-    || echo docs/artifacts/maps/general-v3-64k.safetensors
+    || echo rarecache/data/general-v4-64k.safetensors
 }
 find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git history holds, put in $OUT/maps
   local p
@@ -36,15 +36,21 @@ find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git histo
   return 1
 }
 
-STEPS=(acc-hellaswag acc-arc_challenge acc-mmlu acc-gsm8k_bpb drift-coqa reverse
+STEPS=(acc-mmlu acc-arc_challenge acc-hellaswag acc-coqa_passage acc-gsm8k drift-coqa probe summary reverse
        bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
+# The results table's steps run v4 (the served map, label v4b in the records) beside v3 (the map it replaced, put
+# back from git history) in the same files, as the adoption runs did (research/fidelity/ADOPTION.md).
 what() {  # the figure a step makes, and where the committed one is
   case $1 in
+    acc-gsm8k) echo "results table, GSM8K exact match (8-shot CoT, items 0-99): target / source / the served arm through" \
+                    "v4 and v3 (research/fidelity/adopt/gsm8k; bf16; hours: every arm generates)";;
     acc-*) local t=${1#acc-}
-      echo "results table, ${t}: target / source / plain transfer / suffix rho 0.2 through v3 and the delta's CI" \
-           "(docs/artifacts/v3-${t}-300.report.md)";;
-    drift-coqa) echo "results table, CoQA: +0.519 bpb per target turn at suffix 0.2, 50 stories switching every turn" \
-                     "(docs/artifacts/drift-report.md, research/gate/drift-coqa-v3-50; bf16; about 20 minutes)";;
+      echo "results table, ${t} (items 0-299): target / source / the handoff arms through v4 and v3, agreement and the" \
+           "delta's CI (research/fidelity/adopt/${t}; bf16)";;
+    drift-coqa) echo "results table, CoQA: bpb per target turn, 50 stories switching every turn, no healing, through v4" \
+                     "and v3 (research/fidelity/adopt/drift-coqa-v4b-50, research/gate/drift-coqa-v3-50; bf16)";;
+    probe) echo "the fidelity probe through v4 and v3 (research/fidelity/adopt/probe; bf16; minutes)";;
+    summary) echo "docs/artifacts/fidelity-summary.json from the steps above (their files in \$OUT)";;
     reverse) echo "results table, large -> small MMLU and HellaSwag (research/fidelity/runs/reverse-v4tok-*-300;" \
                   "bf16; makes the 64k reverse map first if none is found: 22 minutes when it was made)";;
     bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
@@ -59,14 +65,19 @@ what() {  # the figure a step makes, and where the committed one is
 }
 cmds() {  # the commands of a step, one per line, as they run (variables expand at run time)
   case $1 in
-    acc-*) local t=${1#acc-} n=300
-      [ "$t" = mmlu ] && n=100  # MMLU's handoff arm ran on items 0-99
-      echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0:rank@v3 --limit 300 --dtype float32 --out \$OUT/v3-$t.jsonl"
-      echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$SERVED --arms target source 0.2:suffix@v3 --limit $n --dtype float32 --out \$OUT/v3-$t.jsonl"
-      echo "\$RC eval report \$OUT/v3-$t.jsonl > \$OUT/v3-$t.report.md";;
+    acc-*) local t=${1#acc-} arms="target source 0.2:suffix@v3 0.2:suffix@v4b 0.3:suffix@v4b 0.2:rank@v4b 0.3:rank@v4b"
+      local more="--limit 300"
+      [ "$t" = gsm8k ] && arms="target source 0.2:suffix@v3 \$ARM@v4b" more="--limit 100 --batch 10"
+      echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$V3 v4b=\$SERVED --arms $arms $more --dtype bfloat16 --out \$OUT/adopt-$t.jsonl"
+      echo "\$RC eval report \$OUT/adopt-$t.jsonl > \$OUT/adopt-$t.report.md";;
     drift-coqa)
-      echo "\$RC eval drift run --source \$S --target \$T --map \$SERVED --arms alone 0.2:suffix --stories 50 --dtype bfloat16 --out \$OUT/drift-coqa-v3.jsonl"
-      echo "\$RC eval drift report \$OUT/drift-coqa-v3.jsonl > \$OUT/drift-coqa-v3.md";;
+      echo "\$RC eval drift run --source \$S --target \$T --map \$SERVED --arms alone 0.2:suffix 0.3:suffix 0.2:rank 0.3:rank --stories 50 --dtype bfloat16 --out \$OUT/drift-coqa-v4b.jsonl"
+      echo "\$RC eval drift run --source \$S --target \$T --map \$V3 --arms alone 0.2:suffix --stories 50 --dtype bfloat16 --out \$OUT/drift-coqa-v3.jsonl"
+      echo "\$RC eval drift report \$OUT/drift-coqa-v4b.jsonl > \$OUT/drift-coqa-v4b.md";;
+    probe)
+      echo "\$RC eval probe --source \$S --target \$T --map v3=\$V3 v4b=\$SERVED --arms 0:rank 0.2:suffix 0.3:suffix 0.2:rank 0.3:rank --dtype bfloat16 --out \$OUT/probe.jsonl";;
+    summary)
+      echo "\$RC eval report \$OUT/adopt-{mmlu,arc_challenge,hellaswag,gsm8k,coqa_passage}.jsonl --drift \$OUT/drift-coqa-v4b.jsonl --previous-drift \$OUT/drift-coqa-v3.jsonl --probe \$OUT/probe.summary.json --arm \$ARM --previous-arm 0.2:suffix --map-label v4b --previous-label v3 --fidelity-summary \$OUT/fidelity-summary.json";;
     reverse)
       echo "REV=\$(find_map general-tok-64k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-tok-64k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general --tokens 65536 --token-inputs --exact-layer0 --dtype bfloat16 --out \$REV; }"
       for t in mmlu hellaswag; do
@@ -101,6 +112,9 @@ for s in "${chosen[@]}"; do
 done
 mkdir -p "$OUT/done" "$OUT/maps"
 SERVED=$(served_map)
+ARM=$("${PYTHON:-python}" -c "from rarecache.defaults import SERVED as s; print(f'{s.rho:g}:{s.selector}')")  # the served arm
+V3=""; if printf '%s\n' "${chosen[@]}" | grep -qE '^(acc-|drift-coqa|probe)'; then
+  V3=$(find_map general-v3-64k.safetensors 76deea5:rarecache/data/general-v3-64k.safetensors); fi
 for s in "${chosen[@]}"; do
   if [ -f "$OUT/done/$s" ]; then echo "== $s: done ($OUT/done/$s)"; continue; fi
   echo "== $s: $(what "$s")"

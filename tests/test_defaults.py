@@ -16,17 +16,15 @@ from rarecache.errors import RarecacheError
 from rarecache.packages import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = ROOT / "docs" / "artifacts" / "general-map-summary.json"  # (tests may read docs/; the package never does)
+SUMMARY = ROOT / "docs" / "artifacts" / "fidelity-summary.json"  # (tests may read docs/; the package never does)
 
 
 def test_served_selector_budget_and_file_are_what_the_committed_summary_measured():
+    """The summary `eval report --fidelity-summary` wrote from the adoption runs (issue #41's schema)."""
     summary = json.loads(SUMMARY.read_text())
-    assert SERVED.selector == summary["default_selector"]
-    budgets = {float(k.removeprefix("gap_closed_default_rho")) for task in summary["tasks"].values()
-               for k in task if k.startswith("gap_closed_default_rho")}
-    assert budgets == {SERVED.rho}
-    assert SERVED.sha256 == summary["map"] == summary["served"]["sha256"]
-    assert Path(SERVED.file).name == summary["served"]["file"]
+    assert (SERVED.selector, SERVED.rho) == (summary["selector"], summary["rho"])
+    assert SERVED.sha256 == summary["map"] != summary["previous"]["map"]
+    assert {"mmlu", "arc_challenge", "hellaswag", "gsm8k", "coqa_bpb"} <= set(summary["tasks"])
 
 
 def test_the_served_map_ships_in_the_package_and_is_the_recorded_file():
@@ -35,20 +33,24 @@ def test_the_served_map_ships_in_the_package_and_is_the_recorded_file():
     assert defaults.served_map_file() == SERVED.path
 
 
-def test_the_recorded_calibrate_command_is_what_the_map_itself_records():
+def test_the_recorded_commands_are_what_the_map_itself_records():
+    from rarecache.cli import build_parser
     from rarecache.eval.mix import preset_of
     from rarecache.transfer.mapper import Mapper
 
     info = Mapper.load(SERVED.path).info
     words = shlex.split(SERVED.calibrate)
-    flags = dict(zip(words[2::2], words[3::2]))
-    assert words[:2] == ["rarecache", "calibrate"] and len(words) % 2 == 0
-    assert (flags["--source"], flags["--target"]) == (SERVED.source, SERVED.target)
+    assert words[:2] == ["rarecache", "calibrate"]
+    args = build_parser().parse_args([*words[1:], "--out", "fit.safetensors"])
+    assert (args.source, args.target) == (SERVED.source, SERVED.target)
     assert (info.source["name"], info.target["name"]) == (SERVED.source, SERVED.target)
-    assert flags["--preset"] == preset_of(info.corpus["name"])
-    assert int(flags["--tokens"]) == info.tokens
-    assert int(flags["--heldout-tokens"]) == info.calibration["heldout_tokens"]
-    assert flags["--dtype"] == info.calibration["dtype"]
+    assert args.preset == preset_of(info.corpus["name"])
+    assert args.tokens == info.tokens and args.heldout_tokens == info.calibration["heldout_tokens"]
+    assert args.dtype == info.calibration["dtype"]
+    assert (args.token_inputs, args.exact_layer0) == (info.token_inputs, info.exact_layer0)
+    store = build_parser().parse_args([*shlex.split(SERVED.store.format(fit="fit.safetensors"))[1:], "--out", "x"])
+    assert store.map == Path("fit.safetensors") and store.weights_dtype == info.weights
+    assert defaults.remake("F").count("--out") == 2
 
 
 def test_the_selector_names_are_the_registry():

@@ -418,8 +418,8 @@ def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
 
 
 def test_the_committed_served_map_loads_and_saves_unchanged(tmp_path):
-    """The served map, written before the options existed, loads with both off, is not flagged as a poor
-    fit, and saves back to the very same bytes (its recorded sha256)."""
+    """The served map (v4: token inputs, layer 0 exact, bf16 weights) loads with both options, is not
+    flagged as a poor fit, and saves back to the very same bytes (its recorded sha256)."""
     import hashlib
 
     from rarecache.defaults import SERVED
@@ -428,7 +428,8 @@ def test_the_committed_served_map_loads_and_saves_unchanged(tmp_path):
     if not path.is_file():
         pytest.skip("the served map is not in this install")
     mapper = Mapper.load(path)
-    assert not (mapper.info.token_inputs or mapper.info.exact_layer0 or mapper.needs_tokens)
-    assert mapper.exact_layers == 0 and mapper.extra_width == 0 and mapper.fit_problems() == []
+    assert mapper.info.token_inputs and mapper.info.exact_layer0 and mapper.needs_tokens
+    assert mapper.exact_layers == 1 and mapper.extra_width == 2 * 256 and mapper.fit_problems() == []
+    assert mapper.info.weights == "bfloat16"
     mapper.save(tmp_path / "again.safetensors")
     assert hashlib.sha256((tmp_path / "again.safetensors").read_bytes()).hexdigest() == SERVED.sha256

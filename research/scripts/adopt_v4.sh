@@ -14,7 +14,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; M=$R/maps; E=$R/adopt; mkdir -p $M $E
-V3=rarecache/data/general-v3-64k.safetensors
+. research/scripts/lib.sh; V3=$(v3_map)  # served until v4
 V4=$M/general-tok-64k-bf16.safetensors; V4B=$M/general-tok-64k-bf16w.safetensors
 [ -f "$V4" ] || rarecache calibrate --source $S --target $T --preset general --tokens 65536 --token-inputs \
     --exact-layer0 --dtype bfloat16 --keep-state --out "$V4"

@@ -9,7 +9,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/adopt
-V3=rarecache/data/general-v3-64k.safetensors; V4B=$R/maps/general-tok-64k-bf16w.safetensors
+. research/scripts/lib.sh; V3=$(v3_map); V4B=$R/maps/general-tok-64k-bf16w.safetensors
 for f in "$V4B" "$E/mmlu.jsonl" "$E/drift-coqa-v4b-50.jsonl"; do
   [ -f "$f" ] || { echo "run research/scripts/adopt_v4.sh first ($f)" >&2; exit 1; }; done
 run() { rarecache eval run --task "$1" --source $S --target $T --map v3=$V3 v4b="$V4B" --arms target source "${@:2}" \

@@ -8,11 +8,12 @@
 set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+. research/scripts/lib.sh  # v3_map: v3, served until v4
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval; mkdir -p $E
 P=${POLICY:-docs/artifacts/gate-policy.json}
 [ -f "$P" ] || rarecache eval gate fit research/gate/held-{mmlu,arc_challenge,hellaswag}-200.jsonl.gz --signal nll \
     --out "$P" > /dev/null
-rarecache eval drift run --source $S --target $T --map rarecache/data/general-v3-64k.safetensors \
+rarecache eval drift run --source $S --target $T --map "$(v3_map)" \
     --arms alone 0.2:suffix gate --gate-policy "$P" --stories ${STORIES:-50} --dtype bfloat16 \
     --out $E/drift-coqa-v3-${STORIES:-50}.jsonl
 echo GATE-COQA DONE

@@ -12,7 +12,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval; mkdir -p $E
-V3=rarecache/data/general-v3-64k.safetensors
+. research/scripts/lib.sh; V3=$(v3_map)  # served until v4
 for task in ${TASKS:-mmlu arc_challenge hellaswag gsm8k_bpb}; do  # (TASKS=none: straight to exact match)
   [ "$task" = none ] && continue
   out=$E/held-$task.jsonl; [ "${START:-300}" = 300 ] || out=$E/held${START}-$task.jsonl

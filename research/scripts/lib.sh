@@ -72,3 +72,11 @@ gate_side_fits() {
   rarecache eval gate report "${es[@]}" --arm "$arm" --policy "$pol/gate-policy-accuracy.json" \
       --summary "$pol/gate-summary-accuracy.json" >> "$out/gate-report-accuracy.md"
 }
+# v3_map: the path of v3, the general map served until v4 (issue #41), put back in $REBUILT from git history
+# (its exact bytes; docs/RESULTS.md, "Maps that are no longer in the tree") when it is not there yet.
+V3_FROM=76deea5:rarecache/data/general-v3-64k.safetensors
+v3_map() {
+  local f=$REBUILT/general-v3-64k.safetensors
+  if [ ! -f "$f" ]; then mkdir -p "$REBUILT" && git show "$V3_FROM" > "$f.part" && mv "$f.part" "$f"; fi
+  echo "$f"
+}

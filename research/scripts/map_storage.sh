@@ -8,7 +8,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/eval; mkdir -p $E $R/maps
-V3=rarecache/data/general-v3-64k.safetensors; HALF=$R/maps/general-v3-64k-bf16w.safetensors
+. research/scripts/lib.sh; V3=$(v3_map); HALF=$R/maps/general-v3-64k-bf16w.safetensors
 [ -f $HALF ] || rarecache refit --map $V3 --weights-dtype bfloat16 --out $HALF
 for task in ${TASKS:-mmlu arc_challenge}; do  # (hellaswag: TASKS=..., about 40 minutes in float32)
   rarecache eval run --task $task --source $S --target $T --map f32=$V3 bf16w=$HALF \

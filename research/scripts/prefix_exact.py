@@ -5,7 +5,7 @@ prompt); and the same handoff with the first K positions taken from the 1.5B's o
 turn, then K = the longest token prefix every item shares), the budget rho over the rest (and, `_same`, as many positions as the
 plain handoff recomputes). Prints agreement
 with the 1.5B and accuracy per arm; writes one JSON line per item to --out.
-  python research/scripts/prefix_exact.py --map rarecache/data/general-v3-64k.safetensors --n 100 --out F
+  python research/scripts/prefix_exact.py --map ~/.cache/rarecache/maps/general-v3-64k.safetensors --n 100 --out F
 """
 
 import argparse
