@@ -27,7 +27,7 @@ class ServedMap:
     source: str  # the pair it maps, by bundled model name
     target: str
     calibrate: str  # the command that made its fit (the map's own metadata records the same settings)
-    store: str | None  # the command that wrote the served file from the fit (`{fit}`: calibrate's --out), if any
+    store: str  # the command that wrote the served file from the fit (`{fit}`: calibrate's --out)
     selector: str  # the default position selector
     rho: float  # the default share of handed-off positions recomputed
 
@@ -98,8 +98,6 @@ def served_map_file() -> Path:
 
 def remake(out: str) -> str:
     """The commands that make SERVED's file again, written to `out`."""
-    if SERVED.store is None:
-        return f"`{SERVED.calibrate} --out {out}`"
     fit = f"{out}.fit.safetensors"
     return f"`{SERVED.calibrate} --out {fit}`, then `{SERVED.store.format(fit=fit)} --out {out}`"
 

@@ -47,23 +47,17 @@ class DemoConfig:
     cache_dir: Path | None = None
 
 
-def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM) -> Mapper:
-    """The shipped general map; a quick map (`demo_map`) only if it does not fit the models as converted here."""
+def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM) -> tuple[Mapper, str]:
+    """The shipped general map; a quick map (`demo_map`) only if it does not fit the models as converted
+    here. With how the demo names it."""
     mapper = Mapper.load(served_map_file())
     try:
         mapper.check_pair(source.runner, target.runner)
-        return mapper
+        return mapper, f"the shipped map {Path(SERVED.file).name}"
     except RarecacheError as e:
         print(f"the shipped general map does not fit the models as converted here ({e}); calibrating a quick "
               "map instead", file=sys.stderr)
-    return demo_map(cfg, source, target)
-
-
-def map_name(mapper: Mapper) -> str:
-    """How the demo names the map it hands off through: the shipped file, or the quick map's corpus."""
-    shipped = mapper.info == Mapper.load(served_map_file()).info
-    return f"the shipped map {Path(SERVED.file).name}" if shipped else \
-        f"a quick map fitted on {mapper.info.corpus.get('name', 'a small corpus')}"
+    return demo_map(cfg, source, target), f"a quick map fitted on chat-formatted '{cfg.corpus}'"
 
 
 def demo_map(cfg: DemoConfig, source: LLM, target: LLM) -> Mapper:
@@ -89,11 +83,12 @@ def run_demo(cfg: DemoConfig) -> int:
     for name in (SOURCE, TARGET):
         pull(name, cache_dir=cfg.cache_dir)
     source, target = (LLM(n, dtype=cfg.dtype, cache_dir=cfg.cache_dir) for n in (SOURCE, TARGET))
-    pipe = Pipeline(source, target, served_or_quick_map(cfg, source, target))
+    mapper, map_name = served_or_quick_map(cfg, source, target)
+    pipe = Pipeline(source, target, mapper)
     texts = PROMPTS + [long_prompt(cfg, pipe.mapper)]
     prompts = [[{"role": "user", "content": t}] for t in texts]
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
-    print(f"\nhandoff {SOURCE} -> {TARGET} through {map_name(pipe.mapper)}, selector "
+    print(f"\nhandoff {SOURCE} -> {TARGET} through {map_name}, selector "
           f"{cfg.selector}, served budget rho {SERVED.rho:g}, {cfg.dtype}, greedy, at most "
           f"{cfg.max_new_tokens} new tokens; the {len(prompts)} prompts run as one batch per arm\n", file=sys.stderr)
     warm = [prompts[0]]  # first calls pay one-time costs (allocation, kernel choice): not timed

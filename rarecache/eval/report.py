@@ -131,20 +131,24 @@ def answer_field(metric: str) -> str | None:
     return None if metric == "bpb" else PREDICTION.get(metric, "prediction")
 
 
-def agreement(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> tuple[float | None, int]:
-    """The share of items whose answer under `arm` equals the target's own answer on the same item, and
-    on how many items (both answered; only `items` when given). (None, 0) for bits per byte or no such item."""
+def agrees(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> dict[str, bool]:
+    """Per item both answered (only `items` when given): whether `arm`'s answer equals the target's own.
+    Empty for bits per byte, which scores a fixed text and gives no answer."""
     field = answer_field(metric)
     if field is None:
-        return None, 0
+        return {}
     answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
     for r in rows:
         if r["arm"] in answers and field in r and (items is None or r["item"] in items):
             answers[r["arm"]][r["item"]] = r[field]
-    both = [i for i in answers[arm] if i in answers["target"]]
-    if not both:
-        return None, 0
-    return sum(answers[arm][i] == answers["target"][i] for i in both) / len(both), len(both)
+    return {i: a == answers["target"][i] for i, a in answers[arm].items() if i in answers["target"]}
+
+
+def agreement(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> tuple[float | None, int]:
+    """The share of items whose answer under `arm` equals the target's own answer on the same item, and
+    on how many items (both answered; only `items` when given). (None, 0) for bits per byte or no such item."""
+    same = agrees(rows, arm, metric, items)
+    return (sum(same.values()) / len(same), len(same)) if same else (None, 0)
 
 
 def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int, float] | None:

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rarecache.eval.drift import report as drift_report
 from rarecache.eval.metrics import paired_diff_ci
-from rarecache.eval.report import answer_field
+from rarecache.eval.report import agrees
 from rarecache.eval.results import load_results
 from rarecache.eval.summary import read_task
 
@@ -35,13 +34,8 @@ def find(d: Path, stem: str) -> Path | None:
 
 
 def agree(rows: list[dict], arm: str, metric: str) -> dict[str, float]:
-    """Per item: 1 where `arm`'s answer is the target's own."""
-    field = answer_field(metric)
-    got: dict[str, dict[str, object]] = {}
-    for r in rows:
-        if field in r:
-            got.setdefault(r["arm"], {})[r["item"]] = r[field]
-    return {i: float(a == got["target"][i]) for i, a in got.get(arm, {}).items() if i in got.get("target", {})}
+    """Per item: 1 where `arm`'s answer is the target's own (eval/report.py's rule)."""
+    return {i: float(same) for i, same in agrees(rows, arm, metric).items()}
 
 
 def fmt(d: float, lo: float, hi: float, scale: float = 100.0, f: str = "{:+.1f}") -> str:
@@ -64,7 +58,6 @@ def coqa(d: Path, v3_drift: Path) -> dict[str, dict[str, float]]:
                 per.setdefault(arm, {}).setdefault(r["story"], []).append(r["bpb"] - alone[r["story"], r["turn"]])
         for arm, stories in per.items():
             out[arm] = {s: float(np.mean(v)) for s, v in stories.items()}
-        drift_report(path)  # the package's own reading of the file (raises on a malformed one)
     return out
 
 

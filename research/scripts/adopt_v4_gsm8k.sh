@@ -7,8 +7,7 @@ set -euxo pipefail
 cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/adopt
-. research/scripts/lib.sh 2>/dev/null && V3=$(v3_map 2>/dev/null) || V3=rarecache/data/general-v3-64k.safetensors
-[ -f "$V3" ] || V3=rarecache/data/general-v3-64k.safetensors
+. research/scripts/lib.sh; V3=$(v3_map)  # served until v4
 V4B=$R/maps/general-tok-64k-bf16w.safetensors
 arm=$(python research/scripts/adopt_rules.py "$E" | sed -n 's/^Default arm by rule 4: \*\*rho=\(.*\)@v4b\*\*$/\1/p')
 [ -n "$arm" ] || { echo "rule 4 picked no arm yet" >&2; exit 1; }
