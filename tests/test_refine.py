@@ -346,3 +346,114 @@ def test_a_damaged_state_is_refused(setup, peaked, tmp_path, damage):
         _edit_state(state, **edits[damage])
     with pytest.raises(RarecacheError, match="refinement state"):
         refine(m, source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None, state=state)
+
+
+def _prompt_pool(n=6, animal="fox"):
+    from rarecache.transfer.corpus import Corpus
+    docs = tuple(f"the quick {animal} {' '.join(['jumps'] * (i % 3))} over the lazy dog" for i in range(n))
+    return Corpus("task:quiz", docs, chat=True, ids=tuple(f"quiz-{i}" for i in range(n)))
+
+
+def test_task_prompts_are_whole_spread_and_recorded(setup, peaked):
+    """--prompts: whole prompts (ending where the answer is read) make the asked share of training and held-out
+    cuts, spread among the general ones; the record lists exactly the prompts read, and a state is tied to them."""
+    from rarecache.transfer.refine import interleave, prompt_cuts
+    source, _, tok, corpus, maps = setup
+    pool = _prompt_pool()
+    cfg = RefineConfig(steps=6, lr=1e-3, heldout=2, every=3, seq_len=64, min_len=16, prompt_share=0.34)
+    whole = [tuple(ids) for _, ids in token_sequences(pool, tok, 10_000)]
+    assert max(map(len, whole)) <= cfg.seq_len and len(set(whole)) == 3  # (what the checks below assume)
+    got, read = prompt_cuts({"quiz": pool}, tok, cfg, 3, {"quiz": 0}, random.Random(0))
+    assert [c.ids for c in got] == whole[:3] and read == {"quiz": 3}
+    assert all(1 <= c.n < len(c.ids) for c in got)
+    more, read = prompt_cuts({"quiz": pool}, tok, cfg, 2, read, random.Random(0))
+    assert [c.ids for c in more] == whole[3:5] and read == {"quiz": 5}
+    with pytest.raises(RarecacheError, match="ran out"):
+        prompt_cuts({"quiz": pool}, tok, cfg, 2, read, random.Random(0))
+    short = replace(cfg, seq_len=min(map(len, whole)) - 1)  # every prompt too long: passed over, never cut short
+    with pytest.raises(RarecacheError, match="ran out"):
+        prompt_cuts({"quiz": pool}, tok, short, 1, {"quiz": 0}, random.Random(0))
+    g = [Cut((i,), 0) for i in range(7)]
+    p = [Cut((100 + i,), 0) for i in range(3)]
+    mixed = interleave(g, p)
+    assert sorted(mixed, key=lambda c: c.ids) == g + p and [c for c in mixed if c.ids[0] < 100] == g
+    at = [i for i, c in enumerate(mixed) if c.ids[0] >= 100]
+    assert len(at) == 3 and min(b - a for a, b in zip(at, at[1:])) >= 3  # spread, not bunched
+    assert interleave(g, []) == g
+
+    out, rec = refine(maps["plain"], source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None,
+                      prompts={"quiz": pool})
+    # 2 of 6 training steps and max(1 task, round(2 * 0.34 / 0.66)) = 1 held-out cut are prompts: 3 read
+    assert rec["prompts"] == {"quiz": {"corpus": "task:quiz", "fingerprint": pool.fingerprint,
+                                       "ids": ["quiz-0", "quiz-1", "quiz-2"]}}
+    assert rec["prompt_share"] == 0.34 and out.refined_ids() == {"quiz-0", "quiz-1", "quiz-2"}
+    with pytest.raises(RarecacheError, match="go together"):
+        refine(maps["plain"], source, peaked, tok, corpus, replace(cfg, prompt_share=0.0), progress=False,
+               log=lambda _: None, prompts={"quiz": pool})
+    with pytest.raises(RarecacheError, match="go together"):
+        refine(maps["plain"], source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(RarecacheError, match="share of task prompts"):
+            RefineConfig(prompt_share=bad)
+
+
+def test_a_state_is_tied_to_its_prompts(setup, peaked, tmp_path):
+    source, _, tok, corpus, maps = setup
+    cfg = RefineConfig(steps=8, lr=1e-3, heldout=2, every=4, seq_len=64, min_len=16, prompt_share=0.25)
+    state = tmp_path / "s"
+
+    class Stop(Exception):
+        pass
+
+    def stop(line):
+        if line.startswith("step 4:"):
+            raise Stop
+    with pytest.raises(Stop):
+        refine(maps["plain"], source, peaked, tok, corpus, cfg, progress=False, log=stop, state=state,
+               prompts={"quiz": _prompt_pool(8)})
+    with pytest.raises(RarecacheError, match="other settings"):
+        refine(maps["plain"], source, peaked, tok, corpus, cfg, progress=False, log=lambda _: None, state=state,
+               prompts={"quiz": _prompt_pool(8, animal="dog")})
+
+
+def test_an_evaluation_refuses_a_map_refined_on_its_items(setup, tmp_path):
+    """The prompts a refinement read count as calibration data: an evaluation on any of them is refused, for a
+    registered task (by item id) and for a task file (by prompt hash); a malformed record is refused on loading."""
+    from rarecache.eval.tasks.base import Item, Task
+    *_, maps = setup
+    m = maps["plain"]
+    refined = Mapper(replace(m.info, refined={"steps": 1, "prompts": {"quiz": {"ids": ["quiz-1"]}}}), m.sides)
+    task = Task()
+    task.name = "quiz"
+    items = [Item(f"quiz-{i}", ({"role": "user", "content": "q"},), 0) for i in range(3)]
+    with pytest.raises(RarecacheError, match="1 evaluated item"):
+        task.check_map(refined, items)
+    task.check_map(refined, [items[0], items[2]])  # (the others are fine)
+    task.check_map(m, items)
+    refined.save(tmp_path / "r.safetensors")
+    assert Mapper.load(tmp_path / "r.safetensors").refined_ids() == {"quiz-1"}
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(tmp_path / "r.safetensors"), "pt") as f:
+        header, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    for bad in ({"quiz": ["quiz-1"]}, {"quiz": {"ids": [1]}}, ["quiz-1"]):
+        with pytest.raises(RarecacheError, match="prompts"):  # never written ...
+            Mapper(replace(m.info, refined={"steps": 1, "prompts": bad}), m.sides).save(tmp_path / "b.safetensors")
+        info = json.loads(header["rarecache.map"])
+        info["refined"]["prompts"] = bad
+        save_file(tensors, str(tmp_path / "b.safetensors"), metadata={**header, "rarecache.map": json.dumps(info)})
+        with pytest.raises(RarecacheError, match="prompts"):  # ... nor read from another writer
+            Mapper.load(tmp_path / "b.safetensors")
+
+
+def test_cli_prompt_refusals(setup, pair_dir, tmp_path, capsys):
+    *_, maps = setup
+    maps["plain"].save(tmp_path / "m.safetensors")
+    common = ["refine", str(tmp_path / "m.safetensors"), "--source", str(pair_dir / "src"), "--target",
+              str(pair_dir / "tgt"), "--corpus", str(pair_dir / "corpus.txt"), "--out", str(tmp_path / "x.safetensors")]
+    for extra, said in ((["--prompts", "nosuch"], "unknown task(s) nosuch"),
+                        (["--prompts", "mmlu", "mmlu"], "names a task twice"),
+                        (["--prompts", "mmlu", "--prompt-share", "1"], "--prompt-share must lie strictly")):
+        assert main([*common, *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err

@@ -339,10 +339,30 @@ def _add_refine(sub) -> None:
     p.add_argument("--heldout", type=int, default=12, help="held-out sequences (default: 12)")
     p.add_argument("--every", type=int, default=50, help="steps between held-out checks (default: 50)")
     p.add_argument("--seq-len", type=int, default=512, help="longest sequence (default: 512)")
+    p.add_argument("--prompts", nargs="+", default=[], metavar="TASK",
+                   help="also train on whole prompts of these tasks' calibration pools, in their evaluated format "
+                        "(e.g. mmlu arc_challenge: the answer is read at the prompt's end), checked disjoint from "
+                        "their evaluated items; the map records the prompts it read and evaluations refuse it on them")
+    p.add_argument("--prompt-share", type=float, default=0.3,
+                   help="with --prompts: their share of the training and held-out sequences (default: 0.3)")
     p.add_argument("--out", type=Path, required=True, help="map file to write")
     add_model_options(p)
     add_weights_option(p)
     p.set_defaults(func=cmd_refine)
+
+
+def _prompt_tasks(args) -> list:
+    """The registered tasks --prompts names (their pools are read later, with the tokenizer), refused early."""
+    from ..eval.tasks import TASKS
+
+    unknown = [t for t in args.prompts if t not in TASKS]
+    if unknown:
+        raise RarecacheError(f"--prompts: unknown task(s) {', '.join(unknown)}; registered: {', '.join(sorted(TASKS))}")
+    if len(set(args.prompts)) != len(args.prompts):
+        raise RarecacheError("--prompts names a task twice")
+    if args.prompts and not 0 < args.prompt_share < 1:
+        raise RarecacheError(f"--prompt-share must lie strictly between 0 and 1, got {args.prompt_share}")
+    return [TASKS[t](args.cache_dir) for t in args.prompts]
 
 
 def cmd_refine(args) -> int:
@@ -354,8 +374,9 @@ def cmd_refine(args) -> int:
         raise RarecacheError(f"--rhos must lie strictly between 0 and 1, got {' '.join(map(str, args.rhos))}")
     if args.seq_len < 2:
         raise RarecacheError(f"--seq-len must be at least 2, got {args.seq_len}")
+    prompt_tasks = _prompt_tasks(args)
     cfg = RefineConfig(steps=args.steps, lr=args.lr, rhos=tuple(args.rhos), heldout=args.heldout, every=args.every,
-                       weighting=args.weighting,
+                       weighting=args.weighting, prompt_share=args.prompt_share if prompt_tasks else 0.0,
                        seq_len=args.seq_len, min_len=min(64, args.seq_len))  # (refuses bad values before loading)
     mapper = Mapper.load(args.map)
     if mapper.info.mlp_hidden or mapper.info.heads:
@@ -367,8 +388,9 @@ def cmd_refine(args) -> int:
     first = mapper.info.calibration.get("documents_used", 0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     state = args.out.with_name(args.out.name + ".refine-state")  # saved at every check; a rerun resumes from it
+    prompts = {t.name: t.calibration_corpus() for t in prompt_tasks}  # (each checked disjoint from its items)
     out, record = refine(mapper, source, target, tokenizer, corpus, replace(cfg, first_document=first),
-                         log=lambda line: print(line, file=sys.stderr, flush=True), state=state)
+                         log=lambda line: print(line, file=sys.stderr, flush=True), state=state, prompts=prompts)
     out.save(args.out, args.weights_dtype)
     state.unlink(missing_ok=True)
     print(f"held-out KL {record['heldout_kl_before']:.4f} -> {record['heldout_kl']:.4f} nats "

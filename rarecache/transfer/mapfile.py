@@ -271,6 +271,10 @@ def check_info(info: MapInfo) -> None:
         raise TypeError("token_inputs needs a dense linear map (not head-matched, no MLP)")
     if info.refined is not None and not isinstance(info.refined, dict):
         raise TypeError("refined must be null or a JSON object")
+    prompts = (info.refined or {}).get("prompts", {})  # what Mapper.refined_ids reads for disjointness checks
+    if not isinstance(prompts, dict) or not all(isinstance(p, dict) and isinstance(p.get("ids"), list) and all(
+            isinstance(i, str) for i in p["ids"]) for p in prompts.values()):
+        raise TypeError("refined.prompts maps task names to objects whose ids are a list of strings")
     if not (isinstance(info.weights, str) and info.weights in WEIGHT_DTYPES):
         raise TypeError(f"weights must be one of {', '.join(WEIGHT_DTYPES)}")
     plain = info.plain_sharpen

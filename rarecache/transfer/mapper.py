@@ -210,6 +210,11 @@ class Mapper:
                                  f"on {corpus.name} ({corpus.fingerprint}{', chat' if corpus.chat else ''}): give "
                                  "the map's own calibration text")
 
+    def refined_ids(self) -> set[str]:
+        """Ids of the task prompts a refinement trained or chose its step on (`refine --prompts`; the record's
+        form is checked on loading): an evaluation refuses the map on any of them (`Task.check_map`)."""
+        return {i for p in (self.info.refined or {}).get("prompts", {}).values() for i in p["ids"]}
+
     def fit_problems(self) -> list[str]:
         """Why this map fits badly, from its own record (POOR_R2, POOR_GAP); empty when it does not, or when
         no held-out R² was measured (`calibrate --heldout-tokens 0`)."""
@@ -255,6 +260,9 @@ class Mapper:
             lines.append(f"  refined on the target's next-token KL: held-out {r.get('heldout_kl_before', float('nan')):.4f}"
                          f" -> {r.get('heldout_kl', float('nan')):.4f} nats (step {r.get('kept_step')} of "
                          f"{r.get('steps')}); R2 below is the closed-form fit's")
+            if r.get("prompts"):
+                lines.append("  refined also on task prompts: " + ", ".join(
+                    f"{n} ({len(p['ids'])} read)" for n, p in sorted(r["prompts"].items())))
         for side, name in (("k", "keys"), ("v", "values")):
             r2 = self.sides[side].r2
             held = i.r2_heldout.get(side)

@@ -22,10 +22,9 @@ rate suits every layer; held-out sequences (documents after the training ones) d
 
 from __future__ import annotations
 
-import json
 import math
 import random
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,8 +37,8 @@ from .corpus import Corpus, token_sequences
 from .features import SIDES, rows, token_block, token_rows
 from .fit import SideFit
 from .handoff import budget
-from .mapfile import partial_path, tensors_sha256
 from .mapper import Mapper
+from .refine_state import resume, save_state
 
 
 WEIGHTINGS = ("uniform", "context")
@@ -58,6 +57,8 @@ class RefineConfig:
     first_document: int = 0  # training sequences come from here on; held-out ones after them
     seed: int = 0
     weighting: str = "uniform"  # the loss over recomputed positions: "uniform", or "context" (`Example`)
+    prompt_share: float = 0.0  # share of training and held-out cuts that are whole task prompts (`prompt_cuts`)
+    prompt_sets: tuple[tuple[str, str], ...] = ()  # (task, corpus fingerprint) of those prompts; set by `refine`
 
     def __post_init__(self):
         if self.weighting not in WEIGHTINGS:
@@ -68,6 +69,8 @@ class RefineConfig:
             raise RarecacheError("refinement budgets (rhos) must lie strictly between 0 and 1")
         if not 2 <= self.min_len <= self.seq_len:
             raise RarecacheError("refinement needs 2 <= min_len <= seq_len")
+        if not 0 <= self.prompt_share < 1:
+            raise RarecacheError(f"the share of task prompts must lie in [0, 1), got {self.prompt_share}")
 
 
 class Delta(torch.nn.Module):
@@ -250,30 +253,75 @@ def cuts(corpus: Corpus, tokenizer, cfg: RefineConfig, count: int, first_documen
     return out, last
 
 
+def prompt_cuts(prompts: dict[str, Corpus], tokenizer, cfg: RefineConfig, count: int, skip: dict[str, int],
+                rng: random.Random) -> tuple[list[Cut], dict[str, int]]:
+    """`count` whole task prompts, taken in turn from each corpus (a task's calibration pool in its evaluated
+    format, which ends where the answer is read), each cut at a drawn ρ; prompts longer than `cfg.seq_len`
+    are passed over. `skip`: prompts already taken per task (held-out ones come after the training ones).
+    Returns the cuts and the prompts taken per task so far, for the next call and the map's record."""
+    streams = {name: ((doc, ids) for doc, ids in token_sequences(c, tokenizer, cfg.seq_len + 1) if doc >= skip[name])
+               for name, c in prompts.items()}  # (one token past seq_len: a longer prompt shows itself)
+    taken, out, names = dict(skip), [], sorted(prompts)
+    while len(out) < count:
+        name = names[len(out) % len(names)]
+        for doc, ids in streams[name]:
+            taken[name] = doc + 1
+            if len(ids) <= cfg.seq_len:
+                out.append(Cut(tuple(ids), min(len(ids) - 1, budget(rng.choice(cfg.rhos), len(ids)))))
+                break
+        else:
+            raise RarecacheError(f"the {name} prompts ran out after {taken[name]}: refinement needs {count} prompts "
+                                 "in all (lower --prompt-share or --steps)")
+    return out, taken
+
+
+def interleave(general: list[Cut], prompts: list[Cut]) -> list[Cut]:
+    """The prompts spread evenly among the general cuts, in a fixed order."""
+    n = len(general) + len(prompts)
+    at = {(i * n) // len(prompts) + n // (2 * len(prompts)) for i in range(len(prompts))} if prompts else set()
+    g, p = iter(general), iter(prompts)
+    return [next(p) if i in at else next(g) for i in range(n)]
+
+
 def heldout_kl(examples: list[Example], mapper: Mapper, delta: Delta | None, target: Runner) -> float:
     with torch.no_grad():
         return sum(e.loss(mapper, delta, target).item() for e in examples) / len(examples)
 
 
 def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Corpus, cfg: RefineConfig,
-           progress: bool = True, log=print, state: Path | None = None) -> tuple[Mapper, dict]:
+           progress: bool = True, log=print, state: Path | None = None, prompts: dict[str, Corpus] | None = None
+           ) -> tuple[Mapper, dict]:
     """The map refined on `corpus` (the map's own calibration text, checked; from `cfg.first_document` on), and the
     record of the run (held-out KL before, at every check and kept). `target` must run with gradients
     through its layers: load it unpacked (`Runner.load(..., pack=False)`). `state`: a file the run saves
-    itself to at every check and resumes from (the same map and settings only)."""
+    itself to at every check and resumes from (the same map and settings only). `prompts`: task name ->
+    its calibration pool (disjoint from its evaluated items: the caller's check), of which whole prompts make
+    `cfg.prompt_share` of the training and held-out cuts; the record lists the prompts read, so an evaluation
+    refuses the map on any of them (`Mapper.read_ids`)."""
     if mapper.info.mlp_hidden or mapper.info.heads:
         raise RarecacheError("refinement needs a dense linear map (not head-matched, no MLP)")
     if target.packed:
         raise RarecacheError("refinement runs gradients through the target: load it unpacked (pack=False)")
     if mapper.info.refined is not None:
         raise RarecacheError("this map is already refined: refine the closed-form map it came from")
+    prompts = prompts or {}
+    if bool(prompts) != (cfg.prompt_share > 0):
+        raise RarecacheError("task prompts and a share of them (prompt_share > 0) go together")
+    cfg = replace(cfg, prompt_sets=tuple(sorted((n, c.fingerprint) for n, c in prompts.items())))
     mapper.check_corpus(corpus)
     target.model.requires_grad_(False)
     source.model.requires_grad_(False)
     rng = random.Random(cfg.seed)
     torch.manual_seed(cfg.seed)
-    train, after = cuts(corpus, tokenizer, cfg, cfg.steps, cfg.first_document, rng)
+    n_train = round(cfg.steps * cfg.prompt_share)
+    n_held = max(len(prompts), round(cfg.heldout * cfg.prompt_share / (1 - cfg.prompt_share))) if prompts else 0
+    train, after = cuts(corpus, tokenizer, cfg, cfg.steps - n_train, cfg.first_document, rng)
     held_cuts, end = cuts(corpus, tokenizer, cfg, cfg.heldout, after, rng)
+    read = {n: 0 for n in prompts}
+    if prompts:
+        task_train, read = prompt_cuts(prompts, tokenizer, cfg, n_train, read, rng)
+        task_held, read = prompt_cuts(prompts, tokenizer, cfg, n_held, read, rng)
+        train, held_cuts = interleave(train, task_train), held_cuts + task_held
     held = [Example(c, source, target, mapper, cfg.weighting) for c in tqdm(held_cuts, desc="held-out", disable=not progress,
                                                               leave=False)]
     delta = Delta(mapper, {s: [torch.cat(t) for t in zip(*(layer_inputs(mapper, e.x, e.own)[s] for e in held))]
@@ -281,7 +329,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     opt = torch.optim.Adam(delta.parameters(), lr=cfg.lr)
     done, checks, best = 0, [], None
     if state is not None and state.exists():
-        done, checks, best = _resume(state, cfg, mapper, delta, opt)
+        done, checks, best = resume(state, cfg, mapper, delta, opt)
         log(f"resumed {state} at step {done}")
     if not checks:
         before = heldout_kl(held, mapper, None, target)
@@ -309,7 +357,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
             if now < best[0]:
                 best = (now, step, {k: v.clone() for k, v in delta.state_dict().items()})
             if state is not None:
-                _save_state(state, cfg, mapper, delta, opt, step, checks, best)
+                save_state(state, cfg, mapper, delta, opt, step, checks, best)
             log(f"step {step}: held-out KL {now:.4f} (train {checks[-1]['train_kl']:.4f})")
     bar.close()
     before = checks[0]["heldout_kl"]
@@ -318,75 +366,11 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
               "weighting": cfg.weighting,
               "steps": cfg.steps, "kept_step": best[1], "lr": cfg.lr, "rhos": list(cfg.rhos), "seq_len": cfg.seq_len,
               "min_len": cfg.min_len, "seed": cfg.seed, "documents": [cfg.first_document, after],
-              "heldout_documents": [after, end], "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
+              "heldout_documents": [after, end], "prompt_share": cfg.prompt_share,
+              "prompts": {n: {"corpus": prompts[n].name, "fingerprint": prompts[n].fingerprint,
+                              "ids": list(prompts[n].ids[:read[n]])} for n in sorted(prompts)},
+              "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
     record["dtype"] = str(target.dtype).replace("torch.", "")  # what the models ran in (the map's products: float32)
     # the closed-form fit's held-out R² is not this map's: left out, as a resharpened map's is (its KL is above)
     info = replace(mapper.info, refined=record, r2_heldout={})
     return Mapper(info, delta.fitted(mapper)), record
-
-
-def _identity(cfg: RefineConfig, mapper: Mapper) -> dict:
-    """What a saved state must match to be resumed: the settings and the map's tensors."""
-    return {"config": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
-            "map": tensors_sha256({f"{s}.{n}": getattr(mapper.sides[s], n) for s in SIDES for n in ("weight", "bias")})}
-
-
-def _save_state(path: Path, cfg: RefineConfig, mapper: Mapper, delta: Delta, opt, step: int, checks: list,
-                best: tuple) -> None:
-    """The run so far, in safetensors (no pickle): the change, Adam's moments, the best change and a JSON record."""
-    from safetensors.torch import save_file
-
-    names = [n for n, _ in delta.named_parameters()]
-    tensors = {f"delta.{n}": p.detach() for n, p in delta.named_parameters()}
-    tensors.update({f"best.{n}": best[2][n] for n in names})
-    for n, p in zip(names, delta.parameters()):
-        st = opt.state[p]  # (saved after a step: every parameter has its moments)
-        tensors[f"adam.{n}.exp_avg"], tensors[f"adam.{n}.exp_avg_sq"] = st["exp_avg"], st["exp_avg_sq"]
-    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    meta = {**_identity(cfg, mapper), "step": step, "checks": checks, "best": [best[0], best[1]],
-            "adam_step": int(opt.state[next(iter(delta.parameters()))]["step"])}
-    tmp = partial_path(path)
-    save_file(tensors, str(tmp), metadata={"refine": json.dumps(meta), "sha256": tensors_sha256(tensors)})
-    tmp.replace(path)
-
-
-def _resume(path: Path, cfg: RefineConfig, mapper: Mapper, delta: Delta, opt) -> tuple[int, list, tuple]:
-    """Load a saved run into `delta` and `opt`; refuse one of other settings or another map, and a damaged one
-    (the file is checked as untrusted input: checksum, names, shapes, dtypes, finite values, a consistent record)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            header = f.metadata() or {}
-            meta = json.loads(header["refine"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (OSError, SafetensorError, KeyError, ValueError, TypeError) as e:
-        raise RarecacheError(f"{path} is not a refinement state ({e}): delete it to start again") from None
-    if not isinstance(meta, dict) or {k: meta.get(k) for k in ("config", "map")} != _identity(cfg, mapper):
-        raise RarecacheError(f"{path} was saved by a refinement of another map or with other settings: delete it "
-                             "or give the same ones")
-    damaged = RarecacheError(f"{path} is a damaged refinement state: delete it to start again")
-    params = dict(delta.named_parameters())
-    want = {f"{kind}.{n}": p for n, p in params.items() for kind in ("delta", "best")}
-    want.update({f"adam.{n}.{m}": p for n, p in params.items() for m in ("exp_avg", "exp_avg_sq")})
-    if header.get("sha256") != tensors_sha256(tensors) or set(tensors) != set(want) or any(
-            tensors[k].shape != p.shape or tensors[k].dtype != p.dtype or not torch.isfinite(tensors[k]).all()
-            for k, p in want.items()):
-        raise damaged
-    step, checks, best = meta.get("step"), meta.get("checks"), meta.get("best")
-    steps = [c.get("step") for c in checks] if isinstance(checks, list) and all(isinstance(c, dict) for c in checks) \
-        else None
-    ok = (isinstance(step, int) and 0 < step <= cfg.steps and meta.get("adam_step") == step and steps is not None
-          and steps == [0, *[t for t in range(1, step + 1) if t % cfg.every == 0 or t == cfg.steps]]
-          and all(isinstance(c.get("heldout_kl"), float) and math.isfinite(c["heldout_kl"]) for c in checks)
-          and isinstance(best, list) and len(best) == 2 and [best[1], best[0]] in [[c["step"], c["heldout_kl"]]
-                                                                                  for c in checks])
-    if not ok:
-        raise damaged
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[f"delta.{n}"])
-            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": tensors[f"adam.{n}.exp_avg"].clone(),
-                            "exp_avg_sq": tensors[f"adam.{n}.exp_avg_sq"].clone()}
-    kept = {**delta.state_dict(), **{n: tensors[f"best.{n}"] for n in params}}
-    return step, checks, (float(best[0]), int(best[1]), kept)

@@ -68,9 +68,11 @@ class Task:
         return None
 
     def check_map(self, mapper, items: list[Item]) -> None:
-        """Refuse a map fitted on any of `items` (task-calibrated maps record their item ids)."""
-        if mapper.info.corpus.get("name") == f"task:{self.name}":
-            check_disjoint(mapper.info.calibration.get("document_ids", []), [i.id for i in items], self.name)
+        """Refuse a map fitted or refined on any of `items` (task-calibrated maps record their item ids, refined
+        ones the task prompts they trained on)."""
+        fitted = set(mapper.info.calibration.get("document_ids", [])) \
+            if mapper.info.corpus.get("name") == f"task:{self.name}" else set()
+        check_disjoint(fitted | mapper.refined_ids(), [i.id for i in items], self.name)
 
 
 def prompt_corpus(name: str, pool: list[Item], ids: list[str]) -> Corpus:

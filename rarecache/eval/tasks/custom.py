@@ -229,7 +229,7 @@ class FileTask(Task):
 
     def check_map(self, mapper, items: list[Item]) -> None:
         """Refuse a map that read any evaluated prompt, by hash: whichever task file it was calibrated for."""
-        fitted = set(mapper.info.calibration.get("document_ids", []))
+        fitted = set(mapper.info.calibration.get("document_ids", [])) | mapper.refined_ids()
         hits = [i for i in items if HASH + i.extra["prompt_sha256"] in fitted]
         if hits:
             raise RarecacheError(f"{self.file.path}: the map (calibrated on {mapper.info.corpus.get('name')}) was "
