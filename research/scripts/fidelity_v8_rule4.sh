@@ -19,5 +19,6 @@ rarecache eval drift run --source $S --target $T --map "$V8" --arms alone 0.3:su
     --stories 50 --dtype bfloat16 --out $E/drift-coqa-v8-50.jsonl > /dev/null
 [ -f "$E/gsm8k.jsonl" ] || { gzip -dc research/fidelity/adopt/gsm8k.jsonl.gz > "$E/gsm8k.jsonl"
   cp research/fidelity/adopt/gsm8k.meta.json "$E/gsm8k.meta.json"; }
-run gsm8k 100 0.3:suffix@v8 0.2:suffix@v8
+rarecache eval run --task gsm8k --source $S --target $T --map v8="$V8" --arms target source 0.3:suffix@v8 \
+    0.2:suffix@v8 --limit 100 --batch 10 --dtype bfloat16 --out "$E/gsm8k.jsonl" > /dev/null
 echo V8 RULE4 DONE
