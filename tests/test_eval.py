@@ -196,6 +196,29 @@ def test_report_per_map_gap_selector_tests_and_template_share():
                         "| 33% | 50% | — | 0.125 (n=4) | — |")  # no source arm: no share of its gap kept
 
 
+def test_kappa_is_agreement_beyond_the_answers_frequencies():
+    """Cohen's κ, by hand: an arm that always gives the target's favourite answer agrees on 4 of 6 items and
+    has κ 0; one that agrees on 5 of 6 with frequencies 1/3/2 against the target's 1/4/1 has
+    p_e = (1·1 + 4·3 + 1·2) / 36 = 15/36 and κ = (30/36 − 15/36) / (21/36) = 15/21."""
+    from rarecache.eval.report import agreement, kappa
+    target = [0, 1, 1, 1, 2, 1]
+
+    def rows(answers):
+        return ([{"item": str(i), "arm": "target", "correct": 1, "prediction": p} for i, p in enumerate(target)]
+                + [{"item": str(i), "arm": "a", "correct": 1, "prediction": p} for i, p in enumerate(answers)])
+    assert kappa(rows([1] * 6), "a", "correct") == pytest.approx(0.0, abs=1e-12)
+    assert agreement(rows([1] * 6), "a", "correct")[0] == pytest.approx(4 / 6)
+    assert kappa(rows([0, 1, 1, 2, 2, 1]), "a", "correct") == pytest.approx(15 / 21)
+    assert kappa(rows(target), "a", "correct") == pytest.approx(1.0)
+    assert kappa(rows([0, 1, 1, 2, 2, 1]), "a", "correct", items={"1", "2"}) is None  # both answer 1 alone: chance 1
+    assert kappa(rows(target), "a", "bpb") is None and kappa(rows(target), "b", "correct") is None
+    s = {r["arm"]: r for r in summarise(rows([1] * 6))}
+    assert s["a"]["kappa"] == pytest.approx(0.0, abs=1e-12) and "kappa" not in s["target"]
+    table = markdown(list(s.values())).splitlines()
+    col = table[0].split(" | ").index("κ vs target")
+    assert [line.split(" | ")[col] for line in table[2:]] == ["—", "0.00"]
+
+
 def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_scores():
     """A model near chance can score by favouring one choice (RESULTS.md 8.3); the report shows it, per arm,
     from the prediction its metric scores (acc_norm: the length-normalised one), and nothing on bits per byte."""
@@ -213,7 +236,7 @@ def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_score
     generated = [{"item": "x", "arm": a, "correct": 1, "prediction": "42"} for a in ("target", "source")]
     for table in (markdown(summarise(bpb, "bpb", lower_is_better=True)), markdown(summarise(generated))):
         lines = table.splitlines()
-        assert {line.count("|") for line in lines} == {15} and lines[-1].endswith("| — | — |")
+        assert {line.count("|") for line in lines} == {16} and lines[-1].endswith("| — | — |")
 
 
 def test_agreement_is_the_share_of_answers_equal_to_the_targets_on_shared_items():

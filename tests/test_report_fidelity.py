@@ -10,7 +10,7 @@ from rarecache.cli import main
 from rarecache.eval.arms import handoff_arm
 from rarecache.errors import RarecacheError
 
-KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement"}
+KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement", "kappa"}
 
 
 def _write(path, task, rows, maps=(("v4", "new"), ("v3", "old"))):
@@ -59,8 +59,12 @@ def test_fidelity_summary_writes_the_issue_schema_with_the_delta_sign_and_agreem
     assert m["ci"][0] <= m["delta"] <= m["ci"][1] and pm["ci"][1] <= 0
     # v4 answers like the target on i0-i3 (i4: 0 vs the target's 1), v3 on i0, i1 and i4
     assert m["agreement"] == pytest.approx(0.8) and pm["agreement"] == pytest.approx(0.6)
+    from rarecache.eval.report import kappa
+    from rarecache.eval.results import load_results
+    rows = load_results(mmlu)
+    assert m["kappa"] == pytest.approx(kappa(rows, "rho=0.2/suffix@v4", "correct", {f"i{k}" for k in range(5)}))
     c, pc = s["tasks"]["coqa_passage"], s["previous"]["tasks"]["coqa_passage"]
-    assert c["agreement"] is None and c["metric"] == "bpb"  # bits per byte: no answer, the delta stands
+    assert c["agreement"] is None and c["kappa"] is None and c["metric"] == "bpb"  # bpb: no answer, the delta stands
     assert c["delta"] == pytest.approx(0.15) and pc["delta"] == pytest.approx(0.55)  # worse than the target: > 0
     assert c["target"] == pytest.approx(0.55) and c["source"] == pytest.approx(0.85)
     table = capsys.readouterr().out

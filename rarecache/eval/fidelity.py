@@ -5,8 +5,10 @@ RHO:SELECTOR --map-label L [--previous-label P] [--probe PROBE.json]`).
 Per task: the target, the source alone and the handoff on the same items, the handoff's Δ against the
 target (handoff − target: percentage points for accuracy, bits per byte for bpb) with its paired bootstrap
 95% interval, and agreement, the share of items whose answer equals the target's own (null on bits per
-byte, where a fixed text is scored and there is no answer to agree on; its Δ stands instead). Accuracy
-nets gains against losses; agreement does not, which is why it is the figure an adoption rule reads.
+byte, where a fixed text is scored and there is no answer to agree on; its Δ stands instead), with Cohen's
+κ beside it (`report.kappa`: agreement beyond what the answers' frequencies give by chance, so a map cannot
+raise it by answering the target's favourite choice). Accuracy nets gains against losses; agreement does
+not, which is why it is the figure an adoption rule reads.
 
 CoQA (`coqa_bpb`, issue 41's conversation workload) comes from an `eval drift run` file: the switching arm
 at the same budget (`switch/RHO:SELECTOR`, a handoff at every target turn, no healing) against the target
@@ -26,7 +28,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from .arms import handoff_arm
 from .metrics import paired_diff_ci
-from .report import agreement, arm_name
+from .report import agreement, arm_name, kappa
 from .results import map_sha256
 from .summary import read_task
 
@@ -51,7 +53,8 @@ def _task_cell(task, arm: str, items: list[str]) -> dict:
     d, lo, hi, _ = paired_diff_ci([vals[arm][i] for i in items], [vals["target"][i] for i in items])
     share, _ = agreement(task.rows, arm, task.metric, set(items))
     return {"metric": task.metric, "n": len(items), "target": mean("target"), "source": mean("source"),
-            "handoff": mean(arm), "delta": scale * d, "ci": [scale * lo, scale * hi], "agreement": share}
+            "handoff": mean(arm), "delta": scale * d, "ci": [scale * lo, scale * hi], "agreement": share,
+            "kappa": kappa(task.rows, arm, task.metric, set(items))}
 
 
 def _probe(probe: Path, arm: str, label: str, previous: str | None, previous_arm: str | None = None) -> dict:
@@ -82,7 +85,7 @@ def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
     run_record(drift, sha, "the summary's map goes")
     f = arm_figures(drift, parse_arm(spec)[0])
     return {"metric": "bpb", "n": f["n"], "stories": f["stories"], "target": f["target"], "source": f["source"],
-            "handoff": f["gated"], "delta": f["delta"], "ci": f["ci"], "agreement": None}
+            "handoff": f["gated"], "delta": f["delta"], "ci": f["ci"], "agreement": None, "kappa": None}
 
 
 def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
@@ -147,7 +150,8 @@ def markdown(summary: dict, label: str, previous: str | None = None) -> str:
             return ["—", "—", "—"]
         f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"
         fd = "{:+.4f}" if t["metric"] == "bpb" else "{:+.1f}"
-        ag = "—" if t["agreement"] is None else f"{t['agreement']:.0%}"
+        ag = "—" if t["agreement"] is None else f"{t['agreement']:.0%}" + (
+            f" (κ {t['kappa']:.2f})" if t.get("kappa") is not None else "")
         return [f.format(t["handoff"]), f"{fd.format(t['delta'])} ({fd.format(t['ci'][0])}, {fd.format(t['ci'][1])})",
                 ag]
 

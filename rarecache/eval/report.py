@@ -1,7 +1,8 @@
 """Summaries of a results file: the metric per arm with bootstrap intervals, retention against the
 target, floor-normalised retention, the share of the plain-transfer gap closed, paired tests against
 the target and between selectors, agreement (the share of items whose answer is the target's own: what
-a user sees change, which accuracy nets out; none on bits per byte, where the paired Δ stands), where the
+a user sees change, which accuracy nets out; none on bits per byte, where the paired Δ stands) with its
+chance-corrected form (Cohen's κ: agreement that answering the target's favourite choice cannot buy), where the
 recompute budget went, and on multiple choice the answer an
 arm gives most often: near chance, accuracy can be only the share of gold answers at the choice a model
 favours (RESULTS.md 8.3: the 0.5B answers MMLU's B on 84% of items), which the mean alone hides.
@@ -83,7 +84,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p, p_n=len(shared))
             share, n_agree = agreement(rows, arm, metric)
-            row.update(agreement=share, agreement_n=n_agree)
+            row.update(agreement=share, agreement_n=n_agree, kappa=kappa(rows, arm, metric))
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
@@ -144,6 +145,29 @@ def agrees(rows: list[dict], arm: str, metric: str, items: set[str] | None = Non
     return {i: a == answers["target"][i] for i, a in answers[arm].items() if i in answers["target"]}
 
 
+def kappa(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> float | None:
+    """Cohen's κ between `arm`'s answers and the target's on the items both answered: agreement beyond what
+    the two answers' frequencies give by chance, (p_o − p_e) / (1 − p_e). Agreement alone can be bought by
+    answering the target's favourite choice (the 0.5B agrees with the 1.5B on 48% of MMLU items by answering
+    B on 79% of them, where the 1.5B answers B on 56%: κ 0.02); κ cannot. None for bits per byte, no item,
+    or chance agreement 1 (both always give one answer)."""
+    field = answer_field(metric)
+    if field is None:
+        return None
+    answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
+    for r in rows:
+        if r["arm"] in answers and field in r and (items is None or r["item"] in items):
+            answers[r["arm"]][r["item"]] = repr(r[field])  # (a generated answer may be any JSON value)
+    both = [i for i in answers[arm] if i in answers["target"]]
+    if not both:
+        return None
+    t, a = Counter(answers["target"][i] for i in both), Counter(answers[arm][i] for i in both)
+    n = len(both)
+    observed = sum(answers[arm][i] == answers["target"][i] for i in both) / n
+    chance = sum(t[c] * a[c] for c in t) / n ** 2
+    return None if chance >= 1 else (observed - chance) / (1 - chance)
+
+
 def agreement(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> tuple[float | None, int]:
     """The share of items whose answer under `arm` equals the target's own answer on the same item, and
     on how many items (both answered; only `items` when given). (None, 0) for bits per byte or no such item."""
@@ -201,8 +225,8 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                  "positions; the \"template share of picks\" column is its share of the positions each arm recomputed.", ""]
     lines = head + [
         f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
-        "| p vs target (n) | Δ vs rank (p, n) | agreement with target (n) | pos 0 chosen | template share of picks "
-        "| most given answer |", "|---" * 14 + "|"]
+        "| p vs target (n) | Δ vs rank (p, n) | agreement with target (n) | κ vs target | pos 0 chosen "
+        "| template share of picks | most given answer |", "|---" * 15 + "|"]
     for r in summary:
         def opt(key, fmt="{:.1%}"):
             return fmt.format(r[key]) if r.get(key) is not None else "—"
@@ -211,7 +235,7 @@ def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", per
                    else "—")
         lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
                      f"{opt('retention')} | {opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | "
-                     f"{vs_rank} | {_agreement_cell(r)} | "
+                     f"{vs_rank} | {_agreement_cell(r)} | {opt('kappa', '{:.2f}')} | "
                      f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} | {_top_cell(r)} |")
     return "\n".join(lines)
 
