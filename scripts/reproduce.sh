@@ -51,7 +51,7 @@ what() {  # the figure a step makes, and where the committed one is
                      "and v3 (research/fidelity/adopt/drift-coqa-v4b-50, research/gate/drift-coqa-v3-50; bf16)";;
     probe) echo "the fidelity probe through v4 and v3 (research/fidelity/adopt/probe; bf16; minutes)";;
     summary) echo "docs/artifacts/fidelity-summary.json from the steps above (their files in \$OUT)";;
-    reverse) echo "results table, large -> small MMLU and HellaSwag (research/fidelity/runs/reverse-v4tok-*-300;" \
+    reverse) echo "results table, large -> small MMLU, HellaSwag, ARC-C, passage QA (research/fidelity/runs/reverse-v4tok-*-300;" \
                   "bf16; makes the 64k reverse map first if none is found: 22 minutes when it was made)";;
     bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
                         "bf16, rank; timed through the served map, of the same shapes as the record's)";;
@@ -80,7 +80,7 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval report \$OUT/adopt-{mmlu,arc_challenge,hellaswag,gsm8k,coqa_passage}.jsonl --drift \$OUT/drift-coqa-v4b.jsonl --previous-drift \$OUT/drift-coqa-v3.jsonl --probe \$OUT/probe.summary.json --arm \$ARM --previous-arm 0.2:suffix --map-label v4b --previous-label v3 --fidelity-summary \$OUT/fidelity-summary.json";;
     reverse)
       echo "REV=\$(find_map general-tok-64k-1.5b-to-0.5b.safetensors 2>/dev/null) || { REV=\$OUT/maps/general-tok-64k-1.5b-to-0.5b.safetensors; \$RC calibrate --source \$T --target \$S --preset general --tokens 65536 --token-inputs --exact-layer0 --dtype bfloat16 --out \$REV; }"
-      for t in mmlu hellaswag; do
+      for t in mmlu hellaswag arc_challenge coqa_passage; do
         echo "\$RC eval run --task $t --source \$T --target \$S --map rv=\$REV --arms target source 0:suffix@rv 0.2:suffix@rv 0.2:rank@rv --limit 300 --dtype bfloat16 --out \$OUT/reverse-$t.jsonl"
         echo "\$RC eval report \$OUT/reverse-$t.jsonl > \$OUT/reverse-$t.report.md"
       done;;
