@@ -6,11 +6,14 @@ and not a reading of tables afterwards. Rule 1 (300 items, GSM8K 100) is the fil
   python research/scripts/adopt_rules.py [DIR] > research/fidelity/adopt/rules.md
 DIR: where the runs are (default research/fidelity/adopt, the committed copies; RUNS/adopt while running).
 Every comparison is paired over the items (stories, for CoQA) on which every compared arm has a record.
+A later candidate against the map served then (v8 against v4 at suffix 0.3, research/scripts/fidelity_v8.sh):
+  python research/scripts/adopt_rules.py RUNS/v8 --candidate v8 --served rho=0.3/suffix@v4b \
+      --served-drift research/fidelity/adopt/drift-coqa-v4b-50.jsonl.gz
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -20,8 +23,8 @@ from rarecache.eval.report import agrees
 from rarecache.eval.results import load_results
 from rarecache.eval.summary import read_task
 
-SERVED = "rho=0.2/suffix@v3"  # the served map as it was served
-ARMS = ["rho=0.2/suffix@v4b", "rho=0.3/suffix@v4b", "rho=0.2/rank@v4b", "rho=0.3/rank@v4b"]  # rule 4a
+SERVED = "rho=0.2/suffix@v3"  # the served map as it was served (--served)
+ARMS = ["rho=0.2/suffix@v4b", "rho=0.3/suffix@v4b", "rho=0.2/rank@v4b", "rho=0.3/rank@v4b"]  # rule 4a (--candidate)
 ANSWER_TASKS = ["mmlu", "arc_challenge", "hellaswag", "gsm8k"]
 BPB_TASKS = ["coqa_passage"]
 
@@ -42,10 +45,12 @@ def fmt(d: float, lo: float, hi: float, scale: float = 100.0, f: str = "{:+.1f}"
     return f"{f.format(scale * d)} ({f.format(scale * lo)}, {f.format(scale * hi)})"
 
 
-def coqa(d: Path, v3_drift: Path) -> dict[str, dict[str, float]]:
-    """Per arm: story -> mean bpb delta over the target's handed-off turns (drift.report's per-story means)."""
+def coqa(files: list[tuple[Path | None, str]]) -> dict[str, dict[str, float]]:
+    """Per arm: story -> mean bpb delta over the target's handed-off turns (drift.report's per-story means);
+    `files`: (drift file, the label of the map it ran through)."""
     out: dict[str, dict[str, float]] = {}
-    for path, rename in ((find(d, "drift-coqa-v4b-50"), "@v4b"), (v3_drift, "@v3")):
+    for path, label in files:
+        rename = "@" + label
         if path is None:
             continue
         rows = load_results(path)
@@ -62,11 +67,21 @@ def coqa(d: Path, v3_drift: Path) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
-    d = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("research/fidelity/adopt")
-    v3_drift = Path("research/gate/drift-coqa-v3-50.jsonl.gz")
+    global SERVED, ARMS
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", nargs="?", type=Path, default=Path("research/fidelity/adopt"))
+    ap.add_argument("--candidate", default="v4b", help="the candidate map's label in the files (default v4b)")
+    ap.add_argument("--served", default=SERVED, help=f"the served map's arm in the files (default {SERVED})")
+    ap.add_argument("--served-drift", type=Path, default=Path("research/gate/drift-coqa-v3-50.jsonl.gz"),
+                    help="the served map's CoQA drift file (default v3's)")
+    args = ap.parse_args()
+    d, SERVED = args.dir, args.served
+    ARMS = [a.replace("@v4b", "@" + args.candidate) for a in ARMS]
+    served_label = SERVED.rsplit("@", 1)[1]
+    drifts = [(find(d, f"drift-coqa-{args.candidate}-50"), args.candidate), (args.served_drift, served_label)]
     print(f"# Adoption rules 2-4 on {d} (research/fidelity/ADOPTION.md)\n")
     print("Paired 95% bootstrap intervals over items (CoQA: stories). Agreement: the share of items whose answer "
-          "is the 1.5B's own. v4b: v4-tok stored in bf16; v3 at its served arm, suffix 0.2.\n")
+          f"is the 1.5B's own. Candidate {args.candidate}; the served map at its served arm, {SERVED}.\n")
     figures: dict[str, dict[str, float]] = {}  # task -> arm -> the figure rule 4 ranks by
     rule3: list[str] = []
     print("| task | n | arm | metric | agreement | Δ vs the 1.5B (CI) | arm − v3 served: metric (CI) | agreement (CI) |")
@@ -110,17 +125,17 @@ def main() -> None:
                 if worse:
                     rule3.append(f"{task} {arm}")
             print("| " + " | ".join(row) + " |")
-    per_story = coqa(d, v3_drift)
-    served_c = per_story.get("rho=0.2/suffix@v3", {})
+    per_story = coqa(drifts)
+    served_c = per_story.get(SERVED, {})
     if served_c:
         figures["coqa_bpb"] = {}
-        for arm in ["rho=0.2/suffix@v3"] + [a for a in ARMS if a in per_story]:
+        for arm in [SERVED] + [a for a in ARMS if a in per_story]:
             stories = sorted(set(per_story[arm]) & set(served_c))
             vals = [per_story[arm][s] for s in stories]
             m = float(np.mean(vals))
             figures["coqa_bpb"][arm] = m
             row = ["coqa_bpb", f"{len(stories)} stories", arm, "—", "—", f"{m:+.3f}"]
-            if arm.endswith("@v3"):
+            if arm == SERVED:
                 row += ["—", "—"]
             else:
                 dv = paired_diff_ci(vals, [served_c[s] for s in stories])
@@ -161,10 +176,10 @@ def main() -> None:
                   "are not decided.")
         new = float(np.mean([figures[t][best] for t in have]))
         old = float(np.mean([figures[t][SERVED] for t in have]))
-        print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against v3's served arm {old:.1%}: "
+        print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against the served arm {old:.1%}: "
               f"{'rises' if new > old else 'does NOT rise'}.")
     worse = [w for w in rule3 if best and w.endswith(best)]
-    print(f"Rule 3, a task significantly worse than v3's served arm at the default arm: "
+    print(f"Rule 3, a task significantly worse than the served arm at the default arm: "
           f"{', '.join(worse) if worse else 'none'} (any arm: {', '.join(rule3) or 'none'}).")
 
 

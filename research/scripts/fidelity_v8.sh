@@ -20,14 +20,19 @@ V8=${V8:-$M/general-tok-64k-klmc.safetensors}
 [ -f "$V8" ] || rarecache refine "$V4" --source $S --target $T --preset general --dtype bfloat16 \
     --steps "${STEPS:-240}" --every 40 --weighting context --rhos 0.2 0.3 --prompts mmlu arc_challenge \
     --prompt-share 0.3 --weights-dtype bfloat16 --out "$V8"
+seed() {  # RUNS/v8/NAME from research/fidelity/v8 (a session's rows, committed) or research/fidelity/adopt
+  [ -f "$E/$1.jsonl" ] && return 0
+  local from=research/fidelity/v8; [ -f "$from/$1.jsonl.gz" ] || from=research/fidelity/adopt
+  [ -f "$from/$1.jsonl.gz" ] || return 0
+  gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
+}
 for task in ${TASKS:-mmlu coqa_passage arc_challenge hellaswag}; do
-  [ -f "$E/$task.jsonl" ] || {  # the committed adoption records are the start of each file
-    gzip -dc research/fidelity/adopt/$task.jsonl.gz > "$E/$task.jsonl"
-    cp research/fidelity/adopt/$task.meta.json "$E/$task.meta.json"; }
+  seed $task  # v8's committed records, else the adoption's, are the start of each file
   arms="0.3:suffix@v8 0.2:suffix@v8"; [ $task = coqa_passage ] && arms="$arms 0.3:rank@v8"
   rarecache eval run --task $task --source $S --target $T --map v8="$V8" --arms target source $arms \
       --limit 300 --dtype bfloat16 --out "$E/$task.jsonl" > /dev/null
 done
+seed probe; seed drift-coqa-v8-50
 rarecache eval probe --source $S --target $T --map v8="$V8" --arms 0.2:suffix 0.3:suffix 0.3:rank \
     --dtype bfloat16 --out $E/probe.jsonl > /dev/null
 rarecache eval drift run --source $S --target $T --map "$V8" --arms alone 0.3:suffix 0.3:rank --stories 50 \
