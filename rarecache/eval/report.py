@@ -132,17 +132,23 @@ def answer_field(metric: str) -> str | None:
     return None if metric == "bpb" else PREDICTION.get(metric, "prediction")
 
 
-def agrees(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> dict[str, bool]:
-    """Per item both answered (only `items` when given): whether `arm`'s answer equals the target's own.
-    Empty for bits per byte, which scores a fixed text and gives no answer."""
+def _answer_pairs(rows: list[dict], arm: str, metric: str, items: set[str] | None) -> dict[str, tuple] | None:
+    """Per item both answered (only `items` when given): (the target's answer, `arm`'s). None for bits per
+    byte, which scores a fixed text and gives no answer."""
     field = answer_field(metric)
     if field is None:
-        return {}
+        return None
     answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
     for r in rows:
         if r["arm"] in answers and field in r and (items is None or r["item"] in items):
             answers[r["arm"]][r["item"]] = r[field]
-    return {i: a == answers["target"][i] for i, a in answers[arm].items() if i in answers["target"]}
+    return {i: (answers["target"][i], a) for i, a in answers[arm].items() if i in answers["target"]}
+
+
+def agrees(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> dict[str, bool]:
+    """Per item both answered (only `items` when given): whether `arm`'s answer equals the target's own.
+    Empty for bits per byte, which scores a fixed text and gives no answer."""
+    return {i: a == t for i, (t, a) in (_answer_pairs(rows, arm, metric, items) or {}).items()}
 
 
 def kappa(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> float | None:
@@ -151,19 +157,12 @@ def kappa(rows: list[dict], arm: str, metric: str, items: set[str] | None = None
     answering the target's favourite choice (the 0.5B agrees with the 1.5B on 48% of MMLU items by answering
     B on 79% of them, where the 1.5B answers B on 56%: κ 0.02); κ cannot. None for bits per byte, no item,
     or chance agreement 1 (both always give one answer)."""
-    field = answer_field(metric)
-    if field is None:
+    pairs = [(repr(t), repr(a)) for t, a in (_answer_pairs(rows, arm, metric, items) or {}).values()]
+    if not pairs:  # (repr: a generated answer may be any JSON value, counted as a key)
         return None
-    answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
-    for r in rows:
-        if r["arm"] in answers and field in r and (items is None or r["item"] in items):
-            answers[r["arm"]][r["item"]] = repr(r[field])  # (a generated answer may be any JSON value)
-    both = [i for i in answers[arm] if i in answers["target"]]
-    if not both:
-        return None
-    t, a = Counter(answers["target"][i] for i in both), Counter(answers[arm][i] for i in both)
-    n = len(both)
-    observed = sum(answers[arm][i] == answers["target"][i] for i in both) / n
+    n = len(pairs)
+    t, a = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
+    observed = sum(x == y for x, y in pairs) / n
     chance = sum(t[c] * a[c] for c in t) / n ** 2
     return None if chance >= 1 else (observed - chance) / (1 - chance)
 
