@@ -210,6 +210,30 @@ def test_cli_defaults_are_the_library_s():
     _add_refine(sub)
     weighting = next(a for a in sub.choices["refine"]._actions if a.dest == "weighting")
     assert tuple(weighting.choices) == WEIGHTINGS and weighting.default == RefineConfig().weighting
+    temperature = next(a for a in sub.choices["refine"]._actions if a.dest == "temperature")
+    assert temperature.default == RefineConfig().temperature == 1.0
+
+
+def test_a_sharpened_kl_pays_for_a_flipped_argmax(setup):
+    """Temperature scales both distributions before the KL: over a flat teacher a flipped argmax costs far
+    more sharpened than at 1, a student equal to the teacher still costs nothing, and an Example's loss at
+    a temperature is the KL of its logits divided by it."""
+    from rarecache.transfer.refine import kl, kl_each
+    teacher = torch.tensor([[[0.3, 0.0, -4.0, -4.0]]])  # a 0.3-nat margin between the top two
+    flipped = torch.tensor([[[0.0, 0.3, -4.0, -4.0]]])
+    at1, sharp = float(kl(teacher, flipped)), float(kl(teacher, flipped, temperature=0.25))
+    assert at1 < 0.05 and sharp > 5 * at1
+    assert float(kl(teacher, teacher, temperature=0.25)) < 1e-7
+    source, target, tok, corpus, maps = setup
+    m = maps["plain"]
+    ids = _ids(tok, corpus)
+    e = Example(Cut(tuple(ids), 8), source, target, m, "uniform", temperature=0.5)
+    k, v = mapped_rows(m, None, e.x, e.own, target, e.prefix)
+    student = suffix_logits(target, e.tokens, e.suffix, k, v)
+    torch.testing.assert_close(e.loss(m, None, target), kl_each(e.teacher / 0.5, student / 0.5).mean())
+    for bad in (0.0, -1.0, 1.5, float("nan")):
+        with pytest.raises(RarecacheError, match="temperature"):
+            RefineConfig(temperature=bad)
 
 
 def test_context_weights_read_beyond_the_local_window(setup):

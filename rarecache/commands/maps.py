@@ -336,6 +336,10 @@ def _add_refine(sub) -> None:
     p.add_argument("--weighting", choices=("uniform", "context"), default="uniform",
                    help="the loss over recomputed positions: uniform (default), or context: each position weighted "
                         "by how much the target's prediction there reads text more than 16 tokens back")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="both distributions' temperature in the KL, in (0, 1]: below 1 the loss weighs whether the "
+                        "map keeps the target's top choices, where a flat teacher (a multiple-choice answer) gives "
+                        "KL at 1 little to pay for a wrong argmax (default: 1)")
     p.add_argument("--heldout", type=int, default=12, help="held-out sequences (default: 12)")
     p.add_argument("--every", type=int, default=50, help="steps between held-out checks (default: 50)")
     p.add_argument("--seq-len", type=int, default=512, help="longest sequence (default: 512)")
@@ -376,7 +380,8 @@ def cmd_refine(args) -> int:
         raise RarecacheError(f"--seq-len must be at least 2, got {args.seq_len}")
     prompt_tasks = _prompt_tasks(args)
     cfg = RefineConfig(steps=args.steps, lr=args.lr, rhos=tuple(args.rhos), heldout=args.heldout, every=args.every,
-                       weighting=args.weighting, prompt_share=args.prompt_share if prompt_tasks else 0.0,
+                       weighting=args.weighting, temperature=args.temperature,
+                       prompt_share=args.prompt_share if prompt_tasks else 0.0,
                        seq_len=args.seq_len, min_len=min(64, args.seq_len))  # (refuses bad values before loading)
     mapper = Mapper.load(args.map)
     if mapper.info.mlp_hidden or mapper.info.heads:

@@ -59,6 +59,7 @@ class RefineConfig:
     weighting: str = "uniform"  # the loss over recomputed positions: "uniform", or "context" (`Example`)
     prompt_share: float = 0.0  # share of training and held-out cuts that are whole task prompts (`prompt_cuts`)
     prompt_sets: tuple[tuple[str, str], ...] = ()  # (task, corpus fingerprint) of those prompts; set by `refine`
+    temperature: float = 1.0  # both distributions' temperature in the KL (`kl`): below 1 it weighs the top choices
 
     def __post_init__(self):
         if self.weighting not in WEIGHTINGS:
@@ -69,6 +70,8 @@ class RefineConfig:
             raise RarecacheError("refinement budgets (rhos) must lie strictly between 0 and 1")
         if not 2 <= self.min_len <= self.seq_len:
             raise RarecacheError("refinement needs 2 <= min_len <= seq_len")
+        if not (0 < self.temperature <= 1):
+            raise RarecacheError(f"the KL's temperature must lie in (0, 1], got {self.temperature}")
         if not 0 <= self.prompt_share < 1:
             raise RarecacheError(f"the share of task prompts must lie in [0, 1), got {self.prompt_share}")
 
@@ -185,10 +188,14 @@ def kl_each(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
     return (t.exp() * (t - s)).sum(-1)
 
 
-def kl(teacher: torch.Tensor, student: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def kl(teacher: torch.Tensor, student: torch.Tensor, weight: torch.Tensor | None = None,
+       temperature: float = 1.0) -> torch.Tensor:
     """Mean over positions of KL(teacher ‖ student), logits (..., V) in nats; weighted by `weight` (...) when
-    given (a weighted mean)."""
-    each = kl_each(teacher, student)
+    given (a weighted mean). Below temperature 1 both distributions are sharpened first: where the teacher is
+    nearly flat between its top choices (a multiple-choice answer), KL at 1 pays almost nothing for putting
+    the student's argmax on the wrong one; sharpened, it pays in proportion to the margins' error. The
+    minimum is still the teacher itself."""
+    each = kl_each(teacher / temperature, student / temperature)
     return each.mean() if weight is None else (each * weight).sum() / weight.sum().clamp(min=1e-12)
 
 
@@ -208,7 +215,9 @@ class Example:
     positions), so positions that read the mapped text from further back (a question, a passage) count, and
     running text the suffix and its neighbourhood predict do not."""
 
-    def __init__(self, cut: Cut, source: Runner, target: Runner, mapper: Mapper, weighting: str = "uniform"):
+    def __init__(self, cut: Cut, source: Runner, target: Runner, mapper: Mapper, weighting: str = "uniform",
+                 temperature: float = 1.0):
+        self.temperature = temperature  # the loss's (`kl`); the context weights read distributions at 1
         with torch.no_grad():
             ids = torch.tensor([cut.ids], device=target.device)
             T, self.n = ids.shape[1], cut.n
@@ -231,7 +240,7 @@ class Example:
 
     def loss(self, mapper: Mapper, delta: Delta | None, target: Runner) -> torch.Tensor:
         k, v = mapped_rows(mapper, delta, self.x, self.own, target, self.prefix)
-        return kl(self.teacher, suffix_logits(target, self.tokens, self.suffix, k, v), self.weight)
+        return kl(self.teacher, suffix_logits(target, self.tokens, self.suffix, k, v), self.weight, self.temperature)
 
 
 def cuts(corpus: Corpus, tokenizer, cfg: RefineConfig, count: int, first_document: int, rng: random.Random
@@ -322,8 +331,8 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         task_train, read = prompt_cuts(prompts, tokenizer, cfg, n_train, read, rng)
         task_held, read = prompt_cuts(prompts, tokenizer, cfg, n_held, read, rng)
         train, held_cuts = interleave(train, task_train), held_cuts + task_held
-    held = [Example(c, source, target, mapper, cfg.weighting) for c in tqdm(held_cuts, desc="held-out", disable=not progress,
-                                                              leave=False)]
+    held = [Example(c, source, target, mapper, cfg.weighting, cfg.temperature)
+            for c in tqdm(held_cuts, desc="held-out", disable=not progress, leave=False)]
     delta = Delta(mapper, {s: [torch.cat(t) for t in zip(*(layer_inputs(mapper, e.x, e.own)[s] for e in held))]
                            for s in SIDES})
     opt = torch.optim.Adam(delta.parameters(), lr=cfg.lr)
@@ -339,7 +348,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     losses: list[float] = []
     bar = tqdm(train, desc="refine", disable=not progress, initial=done, total=len(train))
     for step, cut in enumerate(train[done:], done + 1):
-        loss = Example(cut, source, target, mapper, cfg.weighting).loss(mapper, delta, target)
+        loss = Example(cut, source, target, mapper, cfg.weighting, cfg.temperature).loss(mapper, delta, target)
         if not math.isfinite(loss.item()):
             raise RarecacheError(f"refinement diverged at step {step} (loss {loss.item()}): lower --lr")
         opt.zero_grad()
@@ -363,7 +372,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
     before = checks[0]["heldout_kl"]
     delta.load_state_dict(best[2])
     record = {"objective": "next-token KL at the suffix a handoff recomputes, over mapped rows",
-              "weighting": cfg.weighting,
+              "weighting": cfg.weighting, "temperature": cfg.temperature,
               "steps": cfg.steps, "kept_step": best[1], "lr": cfg.lr, "rhos": list(cfg.rhos), "seq_len": cfg.seq_len,
               "min_len": cfg.min_len, "seed": cfg.seed, "documents": [cfg.first_document, after],
               "heldout_documents": [after, end], "prompt_share": cfg.prompt_share,
