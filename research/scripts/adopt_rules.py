@@ -9,6 +9,10 @@ Every comparison is paired over the items (stories, for CoQA) on which every com
 A later candidate against the map served then (v8 against v4 at suffix 0.3, research/scripts/fidelity_v8.sh):
   python research/scripts/adopt_rules.py RUNS/v8 --candidate v8 --served rho=0.3/suffix@v4b \
       --served-drift research/fidelity/adopt/drift-coqa-v4b-50.jsonl.gz
+New selectors for the served map (rule 7: their arms join 4a's in the ranking; research/scripts/selectors_v4.sh):
+  python research/scripts/adopt_rules.py RUNS/sel --served rho=0.3/suffix@v4b \
+      --served-drift research/fidelity/adopt/drift-coqa-v4b-50.jsonl.gz \
+      --extra-arms rho=0.3/attn-source@v4b rho=0.3/suffix+attn@v4b --drift RUNS/sel/drift-coqa-attn-v4-50.jsonl
 """
 
 from __future__ import annotations
@@ -74,11 +78,16 @@ def main() -> None:
     ap.add_argument("--served", default=SERVED, help=f"the served map's arm in the files (default {SERVED})")
     ap.add_argument("--served-drift", type=Path, default=Path("research/gate/drift-coqa-v3-50.jsonl.gz"),
                     help="the served map's CoQA drift file (default v3's)")
+    ap.add_argument("--extra-arms", nargs="+", default=[], metavar="ARM",
+                    help="arms of other selectors that join 4a's in the ranking (rule 7)")
+    ap.add_argument("--drift", nargs="+", type=Path, default=[], metavar="FILE",
+                    help="more CoQA drift files through the candidate (the extra arms' stories)")
     args = ap.parse_args()
     d, SERVED = args.dir, args.served
-    ARMS = [a.replace("@v4b", "@" + args.candidate) for a in ARMS]
+    ARMS = [a.replace("@v4b", "@" + args.candidate) for a in ARMS] + args.extra_arms
     served_label = SERVED.rsplit("@", 1)[1]
     drifts = [(find(d, f"drift-coqa-{args.candidate}-50"), args.candidate), (args.served_drift, served_label)]
+    drifts += [(f, args.candidate) for f in args.drift]
     print(f"# Adoption rules 2-4 on {d} (research/fidelity/ADOPTION.md)\n")
     print("Paired 95% bootstrap intervals over items (CoQA: stories). Agreement: the share of items whose answer "
           f"is the 1.5B's own. Candidate {args.candidate}; the served map at its served arm, {SERVED}.\n")
@@ -94,7 +103,7 @@ def main() -> None:
         t = read_task(path)
         bpb = t.metric == "bpb"
         scale, f = (1.0, "{:+.3f}") if bpb else (100.0, "{:+.1f}")
-        arms = [a for a in ARMS if a in t.vals]
+        arms = [a for a in ARMS if a in t.vals and a != SERVED]
         figures[task] = {}
         for arm in [SERVED] + arms:
             items = sorted(set(t.vals["target"]) & set(t.vals[SERVED]) & set(t.vals[arm]))
@@ -129,7 +138,7 @@ def main() -> None:
     served_c = per_story.get(SERVED, {})
     if served_c:
         figures["coqa_bpb"] = {}
-        for arm in [SERVED] + [a for a in ARMS if a in per_story]:
+        for arm in [SERVED] + [a for a in ARMS if a in per_story and a != SERVED]:
             stories = sorted(set(per_story[arm]) & set(served_c))
             vals = [per_story[arm][s] for s in stories]
             m = float(np.mean(vals))

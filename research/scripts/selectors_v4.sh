@@ -25,6 +25,7 @@ for task in ${TASKS:-coqa_passage mmlu}; do
   rarecache eval run --task $task --source $S --target $T --map v4b="$V4" \
       --arms target source $ARMS --limit 300 --dtype bfloat16 --out "$E/$task.jsonl" > /dev/null
 done
+seed drift-coqa-attn-v4-50
 [ -n "${DRIFT-1}" ] && rarecache eval drift run --source $S --target $T --map "$V4" \
     --arms alone 0.3:attn-source 0.3:suffix+attn --stories 50 --dtype bfloat16 --out $E/drift-coqa-attn-v4-50.jsonl > /dev/null
 echo SELECTORS DONE
