@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from rarecache.eval.metrics import paired_diff_ci
-from rarecache.eval.report import agrees
+from rarecache.eval.report import agrees, kappa
 from rarecache.eval.results import load_results
 from rarecache.eval.summary import read_task
 
@@ -92,8 +92,9 @@ def main() -> None:
     print("Paired 95% bootstrap intervals over items (CoQA: stories). Agreement: the share of items whose answer "
           f"is the 1.5B's own. Candidate {args.candidate}; the served map at its served arm, {SERVED}.\n")
     figures: dict[str, dict[str, float]] = {}  # task -> arm -> the figure rule 4 ranks by
+    kappas: dict[str, dict[str, float]] = {}  # answer task -> arm -> Cohen's κ against the target (rule 2b)
     rule3: list[str] = []
-    print("| task | n | arm | metric | agreement | Δ vs the 1.5B (CI) | arm − v3 served: metric (CI) | agreement (CI) |")
+    print(f"| task | n | arm | metric | agreement | Δ vs the 1.5B (CI) | arm − {SERVED}: metric (CI) | agreement (CI) |")
     print("|---|---|---|---|---|---|---|---|")
     for task in ANSWER_TASKS + BPB_TASKS:
         path = find(d, task)
@@ -117,6 +118,7 @@ def main() -> None:
                 ag = agree(t.rows, arm, t.metric)
                 row.append(f"{np.mean([ag[i] for i in items]):.1%}")
                 figures[task][arm] = float(np.mean([ag[i] for i in items]))
+                kappas.setdefault(task, {})[arm] = kappa(t.rows, arm, t.metric, set(items))
             row.append(fmt(*dt[:3], scale=scale, f=f))
             if arm == SERVED:
                 row += ["—", "—"]
@@ -187,6 +189,10 @@ def main() -> None:
         old = float(np.mean([figures[t][SERVED] for t in have]))
         print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against the served arm {old:.1%}: "
               f"{'rises' if new > old else 'does NOT rise'}.")
+        new_k = float(np.mean([kappas[t][best] for t in have]))
+        old_k = float(np.mean([kappas[t][SERVED] for t in have]))
+        print(f"Rule 2b (candidates after v8), mean κ over the same tasks: {best} {new_k:.3f} against the served arm "
+              f"{old_k:.3f}: {'does not fall' if new_k >= old_k else 'FALLS'}.")
     worse = [w for w in rule3 if best and w.endswith(best)]
     print(f"Rule 3, a task significantly worse than the served arm at the default arm: "
           f"{', '.join(worse) if worse else 'none'} (any arm: {', '.join(rule3) or 'none'}).")

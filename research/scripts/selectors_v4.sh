@@ -21,7 +21,7 @@ seed() {  # RUNS/sel/NAME from research/fidelity/sel (a session's rows, committe
   gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
 }
 ARMS=${ARMS:-0.3:attn-source@v4b 0.3:suffix+attn@v4b}
-for task in ${TASKS:-coqa_passage mmlu}; do
+for task in ${TASKS-coqa_passage mmlu}; do
   seed $task
   rarecache eval run --task $task --source $S --target $T --map v4b="$V4" \
       --arms target source $ARMS --limit 300 --dtype bfloat16 --out "$E/$task.jsonl" > /dev/null
