@@ -37,7 +37,7 @@ find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git histo
 }
 
 STEPS=(acc-mmlu acc-arc_challenge acc-hellaswag acc-coqa_passage acc-gsm8k drift-coqa probe summary reverse
-       bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
+       ceiling bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
 # The results table's steps run v4 (the served map, label v4b in the records) beside v3 (the map it replaced, put
 # back from git history) in the same files, as the adoption runs did (research/fidelity/ADOPTION.md).
 what() {  # the figure a step makes, and where the committed one is
@@ -53,6 +53,9 @@ what() {  # the figure a step makes, and where the committed one is
     summary) echo "docs/artifacts/fidelity-summary.json from the steps above (their files in \$OUT)";;
     reverse) echo "results table, large -> small MMLU, HellaSwag, ARC-C, passage QA (research/fidelity/runs/reverse-v4tok-*-300;" \
                   "bf16; makes the 64k reverse map first if none is found: 22 minutes when it was made)";;
+    ceiling) echo "README's budget line: MMLU agreement through v4's suffix at rho 0.2-0.7, the 1.5B in float32 against" \
+                  "bf16, and the suffix handoff's speed at those budgets (research/fidelity/ceiling, research/fidelity/adopt/mmlu," \
+                  "research/fidelity/bench/handoff-2048-suffix-v4b*.txt; bf16; about 30 minutes)";;
     bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
                         "bf16, rank; timed through the served map, of the same shapes as the record's)";;
     bench-serve) echo "speed table: a switched conversation's first token in rarecache serve (docs/artifacts/bench-serve-switch.txt)";;
@@ -84,6 +87,12 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
         echo "\$RC eval run --task $t --source \$T --target \$S --map rv=\$REV --arms target source 0:suffix@rv 0.2:suffix@rv 0.2:rank@rv --limit 300 --dtype bfloat16 --out \$OUT/reverse-$t.jsonl"
         echo "\$RC eval report \$OUT/reverse-$t.jsonl > \$OUT/reverse-$t.report.md"
       done;;
+    ceiling)
+      echo "\$RC eval run --task mmlu --source \$S --target \$T --map v4=\$SERVED --arms target 0.2:suffix@v4 0.3:suffix@v4 0.5:suffix@v4 0.7:suffix@v4 --limit 300 --dtype bfloat16 --out \$OUT/ceiling-mmlu.jsonl"
+      echo "\$RC eval report \$OUT/ceiling-mmlu.jsonl > \$OUT/ceiling-mmlu.report.md"
+      echo "\$RC eval run --task mmlu --source \$S --target \$T --map v4=\$SERVED --arms target --limit 300 --dtype float32 --out \$OUT/ceiling-mmlu-fp32.jsonl"
+      echo "\${PYTHON:-python} research/scripts/agreement_ceiling.py \$OUT/ceiling-mmlu.jsonl \$OUT/ceiling-mmlu-fp32.jsonl:target:float32 | tee \$OUT/ceiling-mmlu.md"
+      echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 2048 --rhos 0.2 0.3 0.5 0.7 --batches 1 --repeats 2 --selector suffix --dtype bfloat16 --out \$OUT/bench-handoff-suffix.json --no-summary | tee \$OUT/bench-handoff-suffix.txt";;
     bench-handoff)
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 512 2048 --rhos 0.2 0.3 0.5 --batches 1 --repeats 5 --selector rank --dtype bfloat16 --out \$OUT/bench-handoff.json --no-summary | tee \$OUT/bench-handoff.txt";;
     bench-serve)

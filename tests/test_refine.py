@@ -203,7 +203,7 @@ def test_refusals(setup, pair_dir):
 
 def test_cli_defaults_are_the_library_s():
     import argparse
-    from rarecache.commands.maps import REFINE_LR, _add_refine
+    from rarecache.commands.train import REFINE_LR, _add_refine
     from rarecache.transfer.refine import WEIGHTINGS
     assert REFINE_LR == RefineConfig().lr
     sub = argparse.ArgumentParser().add_subparsers()

@@ -8,10 +8,10 @@ at the top, so building the parser, and `--help`, loads no model code.
 
 from __future__ import annotations
 
-from . import bench, generate, inspect, maps, models, ppl, serve
+from . import bench, generate, inspect, maps, models, ppl, serve, train
 from . import eval as evaluation
 
-REGISTER = (serve.register_demo, models.register, generate.register, maps.register, inspect.register, ppl.register,
-            evaluation.register, serve.register, bench.register)
+REGISTER = (serve.register_demo, models.register, generate.register, maps.register, train.register, inspect.register,
+            ppl.register, evaluation.register, serve.register, bench.register)
 
 __all__ = ["REGISTER"]
