@@ -91,7 +91,7 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval run --task mmlu --source \$S --target \$T --map v4=\$SERVED --arms target 0.2:suffix@v4 0.3:suffix@v4 0.5:suffix@v4 0.7:suffix@v4 --limit 300 --dtype bfloat16 --out \$OUT/ceiling-mmlu.jsonl"
       echo "\$RC eval report \$OUT/ceiling-mmlu.jsonl > \$OUT/ceiling-mmlu.report.md"
       echo "\$RC eval run --task mmlu --source \$S --target \$T --map v4=\$SERVED --arms target --limit 300 --dtype float32 --out \$OUT/ceiling-mmlu-fp32.jsonl"
-      echo "\${PYTHON:-python} research/scripts/agreement_ceiling.py \$OUT/ceiling-mmlu.jsonl \$OUT/ceiling-mmlu-fp32.jsonl:target:float32 | tee \$OUT/ceiling-mmlu.md"
+      echo "\${PYTHON:-python} research/scripts/agreement_ceiling.py \$OUT/ceiling-mmlu.jsonl \$OUT/ceiling-mmlu-fp32.jsonl:target:float32 \$OUT/ceiling-mmlu.jsonl:rho=0.2/suffix@v4:suffix-0.2 \$OUT/ceiling-mmlu.jsonl:rho=0.3/suffix@v4:suffix-0.3 \$OUT/ceiling-mmlu.jsonl:rho=0.5/suffix@v4:suffix-0.5 \$OUT/ceiling-mmlu.jsonl:rho=0.7/suffix@v4:suffix-0.7 | tee \$OUT/ceiling-mmlu.md"
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 2048 --rhos 0.2 0.3 0.5 0.7 --batches 1 --repeats 2 --selector suffix --dtype bfloat16 --out \$OUT/bench-handoff-suffix.json --no-summary | tee \$OUT/bench-handoff-suffix.txt";;
     bench-handoff)
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 512 2048 --rhos 0.2 0.3 0.5 --batches 1 --repeats 5 --selector rank --dtype bfloat16 --out \$OUT/bench-handoff.json --no-summary | tee \$OUT/bench-handoff.txt";;

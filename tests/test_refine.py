@@ -218,7 +218,7 @@ def test_a_sharpened_kl_pays_for_a_flipped_argmax(setup):
     """Temperature scales both distributions before the KL: over a flat teacher a flipped argmax costs far
     more sharpened than at 1, a student equal to the teacher still costs nothing, and an Example's loss at
     a temperature is the KL of its logits divided by it."""
-    from rarecache.transfer.refine import kl, kl_each
+    from rarecache.transfer.refine import kl_each
     teacher = torch.tensor([[[0.3, 0.0, -4.0, -4.0]]])  # a 0.3-nat margin between the top two
     flipped = torch.tensor([[[0.0, 0.3, -4.0, -4.0]]])
     at1, sharp = float(kl(teacher, flipped)), float(kl(teacher, flipped, temperature=0.25))

@@ -189,10 +189,13 @@ def main() -> None:
         old = float(np.mean([figures[t][SERVED] for t in have]))
         print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against the served arm {old:.1%}: "
               f"{'rises' if new > old else 'does NOT rise'}.")
-        new_k = float(np.mean([kappas[t][best] for t in have]))
-        old_k = float(np.mean([kappas[t][SERVED] for t in have]))
-        print(f"Rule 2b (candidates after v8), mean κ over the same tasks: {best} {new_k:.3f} against the served arm "
-              f"{old_k:.3f}: {'does not fall' if new_k >= old_k else 'FALLS'}.")
+        ks = [(kappas[t][best], kappas[t][SERVED]) for t in have]
+        if any(k is None for pair in ks for k in pair):
+            print("Rule 2b: κ is undecided on a task (no item, or one answer throughout).")
+        else:
+            new_k, old_k = (float(np.mean(col)) for col in zip(*ks))
+            print(f"Rule 2b (candidates after v8), mean κ over the same tasks: {best} {new_k:.3f} against the served "
+                  f"arm {old_k:.3f}: {'does not fall' if new_k >= old_k else 'FALLS'}.")
     worse = [w for w in rule3 if best and w.endswith(best)]
     print(f"Rule 3, a task significantly worse than the served arm at the default arm: "
           f"{', '.join(worse) if worse else 'none'} (any arm: {', '.join(rule3) or 'none'}).")

@@ -7,7 +7,7 @@ evaluations' dtype) and compares other runs' arms with them (the 1.5B in float32
 agreement, Cohen's κ, and agreement by the reference's own margin, so a handoff's figure can be read against
 what rounding alone does.
 
-    python research/scripts/agreement_ceiling.py research/fidelity/v8/mmlu.jsonl.gz \
+    python research/scripts/agreement_ceiling.py research/fidelity/adopt/mmlu.jsonl.gz \
         RUNS/ceiling/mmlu-fp32.jsonl:target:1.5B-float32 RUNS/ceiling/mmlu-curve.jsonl:rho=0.5/suffix@v4:suffix-0.5
 """
 
@@ -17,7 +17,6 @@ import argparse
 import gzip
 import json
 import sys
-from pathlib import Path
 
 from rarecache.eval.report import agreement, kappa
 

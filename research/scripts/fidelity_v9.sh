@@ -34,6 +34,7 @@ done
 seed probe
 rarecache eval probe --source $S --target $T --map v9="$V9" --arms 0.2:suffix 0.3:suffix 0.3:rank \
     --dtype bfloat16 --out $E/probe.jsonl > /dev/null
+seed drift-coqa-v9-50
 rarecache eval drift run --source $S --target $T --map "$V9" --arms alone 0.3:suffix 0.3:rank --stories 50 \
     --dtype bfloat16 --out $E/drift-coqa-v9-50.jsonl > /dev/null
 echo V9 DONE

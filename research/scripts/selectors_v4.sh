@@ -6,7 +6,7 @@
 # question, the passage's rows the question reads; `suffix+attn` takes the newest and the attended in turn.
 # Neither was run on passage QA or CoQA, which came after them. Arms at rho 0.3 through v4 (label v4b, the
 # served file), added to copies of the adoption files (research/fidelity/adopt: the 1.5B, the 0.5B and v4's
-# suffix and rank arms on the same items); then CoQA switching at every turn. TASKS picks the tasks, DRIFT=""
+# suffix and rank arms on the same items); then CoQA switching at every turn. EXTRA_ARMS the arms, TASKS the tasks, DRIFT=""
 # skips CoQA, GSM=ARMS runs GSM8K exact match for those arms (research/fidelity/ADOPTION.md rule 7). Resumable:
 #   nohup bash research/scripts/frozen.sh research/scripts/selectors_v4.sh >> ~/.cache/rarecache/runs/selectors_v4.log 2>&1 &
 set -euxo pipefail
@@ -20,11 +20,11 @@ seed() {  # RUNS/sel/NAME from research/fidelity/sel (a session's rows, committe
   [ -f "$from/$1.jsonl.gz" ] || return 0
   gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
 }
-ARMS=${ARMS:-0.3:attn-source@v4b 0.3:suffix+attn@v4b}
+EXTRA_ARMS=${EXTRA_ARMS:-0.3:attn-source@v4b 0.3:suffix+attn@v4b}
 for task in ${TASKS-coqa_passage mmlu}; do
   seed $task
   rarecache eval run --task $task --source $S --target $T --map v4b="$V4" \
-      --arms target source $ARMS --limit 300 --dtype bfloat16 --out "$E/$task.jsonl" > /dev/null
+      --arms target source $EXTRA_ARMS --limit 300 --dtype bfloat16 --out "$E/$task.jsonl" > /dev/null
 done
 if [ -n "${GSM:-}" ]; then  # GSM8K exact match (100 items) for the arms named, e.g. GSM=0.3:attn-source@v4b
   seed gsm8k
