@@ -14,19 +14,13 @@ what rounding alone does.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
+from pathlib import Path
 
 from rarecache.eval.report import agreement, kappa
+from rarecache.eval.results import load_results
 
 BANDS = ((0.0, 0.5), (0.5, 2.0), (2.0, float("inf")))  # the reference's top-two margin, nats
-
-
-def read(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def margin(logprobs: list[float]) -> float:
@@ -39,7 +33,7 @@ def main() -> int:
     ap.add_argument("reference", help="results file whose `target` arm is the reference")
     ap.add_argument("others", nargs="+", metavar="FILE:ARM:NAME", help="an arm of another results file")
     args = ap.parse_args()
-    ref = [r for r in read(args.reference) if r["arm"] == "target"]
+    ref = [r for r in load_results(Path(args.reference)) if r["arm"] == "target"]
     margins = {r["item"]: margin(r["logprobs"]) for r in ref}
     print(f"reference: the target arm of {args.reference}, {len(ref)} items; top-two margin bands (nats): "
           + ", ".join(f"[{lo}, {hi}) {sum(lo <= m < hi for m in margins.values())}" for lo, hi in BANDS))
@@ -47,7 +41,7 @@ def main() -> int:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for spec in args.others:
         path, arm, name = spec.rsplit(":", 2)
-        rows = [dict(r, arm=name) for r in read(path) if r["arm"] == arm and r["item"] in margins]
+        rows = [dict(r, arm=name) for r in load_results(Path(path)) if r["arm"] == arm and r["item"] in margins]
         if not rows:
             print(f"no rows of arm {arm} in {path} on the reference's items", file=sys.stderr)
             return 1

@@ -20,12 +20,8 @@ V8=${V8:-$M/general-tok-64k-klmc.safetensors}
 [ -f "$V8" ] || rarecache refine "$V4" --source $S --target $T --preset general --dtype bfloat16 \
     --steps "${STEPS:-240}" --every 40 --weighting context --rhos 0.2 0.3 --prompts mmlu arc_challenge \
     --prompt-share 0.3 --weights-dtype bfloat16 --out "$V8"
-seed() {  # RUNS/v8/NAME from research/fidelity/v8 (a session's rows, committed) or research/fidelity/adopt
-  [ -f "$E/$1.jsonl" ] && return 0
-  local from=research/fidelity/v8; [ -f "$from/$1.jsonl.gz" ] || from=research/fidelity/adopt
-  [ -f "$from/$1.jsonl.gz" ] || return 0
-  gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
-}
+. research/scripts/lib.sh
+seed() { seed_from "$E" "$1" research/fidelity/v8 research/fidelity/adopt; }  # a session's rows, else the adoption's
 for task in ${TASKS:-mmlu coqa_passage arc_challenge hellaswag}; do
   seed $task  # v8's committed records, else the adoption's, are the start of each file
   arms="0.3:suffix@v8 0.2:suffix@v8"; [ $task = coqa_passage ] && arms="$arms 0.3:rank@v8"

@@ -14,8 +14,8 @@ for f in "$V8" "$E/hellaswag.jsonl" "$E/drift-coqa-v8-50.jsonl"; do  # (fidelity
   [ -f "$f" ] || { echo "run research/scripts/fidelity_v8.sh first ($f)" >&2; exit 1; }; done
 run() { rarecache eval run --task "$1" --source $S --target $T --map v8="$V8" --arms target source "${@:3}" \
     --limit "$2" --dtype bfloat16 --out "$E/$1.jsonl" > /dev/null; }
-[ -f "$E/gsm8k.jsonl" ] || { from=research/fidelity/v8; [ -f $from/gsm8k.jsonl.gz ] || from=research/fidelity/adopt
-  gzip -dc $from/gsm8k.jsonl.gz > "$E/gsm8k.jsonl"; sed "s|RUNS/|$R/|g" $from/gsm8k.meta.json > "$E/gsm8k.meta.json"; }
+. research/scripts/lib.sh
+seed_from "$E" gsm8k research/fidelity/v8 research/fidelity/adopt  # a session's rows, else the adoption's
 rarecache eval run --task gsm8k --source $S --target $T --map v8="$V8" --arms target source 0.3:suffix@v8 \
     ${GSM_ARMS:-} --limit 100 --batch 10 --dtype bfloat16 --out "$E/gsm8k.jsonl" > /dev/null
 for task in mmlu arc_challenge hellaswag; do run $task 300 0.3:rank@v8 0.2:rank@v8; done

@@ -19,12 +19,8 @@ V9=${V9:-$M/general-tok-64k-klmc-t025.safetensors}
 [ -f "$V9" ] || rarecache refine "$V4" --source $S --target $T --preset general --dtype bfloat16 \
     --steps "${STEPS:-240}" --every 40 --weighting context --temperature 0.25 --rhos 0.2 0.3 \
     --prompts mmlu arc_challenge --prompt-share 0.3 --weights-dtype bfloat16 --out "$V9"
-seed() {  # RUNS/v9/NAME from research/fidelity/v9 (a session's rows, committed), else research/fidelity/v8
-  [ -f "$E/$1.jsonl" ] && return 0
-  local from=research/fidelity/v9; [ -f "$from/$1.jsonl.gz" ] || from=research/fidelity/v8
-  [ -f "$from/$1.jsonl.gz" ] || return 0
-  gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
-}
+. research/scripts/lib.sh
+seed() { seed_from "$E" "$1" research/fidelity/v9 research/fidelity/v8; }  # a session's rows, else v8's files
 for task in ${TASKS:-mmlu coqa_passage arc_challenge hellaswag}; do
   seed $task
   arms="0.3:suffix@v9 0.2:suffix@v9"; [ $task = coqa_passage ] && arms="$arms 0.3:rank@v9"

@@ -80,3 +80,17 @@ v3_map() {
   if [ ! -f "$f" ]; then mkdir -p "$REBUILT" && git show "$V3_FROM" > "$f.part" && mv "$f.part" "$f"; fi
   echo "$f"
 }
+# seed_from E NAME DIR...: before a run writes E/NAME.jsonl (E under RUNS), start it from the first DIR holding
+# NAME.jsonl.gz (a session's rows committed under research/fidelity/..., else the base records a candidate's runs
+# are added to), its meta's RUNS/ paths pointed back at this machine's RUNS. An E/NAME.jsonl that exists, or a
+# NAME no DIR holds, is left alone.
+seed_from() {
+  local e=$1 name=$2 d runs; runs=$(dirname "$e"); shift 2
+  [ ! -f "$e/$name.jsonl" ] || return 0
+  for d in "$@"; do
+    [ -f "$d/$name.jsonl.gz" ] || continue
+    gzip -dc "$d/$name.jsonl.gz" > "$e/$name.jsonl"
+    sed "s|RUNS/|$runs/|g" "$d/$name.meta.json" > "$e/$name.meta.json"
+    return 0
+  done
+}

@@ -9,12 +9,8 @@ cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/ceiling; mkdir -p $E
 V4=rarecache/data/general-v4-64k.safetensors
-seed() {  # RUNS/ceiling/NAME from research/fidelity/ceiling (a session's rows, committed)
-  if [ -f "$E/$1.jsonl" ] || [ ! -f research/fidelity/ceiling/$1.jsonl.gz ]; then return 0; fi
-  gzip -dc research/fidelity/ceiling/$1.jsonl.gz > "$E/$1.jsonl"
-  sed "s|RUNS/|$R/|g" research/fidelity/ceiling/$1.meta.json > "$E/$1.meta.json"
-}
-seed mmlu-fp32; seed mmlu-curve
+. research/scripts/lib.sh
+seed_from $E mmlu-fp32 research/fidelity/ceiling; seed_from $E mmlu-curve research/fidelity/ceiling  # a session's rows
 rarecache eval run --task mmlu --source $S --target $T --map v4=$V4 --arms target --limit 300 --dtype float32 \
     --out $E/mmlu-fp32.jsonl > /dev/null
 rarecache eval run --task mmlu --source $S --target $T --map v4=$V4 --arms target 0.5:suffix@v4 0.7:suffix@v4 \

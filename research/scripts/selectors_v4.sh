@@ -14,12 +14,8 @@ cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/sel; mkdir -p $E
 V4=rarecache/data/general-v4-64k.safetensors
-seed() {  # RUNS/sel/NAME from research/fidelity/sel (a session's rows, committed), else research/fidelity/adopt
-  [ -f "$E/$1.jsonl" ] && return 0
-  local from=research/fidelity/sel; [ -f "$from/$1.jsonl.gz" ] || from=research/fidelity/adopt
-  [ -f "$from/$1.jsonl.gz" ] || return 0
-  gzip -dc "$from/$1.jsonl.gz" > "$E/$1.jsonl"; sed "s|RUNS/|$R/|g" "$from/$1.meta.json" > "$E/$1.meta.json"
-}
+. research/scripts/lib.sh
+seed() { seed_from "$E" "$1" research/fidelity/sel research/fidelity/adopt; }  # a session's rows, else the adoption's
 EXTRA_ARMS=${EXTRA_ARMS:-0.3:attn-source@v4b 0.3:suffix+attn@v4b}
 for task in ${TASKS-coqa_passage mmlu}; do
   seed $task
