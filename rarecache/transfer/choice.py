@@ -1,4 +1,5 @@
-"""Choosing positions: the budget, orders built from scores, the top of an order, the chosen tokens.
+"""Choosing positions: the budget, orders built from scores, the top of an order, the chosen tokens,
+and the clock the recompute's phases are timed by (`now`).
 
 Every recompute schedule (one pass in `handoff.py`, two in `query.py`, the gate's rungs, the vLLM
 adapter) spends ⌈ρ·T⌉ positions and takes them from one order over the handed-off positions. The
