@@ -56,7 +56,9 @@ SERVED = ServedMap(
 # The selector registry's names (transfer/selectors.py SELECTORS, then the layer-prefix schedule), spelled
 # here so that `--help` lists them without importing torch; tests/test_defaults.py holds them equal.
 SELECTOR_NAMES = ("rank", "random", "attn-source", "suffix", "attn-rank", "attn+rank", "suffix+attn", "suffix+rank",
-                  "attn-target", "l2-oracle", "layer-prefix")
+                  "attn-target", "l2-oracle", "query", "query-layer", "query-head", "query-all", "query-value",
+                  "query-common", "query-raw", "query-span", "query-layer-span", "query-rank", "query-w8", "query-w64",
+                  "attn-source-span", "layer-prefix")
 ORACLES = ("attn-target", "l2-oracle")  # they read the target's own prefill: evaluation only
 
 

@@ -105,7 +105,8 @@ def run_demo(cfg: DemoConfig) -> int:
         handoff_s = t["map"] + t["score"] + t["recompute"]
         agree = [sum(a == b for a, b in zip(o.tokens, ref.tokens)) / max(len(ref.tokens), 1)
                  for o, ref in zip(outs, alone)]
-        timing_rows.append((rho, sum(len(p) for p in res.positions), t, handoff_s, sum(agree) / len(agree)))
+        recomputed = sum(map(res.recomputed, range(len(res.positions))))  # every pass counted
+        timing_rows.append((rho, recomputed, t, handoff_s, sum(agree) / len(agree)))
     for i, text in enumerate(texts):
         shown = text if len(text) < 300 else f"{text[:120]} [... {len(text)} characters ...] {text[-60:]}"
         print(f"=== prompt {i + 1} ({alone[i].prompt_tokens} tokens): {shown}")

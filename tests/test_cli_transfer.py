@@ -406,3 +406,20 @@ def test_a_rerun_removes_what_a_killed_calibration_left(mapped, tmp_path, capsys
             "--rank", "4", "--dtype", "float32", "--out", str(out)]
     assert main(args) == 2 and "not a calibration state" in capsys.readouterr().err
     assert not any(p.exists() for p in left) and other.exists()
+
+
+def test_generate_with_a_two_pass_selector(mapped, capsys):
+    """--selector query: both passes counted (recomputed, first_pass, the cost line), timed apart; at rho 1
+    the target's own answer."""
+    base = ["generate", "--model", str(mapped / "tgt"), "--source", str(mapped / "src"), "--map",
+            str(mapped / "m.safetensors"), "--dtype", "float32", "--max-new-tokens", "6", "--selector", "query",
+            "--json", "the quick brown fox jumps over the lazy dog " * 4]
+    capsys.readouterr()
+    assert main(base + ["--rho", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["recomputed"] == -(-out["prompt_tokens"] // 2) and out["first_pass"] > 0
+    assert out["cost"].startswith(f"recomputed 2 passes, {out['first_pass']} + ")
+    assert {"pass1", "pass2"} <= set(out["timings"])
+    assert main(base + ["--rho", "1", "--compare"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == out["target_alone"] and out["recomputed"] == out["prompt_tokens"] and out["first_pass"] == 0

@@ -105,7 +105,10 @@ def test_arm_parsing():
     both = parse_arms(["target", "0.3:rank", "0:rank@wiki", "0.3:rank"], ("task", "wiki"))
     assert [a.name for a in both] == ["target", "rho=0.3/rank@task", "rho=0.3/rank@wiki", "rho=0/rank@wiki"]
     for bad, message in (("0.3:magic", "^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
-                                       "attn-rank, attn\\+rank, suffix\\+attn, suffix\\+rank, attn-target, l2-oracle, layer-prefix$"),
+                                       "attn-rank, attn\\+rank, suffix\\+attn, suffix\\+rank, attn-target, l2-oracle, query, "
+                                           "query-layer, query-head, query-all, query-value, query-common, query-raw, "
+                                           "query-span, query-layer-span, query-rank, query-w8, query-w64, "
+                                           "attn-source-span, layer-prefix$"),
                          ("x:rank", r"^bad arm 'x:rank': use target, source, RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\) or ladder:SELECTOR\[@MAP\]$"),
                          ("2:rank", r"^rho must be a number in \[0, 1\], got 2.0$"),
                          ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):
@@ -365,6 +368,25 @@ def test_choice_scoring_over_a_shared_cache_equals_separate_full_passes(models, 
         assert r["prediction"] == max(range(3), key=lambda j: lps[j])
         assert r["prediction_norm"] == max(range(3), key=lambda j: lps[j] / chars[j])
         assert r["correct_norm"] == (r["prediction_norm"] == item.gold)
+
+
+def test_query_arms_run_in_an_evaluation(models, tmp_path):
+    """`RHO:query` arms: ρ 1 scores as the target, and a record counts both passes (`first_pass` inside
+    `recomputed`, which is the budget)."""
+    from rarecache.transfer.handoff import budget
+
+    source, target, mapper = models
+    task = ToyChoice()
+    arms = parse_arms(["target", "1:query", "0.6:query", "0.6:query-span"], ("",))
+    rows = load_results(run_task(task, task.items()[:2], source, target, mapper, arms, tmp_path / "q.jsonl",
+                                 progress=False))
+    by = {(r["item"], r["arm"]): r for r in rows}
+    for item in task.items()[:2]:
+        assert by[(item.id, "rho=1/query")]["logprobs"] == pytest.approx(by[(item.id, "target")]["logprobs"],
+                                                                           abs=1e-3)
+        for arm in ("rho=0.6/query", "rho=0.6/query-span"):
+            r = by[(item.id, arm)]
+            assert r["recomputed"] == budget(0.6, r["prompt_tokens"]) and r["first_pass"] > 0
 
 
 class ToyFewShot(ToyChoice):

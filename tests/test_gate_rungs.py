@@ -20,7 +20,8 @@ from rarecache.transfer.handoff import HandoffConfig, budget, handoff, subset
 from rarecache.transfer.selectors import SELECTORS
 
 NEVER, ALWAYS = -1.0, math.inf
-SELECTORS_SERVED = [name for name, s in SELECTORS.items() if not s.oracle]  # oracles read the target's prefill
+# oracles read the target's prefill; a two-pass selector has no one order for the rungs (the gate refuses it)
+SELECTORS_SERVED = [name for name, s in SELECTORS.items() if not (s.oracle or s.two_pass)]
 
 
 def close(a, b):

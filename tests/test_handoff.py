@@ -95,14 +95,18 @@ def test_score_limits_in_rank(fitted):
 def test_selection_honours_budget_and_keeps_last(fitted, name, rho):
     source, target, mapper, prompts = fitted
     _, _, res = handoff(source, target, mapper, prompts, HandoffConfig.named(rho, name))
-    for chosen, prompt in zip(res.positions, prompts):
+    for b, (chosen, prompt) in enumerate(zip(res.positions, prompts)):
         n = len(prompt)
         if name == "layer-prefix":  # FLOP-matched: n·m + (L − m) ≈ ⌈ρn⌉·L token-layers
             L, m = target.num_layers, res.prefix_layers
             assert chosen == [n - 1] and abs(n * m + (L - m) - budget(rho, n) * L) <= n * 1.5
             continue
-        assert len(chosen) == budget(rho, n) == max(1, math.ceil(round(rho * n, 6)))
+        # every pass counted (a two-pass selector's first pass, the newest positions, is inside its second)
+        assert res.recomputed(b) == budget(rho, n) == max(1, math.ceil(round(rho * n, 6)))
         assert chosen == sorted(set(chosen)) and chosen[-1] == n - 1 and chosen[0] >= 0
+        first = res.first_pass[b] if res.first_pass else []
+        assert first == list(range(n - len(first), n)) and set(first) <= set(chosen)
+        assert bool(res.first_pass) == SELECTORS[name].two_pass
 
 
 def test_rank_selector_picks_highest_scores(fitted):
@@ -120,14 +124,17 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(rho=1.5)
     with pytest.raises(RarecacheError, match="unknown selector"):
         HandoffConfig(selector="magic")
-    with pytest.raises(RarecacheError, match=r"unknown selector 'layer-prefix'; .*l2-oracle \(layer-prefix is a "
-                                             r"schedule: schedule='layer-prefix'\)$"):
+    with pytest.raises(RarecacheError, match=r"unknown selector 'layer-prefix'; .*attn-source-span \(layer-prefix is "
+                                             r"a schedule: schedule='layer-prefix'\)$"):
         HandoffConfig(selector="layer-prefix")
     with pytest.raises(RarecacheError, match="unknown schedule 'magic'; choose from positions, layer-prefix$"):
         HandoffConfig(schedule="magic")
     # the one word users give: the message lists every name they may give
-    with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, suffix, "
-                                             r"attn-rank, attn\+rank, suffix\+attn, suffix\+rank, attn-target, l2-oracle, layer-prefix$"):
+    with pytest.raises(RarecacheError, match="^unknown selector 'magic'; choose from rank, random, attn-source, "
+                                             r"suffix, attn-rank, attn\+rank, suffix\+attn, suffix\+rank, attn-target, "
+                                             r"l2-oracle, query, query-layer, query-head, query-all, query-value, "
+                                             r"query-common, query-raw, query-span, query-layer-span, query-rank, "
+                                             r"query-w8, query-w64, attn-source-span, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
     with pytest.raises(RarecacheError, match=r"^rho must be a number in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")

@@ -948,3 +948,26 @@ def test_a_cascade_re_asking_the_same_turn_hands_off_with_the_sources_attention(
         again = svc.complete("small", first, SAMPLING, salt=salt)
         assert again.tokens == small.tokens and again.reused == again.prompt_tokens - 1
     assert_rows_held(svc)
+
+
+def test_a_two_pass_selector_serves_a_switch_within_its_budget(chat):
+    """`query` through the service: a switched turn (and a later one, handing off only the span the model
+    has not seen) recomputes its budget in all, both passes counted in `recomputed`; ρ = 1 is the large
+    model's own answer."""
+    from rarecache.transfer.handoff import budget
+
+    models, maps = chat
+    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, "query")))
+    first = [{"role": "user", "content": TURNS[0]}]
+    for salt, rho in (("a", 1.0), ("b", 0.5)):
+        svc.complete("small", first, SAMPLING, salt=salt)
+        large = svc.complete("large", first, SAMPLING, salt=salt, rho=rho)
+        assert large.handed_off_from == "small" and large.selector == "query"
+        assert large.recomputed == budget(rho, large.handed_off)
+        if rho == 1.0:
+            assert large.tokens == fresh_answer(models["large"], first)
+    later = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": TURNS[1]}]
+    svc.complete("small", later, SAMPLING, salt="b")
+    large = svc.complete("large", later, SAMPLING, salt="b", rho=0.5)
+    assert large.reused > 0 and large.recomputed == budget(0.5, large.handed_off)
+    assert_rows_held(svc)

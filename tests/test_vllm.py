@@ -447,6 +447,56 @@ def test_suffix_rank_recomputes_the_librarys_positions(vpair, tmp_path):
         assert got not in (rank, newest)  # neither list alone
 
 
+def test_claim_leaves_a_query_selectors_window_to_vllm():
+    """query: the tail is pass 1's window (rounded up to a block); tail (ours) + k + tail (vLLM's) = the budget."""
+    from rarecache.adapters.vllm.core import claim
+    from rarecache.transfer.handoff import budget
+    from rarecache.transfer.selectors import QueryConfig
+
+    w = QueryConfig().split(budget(0.6, 100), 100)
+    assert w == 15 and claim(100, 100, 16, 0.6, "query") == (80, budget(0.6, 100) - 2 * 20)
+    assert claim(100, 100, 32, 0.6, "query") == (64, 0)  # a tail of 36: two passes of it spend the budget
+    assert claim(100, 100, 16, 1.0, "query") == (0, 0)  # rho 1: vLLM prefills every position itself
+    assert claim(100, 100, 16, 0.0, "query") == claim(100, 100, 16, 0.0, "suffix")  # one pass: a suffix
+    assert claim(100, 50, 16, 0.6, "query") == (48, 0)  # rows for 50: the tail is longer than the window
+
+
+def test_query_runs_its_two_passes_around_vllms_tail(vpair, monkeypatch):
+    """hand_rows with a query selector: pass 1 is the tail over the mapped claimed rows, pass 2 the claimed
+    positions its queries read most; with vLLM's own prefill of the tail after it, that is the library's
+    handoff whose window is the tail (same positions, same rows, same last logits)."""
+    from rarecache.adapters.vllm.core import ENGINE_SELECTORS, QUERY_SELECTORS, check_selector, claim, hand_rows
+    from rarecache.transfer.handoff import HandoffConfig, handoff
+    from rarecache.transfer.selectors import SELECTORS, QueryConfig, QuerySelector
+
+    assert set(QUERY_SELECTORS) <= set(ENGINE_SELECTORS) and check_selector("query-span") == "query-span"
+    with pytest.raises(RarecacheError, match="needs the source's attention"):
+        check_selector("attn-source-span")
+    src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
+    prompt = vpair.prompts[0]
+    P = len(prompt)
+    n, k = claim(P, P, 16, 0.6, "query")
+    _, _, k_src, v_src = _source_rows(vpair, n)
+    with pytest.raises(RarecacheError, match="needs its tokens"):
+        hand_rows(tgt, mapper, src.config, k_src, v_src, prompt[:n], k, "query", rho=0.6)
+    out = hand_rows(tgt, mapper, src.config, k_src, v_src, prompt[:n], k, "query", rho=0.6, tail=prompt[n:])
+    assert len(out.recomputed) == k and out.first_pass == P - n and max(out.recomputed) < n
+    # vLLM's prefill of the tail over the rows handed over
+    cache = tgt.new_cache(1, P)
+    cache.k[:, 0, :, :n], cache.v[:, 0, :, :n] = out.k, out.v
+    cache.mark(torch.arange(n)[None])
+    logits = tgt.forward(torch.tensor([prompt[n:]]), torch.arange(n, P)[None], cache).logits
+    window = QuerySelector("query-tail", QueryConfig(window=P - n, window_share=1.0))
+    monkeypatch.setitem(SELECTORS, "query-tail", window)
+    sc = src.new_cache(1, P)
+    src.forward(*pad_batch([prompt]), sc, logits_at=None)
+    ref_cache, ref_logits, res = handoff(src, tgt, mapper, [prompt], HandoffConfig(0.6, "query-tail"),
+                                         source_cache=sc, source_kept=[P])
+    assert res.first_pass == [list(range(n, P))] and res.positions == [out.recomputed + list(range(n, P))]
+    torch.testing.assert_close(cache.k[:, 0, :, :P], ref_cache.k[:, 0, :, :P], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+
+
 def test_only_the_adapter_imports_vllm():
     root = Path(__file__).parent.parent / "rarecache"
     pattern = re.compile(r"^\s*(import vllm|from vllm)", re.M)

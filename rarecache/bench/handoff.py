@@ -2,7 +2,8 @@
 
 For each prompt length T, budget ρ and batch size: the target's prefill of the
 prompts and the handoff's map, score and recompute phases are timed in the same
-run (one warm-up, then repeats; median and spread). The source prefill is not
+run (one warm-up, then repeats; median and spread); a two-pass selector's recompute
+is both its passes, also reported apart (`pass1_ms`, `pass2_ms`). The source prefill is not
 counted: in a cascade the source has already paid it. The FLOP ceiling of seed
 000 eq. 11 is printed in its dense-mask form (ρT x T attention) and its
 sparse-causal form (½ρT x T), with the fraction of the sparse ceiling reached.
@@ -89,8 +90,9 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     src_cache, _ = source.prefill(prompts)
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
-    cell = Cell(T, rho, batch, [], {"map": [], "score": [], "recompute": []}, {})
     cfg = HandoffConfig(rho=rho, selector=selector)
+    passes = ("pass1", "pass2") if cfg.scorer.two_pass else ()  # both timed inside recompute, and apart
+    cell = Cell(T, rho, batch, [], {k: [] for k in ("map", "score", "recompute", *passes)}, {})
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
         mapper.tensors(side, mapper.dtype_for(target), target.device)
     target.forward(tokens[:, :1], pos[:, :1], target.new_cache(batch, 1))  # every weight paged in before measuring

@@ -159,6 +159,9 @@ def cmd_bench_handoff(args) -> int:
                       f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
                       f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
                       f"{r['map_mib']:>5.0f}", flush=True)
+                if "pass1_ms" in r:  # a two-pass selector: its recompute is both passes
+                    print(f"{'':>14} recompute = pass 1 {r['pass1_ms']:.1f} ms + pass 2 {r['pass2_ms']:.1f} ms",
+                          flush=True)
     header = {"bench": "handoff", "pair": pair, "selector": args.selector, "dtype": args.dtype, "map_dtype": map_dtype,
               "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
               "memory": memory_kind(args.device)}

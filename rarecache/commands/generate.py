@@ -69,6 +69,7 @@ def cmd_generate(args) -> int:
 
 
 def _generate_handoff(args, prompts, sampling) -> int:
+    from ..transfer.costs import describe_recompute
     from ..transfer.handoff import HandoffConfig
     from ..transfer.mapper import Mapper
     from ..transfer.pipeline import Pipeline
@@ -86,8 +87,11 @@ def _generate_handoff(args, prompts, sampling) -> int:
     t = res.timings
     report = []
     for i, o in enumerate(outs):
-        entry = {"text": o.text, "prompt_tokens": o.prompt_tokens, "recomputed": len(res.positions[i]),
-                 "finish_reason": o.finish_reason}
+        first = res.first_pass[i] if res.first_pass else None
+        entry = {"text": o.text, "prompt_tokens": o.prompt_tokens, "recomputed": res.recomputed(i),
+                 **({"first_pass": len(first)} if first is not None else {}), "finish_reason": o.finish_reason,
+                 "cost": describe_recompute(pipe.target.config, o.prompt_tokens, res.positions[i], first)
+                 if res.prefix_layers is None else f"the first {res.prefix_layers} layers for every position"}
         if args.compare:
             alone = {name: llm.generate([prompts[i]], sampling)[0]
                      for name, llm in (("target", pipe.target), ("source", pipe.source))}
@@ -106,6 +110,9 @@ def _generate_handoff(args, prompts, sampling) -> int:
                 print(f"\n--- target alone ({pipe.target.path.name}):\n{e['target_alone']}")
                 print(f"\n--- source alone ({pipe.source.path.name}):\n{e['source_alone']}")
                 print(f"\ntoken agreement with target alone: {e['agreement_with_target']:.1%}")
+    if not args.json:
+        for i, e in enumerate(report):
+            print(f"{f'[{i}] ' if len(report) > 1 else ''}{e['cost']}", file=sys.stderr)
     phases = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in t.items())
     print(f"[{pipe.source.path.name} -> {pipe.target.path.name}, rho={cfg.rho}, selector={cfg.name}, "
           f"{args.dtype}] {phases}", file=sys.stderr)

@@ -52,9 +52,9 @@ class Arm:
         if label and label not in maps:
             raise RarecacheError(f"arm {spec!r} names map {label!r}; the run's maps: {', '.join(maps) or '(none)'}")
         if rho == "ladder":
-            if method not in SELECTORS or SELECTORS[method].oracle:
-                raise RarecacheError(f"bad arm {spec!r}: the ladder needs a deployable selector "
-                                     f"({', '.join(k for k, v in SELECTORS.items() if not v.oracle)})")
+            if method not in SELECTORS or SELECTORS[method].oracle or SELECTORS[method].two_pass:
+                raise RarecacheError(f"bad arm {spec!r}: the ladder needs a deployable one-pass selector "
+                                     f"({', '.join(k for k, v in SELECTORS.items() if not (v.oracle or v.two_pass))})")
             return [cls("ladder", 0.0, method, m) for m in ([label] if label else maps)]
         try:
             arms = [cls("handoff", float(rho), method or "rank", m) for m in ([label] if label else maps)]

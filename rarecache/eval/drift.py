@@ -110,7 +110,7 @@ class _Local:
                "seconds": turn.seconds, **({"healed": turn.healed} if self.conv.heal else {})}
         if turn.handoff is not None:
             start, end = turn.handoff.handed_off[0]
-            row.update(handed_off=end - start, recomputed=len(turn.handoff.positions[0]),
+            row.update(handed_off=end - start, recomputed=turn.handoff.recomputed(0),
                        own_prefill_s=own[0], own_prefill_tokens=own[1])
         if turn.gate is not None:
             row["gate"] = turn.gate.record()

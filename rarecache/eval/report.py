@@ -190,7 +190,8 @@ def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int
 
 def _template_share(rows: list[dict], arm: str) -> float | None:
     """Share of the recomputed positions that lie in text every prompt of the task shares."""
-    picked = [(r["chosen_template"], r["recomputed"]) for r in rows if r["arm"] == arm and "chosen_template" in r]
+    picked = [(r["chosen_template"], r["recomputed"] - r.get("first_pass", 0)) for r in rows  # the chosen set's
+              if r["arm"] == arm and "chosen_template" in r]  # size ("recomputed" counts pass 1 as well)
     total = sum(n for _, n in picked)
     return sum(c for c, _ in picked) / total if total else None
 

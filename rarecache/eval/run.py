@@ -155,10 +155,12 @@ def _contexts(arms: list[Arm], st: _ItemState, source: LLM, target: LLM, maps: d
             cache.row(k).copy_prefix(out.row(j), n)
             logits[k] = lg[j]
             chosen = res.positions[0]
-            fields[k] = {"recomputed": len(chosen), "position0": 0 in chosen,
+            fields[k] = {"recomputed": res.recomputed(0), "position0": 0 in chosen,
                          "chosen_template": sum(st.template[p] for p in chosen)}
             if res.prefix_layers is not None:
                 fields[k]["prefix_layers"] = res.prefix_layers
+            if res.first_pass is not None:  # a two-pass selector: "recomputed" counts both passes
+                fields[k]["first_pass"] = len(res.first_pass[0])
             phases[k] = {**res.timings, "shared_prefill": spent}
     return cache, logits, fields, phases
 

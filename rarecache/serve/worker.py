@@ -284,7 +284,7 @@ class Scheduler:
         result, gated = job.started.handoff, job.started.gate
         budget, handed = job.budget, job.source is not None
         return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
-                     None if result is None else len(result.positions[0]),
+                     None if result is None else result.recomputed(0),
                      None if result is None else result.handed_off[0][1] - result.handed_off[0][0],
                      dict(job.seconds), None if gated is None else gated.record(),
                      (gated.rho if gated is not None else budget.handoff.rho) if handed else None,

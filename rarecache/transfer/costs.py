@@ -1,5 +1,5 @@
-"""What a map costs before it is fitted: calibration statistics memory, map file size and the work of
-mapping one token.
+"""What a map costs before it is fitted (calibration statistics memory, map file size, the work of mapping
+one token) and what a handoff's recompute costs, every pass counted (`describe_recompute`).
 
 Calibration keeps, per side and per part (fit, held-out), float64 sums over every
 source layer's rows against every target layer's (stats.py): XᵀX is (Ls·ds)² and
@@ -129,3 +129,32 @@ def describe(p: PairShape, k: int, rank: int | None, heldout: bool = True, head_
                if token_inputs or exact_layer0 else "")
         line += f"; mapping a token {flops / 1e6:.2f} MFLOP{own}"
     return line + ("; this run: head-matched" if head_matched else "; this run: dense")
+
+
+def position_flops(cfg, keys: int) -> int:
+    """FLOPs of one position through every layer of a model with config `cfg` (models/config.py), its query
+    reading `keys` keys: the q/k/v, output and gated-MLP products and the attention scores and sum."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    linear = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * (2 * linear + 4 * cfg.num_heads * d * keys)
+
+
+def recompute_flops(cfg, positions: list[int]) -> int:
+    """FLOPs of recomputing `positions` (each reading the keys up to its own)."""
+    return sum(position_flops(cfg, p + 1) for p in positions)
+
+
+def describe_recompute(cfg, length: int, chosen: list[int], first: list[int] | None = None) -> str:
+    """What a handoff of a `length`-position prompt recomputed, every pass counted: a two-pass selector's
+    first pass (`first`, the newest positions) and its second (`chosen`, which holds them again), against the
+    target's own prefill of the prompt (`cfg`: the target's config)."""
+    first = first or []
+    own = recompute_flops(cfg, list(range(length)))
+    spent = recompute_flops(cfg, chosen) + recompute_flops(cfg, first)
+    count = len(chosen) + len(first)
+    if first:
+        how = (f"2 passes, {len(first)} + {len(chosen)} = {count} of {length} positions: pass 1 the newest "
+               f"{len(first)}, pass 2 those again and {len(chosen) - len(first)} the question reads")
+    else:
+        how = f"1 pass, {count} of {length} positions"
+    return f"recomputed {how}; {spent / own:.3f} of the target's prefill FLOPs ({spent / 1e9:.2f} GFLOP)"

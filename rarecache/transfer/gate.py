@@ -86,7 +86,9 @@ class GatePolicy:
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise RarecacheError(f"gate {name} must be a number, got {v!r}")
-        HandoffConfig(rungs[0], self.selector)  # validates the selector
+        if HandoffConfig(rungs[0], self.selector).scorer.two_pass:  # (validates the selector)
+            raise RarecacheError(f"the gate climbs one order of positions; {self.selector} chooses its positions "
+                                 "from a first pass at each budget: give the gate a one-pass selector")
         f = self.first_rung
         if isinstance(f, bool) or not isinstance(f, int) or not 0 <= f < len(rungs):
             raise RarecacheError(f"gate first_rung must be a whole number from 0 to {len(rungs) - 1}, got {f!r}")

@@ -17,13 +17,13 @@ positions a selector picks through all the target's layers. `layer-prefix`
 (DroidSpeak-style) is not a choice of positions: it runs the target's first m
 layers for every handed-off position, m FLOP-matched to ρ. Users name either by
 one word (`--selector layer-prefix`, arm `0.3:layer-prefix`): `HandoffConfig.named`
-reads it and `HandoffConfig.name` gives it back.
+reads it and `HandoffConfig.name` gives it back. A query-aware selector (`query`, ...) spends the
+positions budget in two passes, its first choosing from the target's own attention what its second
+recomputes (transfer/query.py); both count in the ⌈ρ·T⌉ (`HandoffResult.recomputed`).
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +32,9 @@ from ..defaults import SERVED
 from ..engine.cache import KVCache
 from ..engine.runner import Runner, Step, spans
 from ..errors import RarecacheError
+from .choice import budget, now, select_top, subset
 from .mapper import Mapper
+from .query import captured_layers, choose, first_pass, newest, plan, two_pass
 from .selectors import SELECTORS, SelectionContext, Selector, attention_capture, received
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
@@ -93,33 +95,15 @@ class HandoffResult:
     handed_off: list[tuple[int, int]]  # [target_kept, end) of the positions that came from the map
     prefix_layers: int | None = None  # layer-prefix: layers the target ran for every position
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    first_pass: list[list[int]] | None = None  # two-pass selectors: pass 1's positions (inside `positions`)
+
+    def recomputed(self, b: int = 0) -> int:
+        """Positions request b recomputed through all the target's layers, every pass counted."""
+        return len(self.positions[b]) + (len(self.first_pass[b]) if self.first_pass else 0)
 
 
 def _now(runner: Runner) -> float:
-    if runner.device.type == "cuda":  # phases are timed to completion, not to kernel launch
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
-def budget(rho: float, length: int) -> int:
-    """⌈ρ·T⌉ positions, at least the last one."""
-    return max(1, math.ceil(rho * length - 1e-9))
-
-
-def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k highest of scores (W,), the last one forced in; ascending."""
-    s = scores.clone().float()
-    s[-1] = float("inf")
-    return s.topk(k).indices.sort().values
-
-
-def subset(tokens: torch.Tensor, chosen: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whole prompts (B, n) and each row's chosen positions -> their tokens and positions (B, K), -1 padded."""
-    width = max(len(c) for c in chosen)
-    positions = torch.full((len(chosen), width), -1, dtype=torch.long, device=tokens.device)
-    for b, c in enumerate(chosen):
-        positions[b, : len(c)] = c
-    return tokens.gather(1, positions.clamp(min=0)), positions
+    return now(runner.device)
 
 
 def prefix_layers(rho: float, length: int, layers: int) -> int:
@@ -144,6 +128,7 @@ class Mapped:
     target_kept: list[int]
     source_attn: torch.Tensor | None  # (B, S) attention received in the source, if captured
     timings: dict[str, float]
+    rank: torch.Tensor | None = None  # (B, W) rank disagreement, when the selector reads it
 
 
 def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[int]], cfg: HandoffConfig,
@@ -189,12 +174,12 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     t = _now(target)
     whole = spans(prompts, [0] * B, device)[0]  # (B, n)
     scores = None
-    if selector is not None:
+    if selector is not None and not selector.two_pass:  # a two-pass selector scores after its first pass
         ctx = SelectionContext(source, target, mapper, whole, positions, cache, None, src_attn, cfg.seed,
                                target_prefill, rank=rank)
         scores = selector.scores(ctx)  # (B, W)
     timings["score"] = _now(target) - t
-    return Mapped(cache, whole, toks, positions, scores, lengths, target_kept, src_attn, timings)
+    return Mapped(cache, whole, toks, positions, scores, lengths, target_kept, src_attn, timings, rank)
 
 
 @torch.inference_mode()
@@ -219,6 +204,8 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     cache, whole, positions, timings, lengths = m.cache, m.whole, m.positions, m.timings, m.lengths
     if cfg.schedule == LAYER_PREFIX:
         return _layer_prefix(target, prompts, cfg, cache, m.tokens, positions, m.target_kept, timings)
+    if cfg.scorer.two_pass:
+        return _two_pass(target, m, cfg)
     t = _now(target)
     scores, target_kept = m.scores, m.target_kept
     chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
@@ -232,6 +219,18 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(target_kept, lengths))]
     return cache, logits, HandoffResult([c.tolist() for c in chosen], per_request, list(zip(target_kept, lengths)),
                                         timings=timings)
+
+
+def _two_pass(target: Runner, m: Mapped, cfg: HandoffConfig):
+    """A query-aware selector's two passes over the mapped cache (transfer/query.py), both in the budget."""
+    handed = [n - s for s, n in zip(m.target_kept, m.lengths)]
+    logits, p = two_pass(target, m.cache, m.whole, m.positions, handed, cfg.scorer, cfg.rho, m.rank)
+    timings = {**m.timings, "pass1": p.timings["pass1"], "pass2": p.timings["pass2"]}
+    timings["score"] += p.timings.get("score", 0.0)
+    timings["recompute"] = p.timings["pass1"] + p.timings["pass2"]
+    return m.cache, logits, HandoffResult([c.tolist() for c in p.chosen], [p.scores[b, :h].cpu() for b, h in
+                                          enumerate(handed)], list(zip(m.target_kept, m.lengths)), timings=timings,
+                                          first_pass=[f.tolist() for f in p.first])
 
 
 def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_kept, timings):
@@ -262,6 +261,26 @@ def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_k
                                         timings=timings)
 
 
+def _first_pass_of(target: Runner, firsts: dict, fit: int, cache: KVCache, whole: torch.Tensor,
+                   positions: torch.Tensor, sel, rho: float) -> tuple[KVCache, tuple | None, dict]:
+    """Pass 1 of a two-pass variant on a copy of its map's cache, run once per (map, window, layers):
+    (the cache as pass 1 left it, its capture or None for one pass, {"pass1": seconds})."""
+    n = whole.shape[1]
+    width = plan(sel, rho, [n])[1][0]
+    if not width:
+        return cache, None, {"pass1": 0.0}
+    key = (fit, width, sel.config.layers)
+    if key not in firsts:
+        t = _now(target)
+        row = target.new_cache(1, n)
+        row.copy_prefix(cache, n)
+        window = newest(positions, [n], [width])  # (1, width)
+        done = first_pass(target, row, whole, window, captured_layers(target, sel.config.layers))
+        firsts[key] = (row, done, _now(target) - t)
+    row, done, seconds = firsts[key]
+    return row, done, {"pass1": seconds}
+
+
 @torch.inference_mode()
 def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper], ids: list[int],
                      variants: list[tuple[str, HandoffConfig]], source_cache: KVCache,
@@ -271,7 +290,9 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     """One prompt handed off under several (map label, config) variants at once, as an evaluation
     comparing selectors and budgets does. Equal to one `handoff` per variant (tested), cheaper:
     each map runs once and its output is shared; variants with the same budget recompute
-    together as one batch (one pass over the target's weights instead of one per variant).
+    together as one batch (one pass over the target's weights instead of one per variant). A two-pass
+    selector's first pass runs once per map and window, on a copy of the mapped cache; its second is a
+    direct recompute of its set from the mapped cache (transfer/query.py), so it joins its budget's batch.
 
     `source_cache` (batch one) holds the source's own rows for the whole prompt; `source_attn`
     (1, n) is its captured attention (attn-source), `target_prefill` the target's own prefill
@@ -294,7 +315,8 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     out = target.new_cache(len(variants), n)
     logits = torch.empty(len(variants), target.config.vocab_size, device=target.device)
     results: list[HandoffResult | None] = [None] * len(variants)
-    groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float]]] = {}
+    groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float, dict]]] = {}
+    firsts: dict[tuple, tuple] = {}  # two-pass selectors: pass 1 per (fit, window, layers), run once
     for v, (label, cfg) in enumerate(variants):
         cache, centred, map_s = mapped[id(fits[v][1])]
         if cfg.schedule == LAYER_PREFIX:  # not a position set
@@ -306,22 +328,34 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
         t = _now(target)
         ctx = SelectionContext(source, target, fits[v][1], whole, positions, cache, centred, source_attn,
                                cfg.seed, target_prefill)
-        scores = cfg.scorer.scores(ctx)[0]  # (n,)
-        chosen = select_top(scores, budget(cfg.rho, n))
-        groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), _now(target) - t))
+        sel, extra = cfg.scorer, {}
+        if sel.two_pass:  # pass 2 is a direct recompute of its set from the mapped cache: it joins the batch
+            row, done, extra = _first_pass_of(target, firsts, id(fits[v][1]), cache, whole, positions, sel, cfg.rho)
+            t = _now(target)
+            p = choose(target, row, whole, positions, [n], sel, cfg.rho, ctx.rank_scores() if sel.needs_rank
+                       else None, done)
+            chosen, scores, extra = p.chosen[0], p.scores[0], {**extra, "first": p.first[0].tolist()}
+        else:
+            scores = sel.scores(ctx)[0]  # (n,)
+            chosen = select_top(scores, budget(cfg.rho, n))
+        groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), _now(target) - t, extra))
 
     for k, group in groups.items():  # one recompute per budget
         t = _now(target)
         batch = target.new_cache(len(group), n)
-        for g, (v, _, _, _) in enumerate(group):
+        for g, (v, *_) in enumerate(group):
             batch.row(g).copy_prefix(mapped[id(fits[v][1])][0], n)
-        pos = torch.stack([c for _, c, _, _ in group])  # (G, k)
+        pos = torch.stack([c for _, c, *_ in group])  # (G, k)
         lg = target.forward(whole[0][pos], pos, batch).logits  # (G, V)
         recompute_s = _now(target) - t
-        for g, (v, chosen, scores, score_s) in enumerate(group):
+        for g, (v, chosen, scores, score_s, extra) in enumerate(group):
             out.row(v).copy_prefix(batch.row(g), n)
             logits[v] = lg[g]
             timings = {"map": mapped[id(fits[v][1])][2], "score": score_s, "recompute": recompute_s,
                        "recompute_batch": len(group)}
-            results[v] = HandoffResult([chosen.tolist()], [scores], [(0, n)], timings=timings)
+            first = None
+            if "first" in extra:  # both passes: pass 1 (shared by the variants with its window) and pass 2
+                timings.update(pass1=extra["pass1"], pass2=recompute_s, recompute=extra["pass1"] + recompute_s)
+                first = [extra["first"]]
+            results[v] = HandoffResult([chosen.tolist()], [scores], [(0, n)], timings=timings, first_pass=first)
     return out, logits, results

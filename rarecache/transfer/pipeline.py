@@ -67,7 +67,8 @@ class Pipeline:
         result = HandoffResult([r.positions[0] for r in results],
                                [r.scores[0] for r in results] if results[0].scores is not None else None,
                                [r.handed_off[0] for r in results], results[0].prefix_layers,
-                               {k: sum(r.timings[k] for r in results) for k in results[0].timings})
+                               {k: sum(r.timings[k] for r in results) for k in results[0].timings},
+                               [r.first_pass[0] for r in results] if results[0].first_pass else None)
         t = time.perf_counter()
         gens = decode(self.target.runner, cache, torch.cat(logits), torch.tensor([len(i) for i in ids]), sampling)
         result.timings["decode"] = time.perf_counter() - t

@@ -16,6 +16,8 @@ import torch
 
 from ..engine.cache import KVCache
 from ..engine.runner import AttnCapture, Runner
+from ..errors import RarecacheError
+from .choice import in_turn, lexicographic, order_rank, spans, union_of_groups
 from .mapper import Mapper
 
 ATTN_QUERIES = 32  # last queries whose attention is summed (the RaReCache paper, arXiv 2610.11358, §4.3)
@@ -85,6 +87,7 @@ def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 class Selector:
     name = ""
     oracle = False
+    two_pass = False  # scores come from a first recompute pass (transfer/query.py), not from one score
     needs_source_attention = False
     needs_rank = False  # reads rank disagreement: the handoff has the map compute it on the way
 
@@ -160,13 +163,6 @@ class AttentionPlusRank(Selector):
         return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(ctx.rank_scores())
 
 
-def _order_rank(scores: torch.Tensor) -> torch.Tensor:
-    """Each position's place (0 = first) when a row (B, W) is sorted by score, highest first."""
-    order = scores.argsort(dim=1, descending=True, stable=True)
-    return torch.empty_like(order).scatter_(1, order, torch.arange(scores.shape[1], device=scores.device)
-                                            .expand_as(order).contiguous())
-
-
 class SuffixPlusAttention(Selector):
     """The newest positions and the ones the source attends to most, taken in turn: any budget's
     top set holds about half of each (a position on both lists counts once). The newest
@@ -185,11 +181,7 @@ class SuffixPlusAttention(Selector):
 def _newest_in_turn_with(positions: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """Scores (B, W) that take the newest positions and the highest of `other` (B, W) in turn,
     newest first (a position on both lists counts once, at its earlier turn); padding last."""
-    pad = positions < 0
-    newest = _order_rank(positions.float())  # padding is last there already
-    picks = _order_rank(other.float().masked_fill(pad, float("-inf")))
-    turn = torch.minimum(2 * newest, 2 * picks + 1)  # alternate: newest first, then the other list
-    return (2 * pad.shape[1] - turn).float().masked_fill(pad, 0.0)  # positive, padding last
+    return in_turn(positions.float(), other, positions < 0)
 
 
 class SuffixPlusRank(Selector):
@@ -250,8 +242,98 @@ def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tenso
     return total
 
 
+GROUPS = ("sum", "layer", "head")  # QueryConfig.group
+
+
+@dataclass(frozen=True)
+class QueryConfig:
+    """How a query-aware selector ranks the handed-off positions (the passes run in transfer/query.py).
+
+    Pass 1 recomputes the newest `window` positions (the question and the answer header) over the
+    mapped cache and reads the target's attention from them; pass 2 recomputes the newest again and the
+    positions they attend to most. Both count in the budget (`split`)."""
+
+    window: int = 32  # pass 1: the newest positions ...
+    window_share: float = 0.25  # ... at most this share of the budget
+    layers: float = 0.25  # the layers whose attention is read: this top share of the stack (as attention_capture)
+    group: str = "sum"  # sum: one score over layers, heads, queries; layer / head: each one's top positions in turn
+    value: bool = False  # weigh each attention weight by the norm of the (mapped) value row it reads
+    common: bool = False  # subtract the attention every window query gives a position (sinks, template, delimiters)
+    sinks: int = 4  # the prompt's first positions are left out of the attention ranking (0: none)
+    span: int = 0  # each pick brings this many neighbours on either side (a fact is a line, not a token)
+    rank: bool = False  # take rank disagreement's picks in turn with attention's
+    source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
+
+    def __post_init__(self):
+        if self.group not in GROUPS or not 0 < self.layers <= 1 or not 0 <= self.window_share <= 1 or min(
+                self.window, self.sinks, self.span) < 0:
+            raise RarecacheError(f"bad query selector settings {self}")
+
+    def split(self, total: int, handed: int) -> int:
+        """Pass 1's positions for a budget of `total` over `handed` positions, where pass 1 (w) + pass 2
+        (the same w again and total - 2w others) = total; 0: one pass (the whole span when the budget
+        covers it, so ρ 1 is the target's own prefill; the newest `total` when two passes do not fit)."""
+        if self.source or total >= handed:
+            return 0
+        return max(0, min(self.window, int(self.window_share * total), (total - 1) // 2))
+
+
+class QuerySelector(Selector):
+    """Positions the question reads: the target's own attention from the newest positions, recomputed
+    first over the mapped cache (two passes, transfer/query.py), or the source's (`source`, one pass).
+    Sinks and the prompt's first positions draw attention from every query without carrying content:
+    they are left out of the ranking (`sinks`) or what every query gives is taken off (`common`)."""
+
+    def __init__(self, name: str, config: QueryConfig):
+        self.name, self.config = name, config
+        self.two_pass = not config.source
+        self.needs_source_attention = config.source
+        self.needs_rank = config.rank
+
+    def order(self, att: torch.Tensor, positions: torch.Tensor, forced: torch.Tensor | None = None,
+              rank: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores (B, W), one order for every budget, from attention received att (B, G, W) per group (one
+        group, a layer's or a (layer, head)'s) at positions (B, W): the `forced` ones first (pass 1's), then the
+        ranked ones, then the sinks, padding last."""
+        cfg, pad = self.config, positions < 0
+        eligible = ~pad & (positions >= cfg.sinks)
+        if forced is not None:
+            eligible &= ~forced
+        key = union_of_groups(att, eligible) if att.shape[1] > 1 else att[:, 0].float()
+        key = spans(key, cfg.span, eligible)
+        if cfg.rank:
+            key = in_turn(key, rank, ~eligible)
+        tier = eligible.float() - 2 * pad.float() + (2 * forced.float() if forced is not None else 0)
+        return lexicographic(tier, key.masked_fill(~eligible, float("-inf")))
+
+    def scores(self, ctx):
+        if self.two_pass:
+            raise RuntimeError(f"{self.name} runs in two passes (transfer/query.py), not from one score")
+        att = _at(ctx.source_attn, ctx.positions)[:, None]  # (B, 1, W)
+        return self.order(att, ctx.positions, rank=ctx.rank_scores() if self.config.rank else None)
+
+
+SPAN = 8  # neighbours on either side in the span variants
+QUERY_VARIANTS = {  # name -> settings: each screened by name (`0.3:query-span@MAP`)
+    "query": QueryConfig(),
+    "query-layer": QueryConfig(group="layer"),
+    "query-head": QueryConfig(group="head"),
+    "query-all": QueryConfig(layers=1.0),
+    "query-value": QueryConfig(value=True),
+    "query-common": QueryConfig(common=True),
+    "query-raw": QueryConfig(sinks=0),
+    "query-span": QueryConfig(span=SPAN),
+    "query-layer-span": QueryConfig(group="layer", span=SPAN),
+    "query-rank": QueryConfig(rank=True),
+    "query-w8": QueryConfig(window=8),
+    "query-w64": QueryConfig(window=64),
+    "attn-source-span": QueryConfig(source=True, span=SPAN),
+}
+
+
 SELECTORS: dict[str, Selector] = {s.name: s for s in (RankDisagreement(), Random(), SourceAttention(), Suffix(),
                                                        AttentionTimesRank(), AttentionPlusRank(), SuffixPlusAttention(),
                                                        SuffixPlusRank(),
                                                        TargetAttention(),
-                                                       L2Oracle())}
+                                                       L2Oracle(),
+                                                       *(QuerySelector(n, c) for n, c in QUERY_VARIANTS.items()))}

@@ -15,6 +15,13 @@ all: it claims only the first P − ⌈ρ·P⌉ positions (rounded down to a blo
 recompute the rest natively, so it can recompute up to a block more than the budget.
 `suffix+rank` is scored like `rank`: the claimed positions in the library's own order (the newest
 and rank disagreement's picks in turn, transfer/selectors.py), after vLLM's tail, the newest of all.
+
+The query-aware selectors (`query`, ...; transfer/query.py) run their two passes around vLLM's
+tail: the claim leaves the tail to be pass 1's window (the newest w positions, rounded up to a
+block), our Runner computes the tail over the mapped claimed rows and reads its queries' attention
+(pass 1), recomputes the k claimed positions they attend to most (pass 2), and vLLM then computes
+the tail itself (the newest again, over rows pass 2 made exact). All three count: tail + k + tail =
+⌈ρ·P⌉ (k = ⌈ρ·P⌉ − 2·tail), the same passes `transfer.handoff` runs with the tail as its window.
 """
 
 from __future__ import annotations
@@ -35,14 +42,16 @@ from ...models.rope import Rope
 from ...transfer.features import rows, write_rows
 from ...transfer.handoff import budget
 from ...transfer.mapper import Mapper
+from ...transfer.query import before_tail
 from ...transfer.selectors import SELECTORS, SelectionContext
 from .sharding import HeadRange
 from .store import RECORD_NAME, model_identity, same_model
 
 
 RECOMPUTE_SELECTORS = ("rank", "random", "suffix+rank")  # scored positions, recomputed by our Runner
+QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass)  # two passes around vLLM's tail
 NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
-ENGINE_SELECTORS = RECOMPUTE_SELECTORS + NATIVE_SELECTORS
+ENGINE_SELECTORS = RECOMPUTE_SELECTORS + QUERY_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
 KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture",
         "accept_poor_map")
@@ -259,11 +268,14 @@ def claim(prompt_len: int, matched: int, block_size: int, rho: float, selector: 
     """How many prompt tokens to claim from a peer whose rows cover the first `matched`, and how
     many of the claimed positions our Runner recomputes (see the module docstring). (0, 0): none."""
     total = budget(rho, prompt_len)
-    limit = prompt_len - (total if selector in NATIVE_SELECTORS else 1)
+    window = SELECTORS[selector].config.split(total, prompt_len) if selector in QUERY_SELECTORS else 0
+    native = selector in NATIVE_SELECTORS or (selector in QUERY_SELECTORS and not window)  # one pass: a suffix
+    limit = prompt_len - (total if native else window or 1)
     n = min(matched, limit) // block_size * block_size
     if n <= 0:
         return 0, 0
-    k = 0 if selector in NATIVE_SELECTORS else max(0, total - (prompt_len - n))
+    tail = prompt_len - n  # vLLM's own prefill; with a window, also pass 1 (ours): counted twice
+    k = 0 if native else max(0, total - tail * (2 if window else 1))
     return n, k
 
 
@@ -274,13 +286,15 @@ class Handed:
     k: torch.Tensor  # (L, Hkv, n, D), rotated with the target's RoPE
     v: torch.Tensor
     recomputed: list[int]
+    first_pass: int = 0  # a query-aware selector: the tail positions pass 1 computed (vLLM computes them again)
 
 
 @torch.inference_mode()
 def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfig, k_src: torch.Tensor,
               v_src: torch.Tensor, tokens: list[int], recompute: int, selector: str, seed: int = 0,
               heads: HeadRange | None = None, agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              rho: float | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Handed:
+              rho: float | None = None, gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              tail: list[int] | None = None) -> Handed:
     """Map the peer's rows k_src, v_src (Ls, Hs, n, Ds) of `tokens` into the target and recompute
     the `recompute` positions the selector scores highest with the target's weights, over the
     mixed cache by the exact causal rule: the steps of `transfer.handoff` (map -> score ->
@@ -297,7 +311,10 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     only: `gather(rows)` joins every rank's (..., h·D) into whole rows (..., Hkv·D) (an all-gather
     and sharding.join_gathered); every rank calls it, in step, as it calls the embedding.
     `rho`, the request's budget: at 0 (plain transfer) the map's plain-transfer view maps
-    (`Mapper.at_rho`); None maps with the map as it is."""
+    (`Mapper.at_rho`); None maps with the map as it is. A query-aware selector also needs the prompt's
+    `tail` (the tokens vLLM computes itself): pass 1 computes it here over the mapped rows (module
+    docstring); under tensor parallelism each rank reads its own heads' attention and rank 0's picks
+    (`agree`) are recomputed."""
     Ls, Hs, n, Ds = k_src.shape
     if n != len(tokens):
         raise RarecacheError(f"{n} rows for {len(tokens)} tokens")
@@ -324,22 +341,32 @@ def hand_rows(target: Runner | SimpleNamespace, mapper: Mapper, peer: ModelConfi
     out = mapper.map_sides({side: rows(source, src_cache, positions, side).to(dtype) for side in ("k", "v")}, own)
     cfg = target.config
     cols = slice(None) if heads is None else heads.columns(cfg.head_dim)  # this rank's heads of a whole row
-    cache = KVCache.for_model(cfg, 1, n, dtype, device)
+    sel = SELECTORS[selector]
+    if sel.two_pass and recompute > 0 and not tail:
+        raise RarecacheError(f"{selector} reads the attention of the prompt's tail: hand_rows needs its tokens")
+    room = n + (len(tail) if sel.two_pass and recompute > 0 else 0)  # pass 1 writes the tail's rows after them
+    cache = KVCache.for_model(cfg, 1, room, dtype, device)
     write_rows(target, cache, positions, out["k"][0][..., cols], out["v"][0][..., cols])
     mapper.write_own(target, cache, positions, own, cols)
     chosen: list[int] = []
+    first = 0
     if recompute > 0:
         if not isinstance(target, Runner):
             raise RarecacheError("recomputing positions needs the target's Runner")
         centred = {side: z for side, (_, z) in out.items()}
         ctx = SelectionContext(None, target, mapper, whole, positions, cache, centred, None, seed)
-        scores = SELECTORS[selector].scores(ctx)[0].float()  # (n,)
-        pos = scores.topk(min(recompute, n)).indices.sort().values  # (K,)
+        if sel.two_pass:  # pass 1 over the tail; pass 2 below; vLLM's tail after it
+            prompt = torch.tensor([tokens + list(tail)], device=device)  # (1, P)
+            pos = before_tail(target, cache, prompt, n, recompute, sel, ctx.rank_scores() if sel.needs_rank else None)
+            first = len(tail)
+        else:
+            scores = sel.scores(ctx)[0].float()  # (n,)
+            pos = scores.topk(min(recompute, n)).indices.sort().values  # (K,)
         if agree is not None:
             pos = agree(pos)
         target.forward(whole[:, pos], pos[None], cache, logits_at=None)
         chosen = pos.tolist()
-    return Handed(cache.k[:, 0, :, :n], cache.v[:, 0, :, :n], chosen)
+    return Handed(cache.k[:, 0, :, :n], cache.v[:, 0, :, :n], chosen, first)
 
 
 def target_namespace(cfg: ModelConfig, dtype: torch.dtype, device="cpu") -> SimpleNamespace:

@@ -25,7 +25,7 @@ try:
 except ImportError as _e:
     raise RarecacheError(f"rarecache.adapters.vllm.scheduler needs vllm ({_e}); {INSTALL_HINT}") from None
 
-from .core import RequestParams, check_peer_fits, check_peer_layout, claim, request_params
+from .core import QUERY_SELECTORS, RequestParams, check_peer_fits, check_peer_layout, claim, request_params
 from .store import CHUNK, Hit, Miss, StoreDown
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
@@ -47,6 +47,7 @@ class LoadSpec:
     prompt_len: int = 0
     record: str | None = None  # the request's record name: the worker files what the load did
     lease: str | None = None  # the store's lease on the entry, released once it is read
+    tail: list[int] = field(default_factory=list)  # a query-aware selector: the tokens after the claim (pass 1)
 
 
 @dataclass
@@ -195,9 +196,10 @@ class SchedulerSide:
         block_ids = list(blocks.get_block_ids()[0])[: d.tokens // self.block_size]
         self._evict(block_ids)  # vLLM published them at allocation: unpublish before anyone looks
         self._handed.add(rid)
+        tail = list(request.prompt_token_ids[d.tokens :]) if d.selector in QUERY_SELECTORS and d.recompute else []
         self._loads.append(LoadSpec(rid, d.hit.entry, d.peer, list(request.prompt_token_ids[: d.tokens]),
                                     block_ids, d.recompute, d.selector, d.seed, d.rho, d.prompt_len,
-                                    d.params.record, d.lease))
+                                    d.params.record, d.lease, tail))
         done = {"peer": d.peer, "tokens": d.tokens, "prompt": d.prompt_len, "rho": d.rho, "selector": d.selector,
                 "recomputed": d.recompute, "tail": d.prompt_len - d.tokens}
         if d.params.debug:

@@ -138,10 +138,11 @@ class WorkerSide:
         target = self._runner if own else target_namespace(self._local, self._kv[0].dtype, device)
         out = hand_rows(target, peer.mapper, peer_cfg, k_src, v_src, spec.tokens, spec.recompute, spec.selector,
                         spec.seed, heads=self._heads, agree=self._agree if self._tp > 1 else None, rho=spec.rho,
-                        gather=self._gather_heads if self._tp > 1 else None)
+                        gather=self._gather_heads if self._tp > 1 else None, tail=spec.tail)
         t2 = time.perf_counter()
         # filed before the rows go in (a failure here fails the load): rows written => a record says so
         self._record(spec, {"status": "handed_off", "tokens": n, "recomputed": len(out.recomputed),
+                            **({"first_pass": out.first_pass} if out.first_pass else {}),
                             "bytes_read": k_src.nbytes + v_src.nbytes,
                             "seconds": {"store_read": t1 - t0, "map_and_recompute": t2 - t1}})
         slot_mapping = slots(spec.block_ids, torch.arange(n), self.block_size)

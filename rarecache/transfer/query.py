@@ -1,0 +1,148 @@
+"""Query-aware recompute: the question chooses which mapped rows the target recomputes, in two passes.
+
+In a long prompt the newest positions are the question, and the content it asks about sits in
+mapped rows; which of them matter depends on the question. So ask it (docs/ARCHITECTURE.md,
+/work/shared/design.md "Long context"):
+- pass 1 recomputes the newest w positions (the question and the answer header) over the mapped
+  cache, capturing the target's own attention from those queries to every position;
+- pass 2 recomputes the positions those queries attend to most, ordered by the selector
+  (`selectors.QuerySelector.order`: summed or per layer / head, spans, sinks left out, ...), and
+  the newest w again: they must see the rows pass 2 made exact, and their own rows from pass 1 read
+  mapped rows below them.
+Both passes count in the budget: w + (w + k) = ⌈ρ·T⌉ (`QueryConfig.split`; one pass when the
+budget covers the span, so ρ 1 is the target's own prefill, or when two passes do not fit).
+
+Pass 2 runs every chosen position through every layer, and each layer writes a position's row
+before any query reads it; the window is inside pass 2's set. So a handoff's result is exactly a
+direct sparse recompute of pass 2's set from the mapped cache: pass 1 only chose the set (tested
+bit for bit). That is also why `handoff_variants` may run pass 2 in a shared batch, and why vLLM
+may run the newest positions itself (`before_tail`: pass 1 is the engine's tail computed by our
+Runner over the mapped rows, pass 2 the chosen claimed rows, then vLLM's own prefill of the tail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine.cache import KVCache
+from ..engine.runner import AttnCapture, Runner
+from .choice import budget, now, select_top, subset
+from .selectors import QuerySelector
+
+
+@dataclass
+class Passes:
+    """What a two-pass selector chose for a batch, before pass 2 runs."""
+
+    chosen: list[torch.Tensor]  # per row: pass 2's positions, ascending (pass 1's among them)
+    first: list[torch.Tensor]  # per row: pass 1's positions, ascending (empty: one pass)
+    scores: torch.Tensor  # (B, W) the order over the handed-off positions (higher first)
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def captured_layers(target: Runner, share: float) -> frozenset[int]:
+    """The top `share` of the target's layers (at least one), as `selectors.attention_capture` reads them."""
+    L = target.num_layers
+    return frozenset(range(L - max(1, int(share * L)), L))
+
+
+def first_pass(target: Runner, cache: KVCache, whole: torch.Tensor, window: torch.Tensor, layers: frozenset[int]
+               ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """Recompute `window` (B, R) positions (-1 padded) over `cache`, capturing every one of their queries'
+    attention in `layers` -> ({layer: (B, H, R, S)}, valid (B, R))."""
+    rows = torch.arange(window.shape[1], device=window.device).expand_as(window)  # (B, R): every query of the pass
+    out = target.forward(whole.gather(1, window.clamp(min=0)), window, cache, logits_at=None,
+                         capture=AttnCapture(layers, rows))
+    return out.attn, window >= 0
+
+
+def received_by(sel: QuerySelector, attn: dict[int, torch.Tensor], valid: torch.Tensor, cache: KVCache,
+                positions: torch.Tensor) -> torch.Tensor:
+    """Attention the valid queries give positions (B, W), per group of `sel`'s (one, a layer or a (layer,
+    head)) -> (B, G, W); with `value`, each weight times the norm of the value row it reads; with `common`,
+    less what every query gives the position."""
+    cfg, per = sel.config, []
+    live = valid[:, None, :, None]  # (B, 1, R, 1)
+    for layer in sorted(attn):
+        p = attn[layer].float() * live  # (B, H, R, S)
+        if cfg.common:
+            floor = attn[layer].float().masked_fill(~live, float("inf")).amin(2, keepdim=True)  # (B, H, 1, S)
+            p = (p - floor).clamp(min=0) * live
+        a = p.sum(2)  # (B, H, S)
+        if cfg.value:
+            norm = cache.v[layer, :, :, : a.shape[-1]].float().norm(dim=-1)  # (B, Hkv, S)
+            a = a * norm.repeat_interleave(a.shape[1] // norm.shape[1], dim=1)
+        idx = positions.clamp(min=0)[:, None].expand(-1, a.shape[1], -1)  # (B, H, W)
+        per.append(a.gather(2, idx) * (positions >= 0)[:, None])
+    att = torch.stack(per, 1)  # (B, L, H, W)
+    B, L, H, W = att.shape
+    if cfg.group == "sum":
+        return att.sum((1, 2))[:, None]
+    return att.sum(2) if cfg.group == "layer" else att.reshape(B, L * H, W)
+
+
+def plan(sel: QuerySelector, rho: float, handed: list[int]) -> tuple[list[int], list[int]]:
+    """Per row of `handed` positions: the budget ⌈ρ·T⌉ and pass 1's share of it (0: one pass)."""
+    totals = [budget(rho, h) for h in handed]
+    return totals, [sel.config.split(k, h) for k, h in zip(totals, handed)]
+
+
+def newest(positions: torch.Tensor, handed: list[int], widths: list[int]) -> torch.Tensor:
+    """The last widths[b] of each row's handed-off positions (B, W) -> (B, max width), -1 padded."""
+    out = torch.full((len(handed), max(widths, default=0)), -1, dtype=torch.long, device=positions.device)
+    for b, (h, w) in enumerate(zip(handed, widths)):
+        out[b, :w] = positions[b, h - w : h]
+    return out
+
+
+def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
+           sel: QuerySelector, rho: float, rank: torch.Tensor | None = None,
+           done: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None) -> Passes:
+    """Pass 1 over `cache` (the mapped cache: its window rows become pass 1's) and pass 2's sets for
+    handed-off positions (B, W) (the first handed[b] of row b), whole prompts (B, n). `rank` (B, W): rank
+    disagreement, for `rank` variants. `done`: pass 1's capture, when the caller ran it on this cache."""
+    totals, widths = plan(sel, rho, handed)
+    window = newest(positions, handed, widths)  # (B, w)
+    timings = {"pass1": 0.0}
+    scores = positions.float()  # one pass: the newest first (every position when the budget covers them)
+    if any(widths):
+        t = now(target.device)
+        attn, valid = done if done is not None else first_pass(target, cache, whole, window,
+                                                                captured_layers(target, sel.config.layers))
+        t1 = now(target.device)
+        forced = torch.zeros_like(positions, dtype=torch.bool)
+        for b, (h, w) in enumerate(zip(handed, widths)):
+            forced[b, h - w : h] = True
+        ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank)
+        scores = torch.where(torch.tensor(widths, device=positions.device)[:, None] > 0, ranked, scores)
+        timings = {"pass1": t1 - t, "score": now(target.device) - t1}
+    chosen = [positions[b, select_top(scores[b, :h], k - w)] for b, (h, k, w) in enumerate(zip(handed, totals, widths))]
+    return Passes(chosen, [window[b, :w] for b, w in enumerate(widths)], scores, timings)
+
+
+def two_pass(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
+             sel: QuerySelector, rho: float, rank: torch.Tensor | None = None) -> tuple[torch.Tensor, Passes]:
+    """Both passes over the mapped `cache` (arguments as `choose`) -> the last logits (B, V) and the passes;
+    `cache` ends as a direct sparse recompute of pass 2's set from the mapped cache."""
+    passes = choose(target, cache, whole, positions, handed, sel, rho, rank)
+    t = now(target.device)
+    tokens, pos = subset(whole, passes.chosen)
+    logits = target.forward(tokens, pos, cache).logits
+    passes.timings["pass2"] = now(target.device) - t
+    return logits, passes
+
+
+def before_tail(target: Runner, cache: KVCache, whole: torch.Tensor, start: int, k: int, sel: QuerySelector,
+                rank: torch.Tensor | None = None) -> torch.Tensor:
+    """An engine that computes the prompt's tail [start, P) itself after the claimed rows [0, start) (vLLM):
+    pass 1 is the tail, computed here over the mapped claimed rows of `cache` (batch one) with every one of
+    its queries captured; returns the k claimed positions (ascending) pass 2 recomputes, before the engine's
+    own prefill of the tail (the newest again). Equal to `choose` with the tail as the window."""
+    P = whole.shape[1]
+    tail = torch.arange(start, P, device=whole.device)[None]  # (1, P - start)
+    attn, valid = first_pass(target, cache, whole, tail, captured_layers(target, sel.config.layers))
+    positions = torch.arange(start, device=whole.device)[None]  # (1, start): the claimed positions
+    scores = sel.order(received_by(sel, attn, valid, cache, positions), positions, None, rank)[0]
+    return scores.topk(min(k, start)).indices.sort().values
