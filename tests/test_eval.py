@@ -134,7 +134,7 @@ def test_metrics_by_hand():
     assert m == 0.75 and 0 <= lo <= m <= hi <= 1
     assert mean_ci([1, 1, 1]) == (1.0, 1.0, 1.0)
     d, lo, hi, p = paired_diff_ci([1, 1, 1, 1], [0, 0, 0, 0])
-    assert (d, lo, hi) == (1.0, 1.0, 1.0) and p == pytest.approx(1 / 2000)
+    assert (d, lo, hi) == (1.0, 1.0, 1.0) and p == pytest.approx(1 / 10_000)  # the floor: 1 / resamples
     d, _, _, p = paired_diff_ci([1, 0], [1, 0])
     assert d == 0 and p == 1.0
     rows = [{"item": i, "arm": a, "correct": c} for i, a, c in [
@@ -192,8 +192,9 @@ def test_report_per_map_gap_selector_tests_and_template_share():
     table = compact(summarise(rows, chance=0.25), "correct").splitlines()
     assert table[0].startswith("| arm | task: correct (95% CI) |") and "| wiki: correct (95% CI) |" in table[0]
     assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | — | 100.0% (100.0%–100.0%)")
-    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
-                        "| 33% | 50% | — | 0.125 (n=4) | — |")  # no source arm: no share of its gap kept
+    # no source arm: no share of its gap kept; right/wrong outcomes: McNemar's exact p beside the bootstrap's
+    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.128 (n=4; McNemar 0.500) | — "
+                        "| 50.0% (0.0%–100.0%) | 33% | 50% | — | 0.128 (n=4; McNemar 0.500) | — |")
 
 
 def test_kappa_is_agreement_beyond_the_answers_frequencies():
@@ -231,12 +232,13 @@ def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_score
     assert top_answer(rows, "target", "bpb") is None and top_answer(rows, "other") is None
     s = {r["arm"]: r for r in summarise(rows, "correct")}
     assert s["source"]["top_answer"] == (1, 1.0)
-    assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% |")  # the source row (after target)
+    assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% | 0 of 4 |")  # source (after target); ties
     bpb = [{"item": "x", "arm": a, "bpb": 1.0} for a in ("target", "source")]
     generated = [{"item": "x", "arm": a, "correct": 1, "prediction": "42"} for a in ("target", "source")]
-    for table in (markdown(summarise(bpb, "bpb", lower_is_better=True)), markdown(summarise(generated))):
+    # no ties column on either; right/wrong generated answers add McNemar's column, bits per byte does not
+    for table, bars in ((markdown(summarise(bpb, "bpb", lower_is_better=True)), 16), (markdown(summarise(generated)), 17)):
         lines = table.splitlines()
-        assert {line.count("|") for line in lines} == {16} and lines[-1].endswith("| — | — |")
+        assert {line.count("|") for line in lines} == {bars} and lines[-1].endswith("| — | — |")
 
 
 def test_agreement_is_the_share_of_answers_equal_to_the_targets_on_shared_items():
@@ -275,18 +277,20 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
         ("target", 1), ("source", 0), ("rho=0/rank", 0), ("rho=0.3/rank", 1), ("rho=0.3/random", 0))]
     s = summarise(rows, chance=0.25)
     by = {r["arm"]: r for r in s}
-    assert by["rho=0.3/random"]["p"] == pytest.approx(1 / 2000) and by["rho=0.3/random"]["p_n"] == 2
+    assert by["rho=0.3/random"]["p"] == pytest.approx(1 / 10_000) and by["rho=0.3/random"]["p_n"] == 2
     assert by["rho=0.3/random"]["vs_rank_n"] == 2
     full = markdown(s).splitlines()
     assert "| p vs target (n) |" in full[0] and "gap closed (of target − plain transfer, same map)" in full[0]
     random_row = next(line for line in full if line.startswith("| rho=0.3/random |"))
-    assert "| < 0.001 (n=2) | -100.0% (p < 0.001, n=2) |" in random_row and "| 0.001" not in random_row
+    assert ("| < 0.0001 (n=2) | 0.500 (+0 / −2) | -100.0% (p < 0.0001, McNemar 0.500, n=2) |" in random_row
+            and "| 0.0001" not in random_row)
     table = compact(s, "correct").splitlines()
     assert table[0] == ("| arm | map: correct (95% CI) | floor-norm. ret. | gap closed (of target − plain transfer, "
                         "same map) | kept (of target − source) | p vs target (n) | p vs rank (n) |")
     assert table[2] == "| target | 100.0% (100.0%–100.0%) | — | — | — | — | — |"
     assert table[-2].startswith("| rho=0.3/rank | 100.0% (100.0%–100.0%) | 100% | 100% | 100% |")
-    assert table[-1] == "| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | 0% | < 0.001 (n=2) | < 0.001 (n=2) |"
+    assert table[-1] == ("| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | 0% | < 0.0001 (n=2; McNemar 0.500) "
+                         "| < 0.0001 (n=2; McNemar 0.500) |")
     below = [{"item": i, "arm": a, "correct": 0} for i in "xyzw" for a in ("target", "source")]
     below += [{"item": i, "arm": "source", "correct": 1} for i in "v"] + [{"item": "v", "arm": "target", "correct": 0}]
     s = summarise(below, chance=0.25)  # target 0%, source 20%: both below chance
@@ -294,7 +298,7 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
     assert "| source | 20.0% (0.0%–60.0%) | — |" in compact(s, "correct")
     bpb = [{"item": i, "arm": a, "bpb": v} for i in "xy" for a, v in (("target", 1.0), ("rho=0/rank", 2.0))]
     assert compact(summarise(bpb, "bpb", lower_is_better=True), "bpb", percent=False).splitlines()[-1] == (
-        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | — | < 0.001 (n=2) | — |")
+        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | — | < 0.0001 (n=2) | — |")  # bpb: no McNemar
 
 
 def test_eval_run_threads_flag(tmp_path, monkeypatch):

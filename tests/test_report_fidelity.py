@@ -10,7 +10,7 @@ from rarecache.cli import main
 from rarecache.eval.arms import handoff_arm
 from rarecache.errors import RarecacheError
 
-KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement", "kappa"}
+KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement", "kappa", "mcnemar_p", "by_bytes"}
 
 
 def _write(path, task, rows, maps=(("v4", "new"), ("v3", "old"))):
@@ -91,7 +91,7 @@ def test_fidelity_summary_compares_the_previous_map_at_its_own_served_arm(tmp_pa
     assert s["tasks"]["mmlu"]["agreement"] == pytest.approx(1.0) and s["tasks"]["mmlu"]["delta"] == 0
     assert s["previous"]["tasks"]["mmlu"]["agreement"] == pytest.approx(0.6)
     assert s["probe"] == {"kl": 0.2, "attn_cos": 0.95, "previous_kl": 1.3}
-    assert "v3 (suffix 0.2): handoff" in capsys.readouterr().out
+    assert "v3[old] (suffix 0.2): handoff" in capsys.readouterr().out  # the previous map with its sha256 prefix
     assert main(["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--arm", "0.3:rank",
                  "--map-label", "v4", "--previous-arm", "0.2:suffix"]) == 2
     assert "--previous-arm needs --previous-label" in capsys.readouterr().err

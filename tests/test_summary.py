@@ -49,7 +49,9 @@ def test_general_summary_picks_the_selector_that_closes_most_of_the_gap(tmp_path
     assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx((0.0 - 0.5) / 2)
     # attn-source: hellaswag (0.9 - 0.6) / 0.4 = 0.75; gsm8k (0.52 - 0.6) / -0.1 = 0.8
     assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.75 + 0.8) / 2)
-    assert "default selector through map general: attn-source" in capsys.readouterr().out
+    assert s["default_picked"] == "after the fact, on these results: the highest mean of 2 candidates"
+    assert ("default selector through map general[abc]: attn-source, picked after the fact on these results (the "
+            "best of 2" in capsys.readouterr().out)
 
 
 def test_a_near_zero_plain_gap_does_not_pick_the_default(tmp_path):

@@ -31,7 +31,7 @@ from ..transfer.gate import SIGNALS, GatePolicy, climbed_signals, decide, rungs_
 from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
 from .gate_fit import Item, fit_thresholds
 from .metrics import paired_diff_ci
-from .report import answer_field
+from .answers import same_answer
 from .results import load_results, map_sha256, sibling
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
@@ -95,7 +95,6 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
     items = [i for i in ladder if i in target]
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
-    key = answer_field(metric)  # None for bits per byte, read apart below
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
                   [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]),
                   signal)
@@ -116,7 +115,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
             out.loss.append([g["bpb"] - t["bpb"] for g in rungs])
             out.changed.append([g["bpb"] - t["bpb"] > CHANGED_BPB for g in rungs])
         else:
-            out.changed.append([g[key] != t[key] for g in rungs])
+            out.changed.append([not same_answer(g, t, metric) for g in rungs])  # (answers.py's one rule)
             out.loss.append([float(c) for c in out.changed[-1]] if loss == "changed"
                             else [float(t[metric]) - float(g[metric]) for g in rungs])
         out.seconds.append(times.get(i, {}))
