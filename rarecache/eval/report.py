@@ -22,12 +22,12 @@ such as v4 cannot stand for two files.
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 
 from ..transfer.selectors import SELECTORS
-from .answers import PREDICTION, agreement, agrees, answer_field, kappa, ties  # noqa: F401 (agrees, answer_field:
-from .metrics import bytes_bpb, mcnemar, mean_ci, p_floor, paired_bytes_ci, paired_diff_ci  # read from here too)
+from .answers import PREDICTION, agreement, kappa, ties
+from .answers import agrees, answer_field  # noqa: F401  (research scripts read them from here)
+from .metrics import bytes_bpb, mcnemar, mean_ci, p_floor, paired_bytes_ci, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
 GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
