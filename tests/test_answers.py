@@ -122,3 +122,13 @@ def test_report_prints_mcnemar_and_bits_per_byte_by_bytes(tmp_path, capsys):
     assert s["target"]["bytes_mean"] == pytest.approx((1.0 + 0.5 * 99) / 100) and "mcnemar_p" not in s["source"]
     table = markdown(list(s.values()), metric="bpb", percent=False)
     assert "| by bytes: total bits / total bytes |" in table and "| +0.0200 (" in table
+
+
+def test_ties_are_counted_only_where_the_record_can_say():
+    """A generated answer and an acc_norm row from before the set was kept cannot tie as far as the record
+    shows: no count, rather than a count of zero."""
+    old_norm = [{"item": "x", "arm": "a", "prediction": 0, "prediction_norm": 1, "correct_norm": 1}]
+    assert ties(old_norm, "a", "correct_norm") is None
+    assert ties([{"item": "x", "arm": "a", "prediction": "7", "correct": 1}], "a", "correct") is None
+    new = [{"item": "x", "arm": "a", **choice_scores(Item("x", (), 0, continuations=("a", "b")), [-1.0, -1.0])}]
+    assert ties(new, "a", "correct") == (1, 1) and ties(new, "a", "correct_norm") == (1, 1)

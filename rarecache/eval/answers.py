@@ -37,25 +37,33 @@ def answer_field(metric: str) -> str | None:
     return None if metric == "bpb" else PREDICTION.get(metric, "prediction")
 
 
-def answer(row: dict, metric: str) -> tuple | None:
-    """The answer `row` gives under `metric`, as a tuple: its top-scoring choices, or its one generated
-    answer; None where it gives none (bits per byte, or no answer field)."""
-    field = answer_field(metric)
-    if field is None or field not in row:
-        return None
+def _choices(row: dict, metric: str) -> tuple | None:
+    """The set of top-scoring choices where the record gives it: `top`/`top_norm`, or for an older `correct`
+    row its choices' log-likelihoods; None otherwise (a generated answer, an older acc_norm row)."""
     top = TOP.get(metric)
     if top is not None and isinstance(row.get(top), list):
         return tuple(row[top])
-    if metric == "correct" and isinstance(row.get("logprobs"), list) and isinstance(row[field], int) \
-            and not isinstance(row[field], bool):
+    pick = row.get("prediction")
+    if metric == "correct" and isinstance(row.get("logprobs"), list) and isinstance(pick, int) \
+            and not isinstance(pick, bool):
         return tuple(top_choices(row["logprobs"]))  # a record from before the set was kept
-    return (row[field],)
+    return None
+
+
+def answer(row: dict, metric: str) -> tuple | None:
+    """The answer `row` gives under `metric`, as a tuple: its top-scoring choices, or its one generated
+    answer (or recorded choice); None where it gives none (bits per byte, or no answer field)."""
+    field = answer_field(metric)
+    if field is None or field not in row:
+        return None
+    return _choices(row, metric) or (row[field],)
 
 
 def tied(row: dict, metric: str) -> bool | None:
-    """Whether `row`'s answer under `metric` is a tie of several choices; None where it gives no answer."""
-    a = answer(row, metric)
-    return None if a is None else len(a) > 1
+    """Whether `row`'s answer under `metric` is a tie of several choices; None where the record cannot say
+    (a generated answer, bits per byte, an acc_norm row from before the set was kept)."""
+    choices = _choices(row, metric)
+    return None if choices is None else len(choices) > 1
 
 
 def same_answer(a: dict, b: dict, metric: str) -> bool:
@@ -106,8 +114,7 @@ def kappa(rows: list[dict], arm: str, metric: str, items: set[str] | None = None
 
 
 def ties(rows: list[dict], arm: str, metric: str) -> tuple[int, int] | None:
-    """How many of `arm`'s answers under `metric` are ties, and of how many answers; None where the metric
-    scores no choice (bits per byte, a generated answer)."""
-    flags = [tied(r, metric) for r in rows if r["arm"] == arm and isinstance(r.get(PREDICTION.get(metric, "")), int)]
-    flags = [f for f in flags if f is not None]
+    """How many of `arm`'s answers under `metric` are ties, of how many whose record can say; None where none
+    can (bits per byte, a generated answer, acc_norm records from before the set was kept)."""
+    flags = [f for r in rows if r["arm"] == arm and (f := tied(r, metric)) is not None]
     return (sum(flags), len(flags)) if flags else None
