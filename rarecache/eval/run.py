@@ -307,7 +307,8 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
     uninterrupted one. `share_prefix=False` prefills every prompt whole (the reference `SharedPrefix`
     is tested against). `sampling` defaults to greedy up to the task's own cap (`Task.max_new_tokens`).
     Likelihood tasks score from a float32 LM head (`Runner.float32_logits`): a bfloat16 head's logits sit
-    on bf16's grid, where choices that differ tie.
+    on bf16's grid, where choices that differ tie. (The gate ladder's signals are read from the same
+    float32-head logits; a served gate reads the model's own head, which differs by bf16's rounding.)
     """
     sampling = sampling or SamplingConfig(max_new_tokens=task.max_new_tokens)
     if task.kind == "likelihood":
