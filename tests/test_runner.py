@@ -244,6 +244,31 @@ def test_packed_runner_equals_plain_runner(tiny):
     assert Runner.load(path, pack=True).packed  # float32 packs only when asked (tests/test_bench_handoff.py)
 
 
+@pytest.mark.parametrize("pack", [False, None])  # None: packed where this CPU packs bf16
+def test_float32_logits_keep_what_a_bf16_head_rounds(tiny, pack):
+    """A bf16 model's own head rounds every logit to bf16 (choices a few hundredths apart tie); inside
+    `float32_logits` the same normed rows and weight are summed in float32: equal to a float64 product to
+    float32 rounding, off bf16's grid, and a packed untied model keeps the plain head it reads."""
+    _, path, _ = tiny
+    runner = Runner.load(path, dtype=torch.bfloat16, pack=pack)
+    normed = []
+    hook = runner.model.model.norm.register_forward_hook(lambda mod, args, out: normed.append(out))
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(5))
+    _, own = full_forward(runner, tokens)
+    with runner.float32_logits():
+        _, exact = full_forward(runner, tokens)
+    hook.remove()
+    assert not runner.float32_head and own.dtype == exact.dtype == torch.float32
+    want = (normed[-1].double() @ runner.model.head_weight.double().T).float()  # (B, T, V)
+    torch.testing.assert_close(exact, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(own, own.bfloat16().float())  # the model's own head: on bf16's grid
+    assert not torch.equal(exact, exact.bfloat16().float())
+    torch.testing.assert_close(own, want, atol=0, rtol=2 ** -8)  # within bf16's rounding of the same product
+    with runner.float32_logits(), runner.float32_logits():
+        pass
+    assert not runner.float32_head  # nested uses restore what was there
+
+
 def test_decode_step_over_separate_caches_equals_each_row_alone(tiny):
     """The scheduler's step: one token for each of three sequences held in their own caches, the
     linear layers batched, equals `forward` on each alone (logits and the rows written), and a

@@ -49,7 +49,9 @@ def test_general_summary_picks_the_selector_that_closes_most_of_the_gap(tmp_path
     assert s["selector_mean_model_gap_kept"]["rank"] == pytest.approx((0.0 - 0.5) / 2)
     # attn-source: hellaswag (0.9 - 0.6) / 0.4 = 0.75; gsm8k (0.52 - 0.6) / -0.1 = 0.8
     assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.75 + 0.8) / 2)
-    assert "default selector through map general: attn-source" in capsys.readouterr().out
+    assert s["default_picked"] == "after the fact, on these results: the highest mean of 2 candidates"
+    assert ("default selector through map general[abc]: attn-source, picked after the fact on these results (the "
+            "best of 2" in capsys.readouterr().out)
 
 
 def test_a_near_zero_plain_gap_does_not_pick_the_default(tmp_path):
@@ -197,3 +199,24 @@ def test_a_selector_another_task_lacks_is_no_candidate_and_narrows_no_task(tmp_p
     assert s["tasks"]["gsm8k_bpb"]["pick_n"] == 10 and s["tasks"]["hellaswag"]["pick_n"] == 10
     # attn-source over all 10 GSM8K items: (0.52 - 0.6) / (0.5 - 0.6) = 0.8; HellaSwag 0.5
     assert s["selector_mean_model_gap_kept"]["attn-source"] == pytest.approx((0.8 + 0.5) / 2)
+
+
+def test_general_summary_gives_bits_per_byte_by_bytes_beside_the_mean_of_ratios(tmp_path):
+    """On a bits-per-byte task whose records carry bytes, source − plain transfer by bytes: items of 1 byte
+    (source 0.6, plain 1.6) and 9 bytes (0.6 and 0.7) give (−1.0·1 − 0.1·9) / 10 = −0.19, the mean of ratios −0.55."""
+    acc = _write(tmp_path / "hs.jsonl", "hellaswag", "correct_norm",
+                 _arms([1] * 10, [0] * 4 + [1] * 6, [0] * 5 + [1] * 5, [0] + [1] * 9, [0] * 4 + [1] * 6))
+    plain = [1.6, 0.7] + [0.7] * 8
+    vals = _arms([0.5] * 10, [0.6] * 10, plain, [0.52] * 10, [0.65] * 10)
+    rows = [{"task": "gsm8k_bpb", "item": i, "arm": arm, "bpb": v, "bytes": 1 if i == "i0" else 9}
+            for arm, vs in vals.items() for i, v in zip(ITEMS[:2], vs)]
+    bpb = tmp_path / "g.jsonl"
+    bpb.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bpb.with_suffix(".meta.json").write_text(json.dumps({"maps": {"general": {"file": "m", "sha256": "abc"}}}))
+    out = tmp_path / "summary.json"
+    assert main(["eval", "report", str(acc), str(bpb), "--general-summary", str(out)]) == 0
+    g = json.loads(out.read_text())["tasks"]["gsm8k_bpb"]
+    assert g["plain_minus_source"] == pytest.approx(-0.55)
+    by = g["plain_minus_source_by_bytes"]
+    assert by["delta"] == pytest.approx(-0.19) and by["n"] == 2 and by["ci"][0] <= by["delta"] <= by["ci"][1]
+    assert "plain_minus_source_by_bytes" not in json.loads(out.read_text())["tasks"]["hellaswag"]

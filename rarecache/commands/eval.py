@@ -70,9 +70,10 @@ def _add_run(ev) -> None:
                    help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
     e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
-    e.add_argument("--max-new-tokens", type=int, default=256,
-                   help="generation tasks: answer length cap (default: 256; gsm8k stops at its final sentence, "
-                        "coqa at the end of the answer line)")
+    e.add_argument("--max-new-tokens", type=int, default=None,
+                   help="generation tasks: answer length cap (default: the task's own, gsm8k 1024, others 256; "
+                        "gsm8k stops at its exemplars' end, coqa at the end of the answer line; each record "
+                        "says whether the cap cut it: truncated)")
     e.add_argument("--batch", type=int, default=8,
                    help="generation: items whose arms decode together (default: 8)")
     e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
@@ -88,7 +89,7 @@ def cmd_eval_run(args) -> int:
     from ..engine.generate import SamplingConfig
     from ..engine.llm import LLM
     from ..eval.report import by_turn, markdown, summarise, template_prompt_share
-    from ..eval.results import load_results, run_meta
+    from ..eval.results import load_results, map_shas, run_meta
     from ..eval.run import run_task
     from ..eval.tasks import TASKS, open_task
     from ..transfer.mapper import Mapper
@@ -97,6 +98,8 @@ def cmd_eval_run(args) -> int:
     task = None if args.task in TASKS else open_task(args.task, args.cache_dir)
     if args.limit < 1 or args.start < 0:
         raise RarecacheError("--limit must be >= 1 and --start >= 0")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise RarecacheError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.threads is not None:
         if args.threads < 1:
             raise RarecacheError(f"--threads must be >= 1 (got {args.threads})")
@@ -115,7 +118,7 @@ def cmd_eval_run(args) -> int:
     for label, path in map_paths.items():
         maps[label] = Mapper.load(path)
         maps[label].check_pair(source.runner, target.runner)
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens or task.max_new_tokens)
     meta = run_meta(task, source, target, map_paths, args.dtype, sampling)
     out = run_task(task, items, source, target, maps, arms, args.out, sampling, batch=args.batch, meta=meta)
     rows = load_results(out)
@@ -124,7 +127,7 @@ def cmd_eval_run(args) -> int:
     table = markdown(summarise(rows, task.metric, task.chance, lower_is_better=bpb),
                      f"{task.name}: {len({r['item'] for r in rows})} items, {source.path.name} -> {target.path.name}, "
                      f"map {maps_text}", metric=task.metric, percent=not bpb,
-                     template_share=template_prompt_share(rows))
+                     template_share=template_prompt_share(rows), shas=map_shas(out))
     turns = by_turn(rows, task.metric, percent=not bpb)
     table += f"\n\n{turns}" if turns else ""
     out.with_suffix(".md").write_text(table + "\n")
@@ -145,10 +148,14 @@ def _eval_arms(args, labels: tuple[str, ...]) -> list:
 
 REPORT_DESCRIPTION = """\
 Per arm: the metric with its interval, against the target (retention, gap closed, paired
-delta and p), and agreement with target (n): the share of items whose answer (the choice
-chosen, or the generated answer GSM8K extracts) equals the target's own answer on the same
-item. Bits per byte tasks score a fixed text and give no answer, so their agreement is —
-(null in summary files): read their paired delta vs the target instead."""
+delta and p, and on right/wrong outcomes McNemar's exact p), and agreement with target (n):
+the share of items whose answer (the choice chosen, or the generated answer GSM8K extracts)
+equals the target's own answer on the same item; an exact tie between choices is an answer
+of its own, agreeing only with the same tie (the ties column counts them). Bits per byte
+tasks score a fixed text and give no answer, so their agreement is — (null in summary files):
+read their paired delta vs the target instead, beside it weighted by bytes (total bits over
+total bytes). Generation tasks count the answers cut at the token cap. Handoff arms carry
+their map's sha256 prefix, as the results' meta file records it: rho=0.3/suffix@v4[7145adb2]."""
 
 
 def _add_report(ev) -> None:
@@ -257,14 +264,16 @@ def _fidelity(args) -> None:
 
 
 def _report(args, path: Path) -> None:
-    from ..eval.report import by_turn, compact, markdown, summarise, template_prompt_share
-    from ..eval.results import load_results
+    from ..eval.report import by_turn, compact, mark_truncated, markdown, summarise, template_prompt_share
+    from ..eval.results import generation_cap, load_results, map_shas, run_record
     from ..eval.tasks import TASKS
     from ..eval.tasks.custom import headline
 
     rows = load_results(path)
     if not rows:
         raise RarecacheError(f"{path} holds no results yet")
+    # maps by sha256 prefix where the run's record exists (a file without one prints its labels as they are)
+    rows, shas = mark_truncated(rows, generation_cap(path)), map_shas(path) if run_record(path) else None
     task = TASKS[rows[0]["task"]] if rows[0].get("task") in TASKS else None
     default, chance = (task.metric, task.chance) if task else headline(rows)  # a task file's: from its rows
     metric = args.metric or default
@@ -276,10 +285,10 @@ def _report(args, path: Path) -> None:
     items = len({r["item"] for r in rows})
     summary = summarise(rows, metric, chance, lower_is_better=bpb, plain_label=args.plain_label)
     if args.compact:
-        print(compact(summary, metric, percent=not bpb, plain_label=args.plain_label))
+        print(compact(summary, metric, percent=not bpb, plain_label=args.plain_label, shas=shas))
     else:
         print(markdown(summary, f"{path} ({items} items)", metric=metric, percent=not bpb,
-                       template_share=template_prompt_share(rows), plain_label=args.plain_label))
+                       template_share=template_prompt_share(rows), plain_label=args.plain_label, shas=shas))
     turns = by_turn(rows, metric, percent=not bpb)
     if turns:
         print(f"\n{turns}")

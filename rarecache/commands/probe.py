@@ -58,7 +58,7 @@ def cmd_probe(args) -> int:
         m.check_pair(source.runner, target.runner)
     tasks = {name: TASKS[name](args.cache_dir, tokenizer=source.tokenizer) for name in SOURCES.values()}
     prompts = build_set(tasks)
-    meta = {"task": "probe", "set": set_digest(prompts), "sampling": None,
+    meta = {"task": "probe", "set": set_digest(prompts), "sampling": None, "logits": None,
             **models_meta(source, target, map_paths, args.dtype)}
     meta = check_meta(args.out, meta, RUN_KEYS + ("set",))  # (its maps: every map the file has seen)
     run_probe(prompts, source, target, maps, variants, args.out)

@@ -8,6 +8,7 @@ model knowing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -66,6 +67,7 @@ class Runner:
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
         self.attention = attend  # the kernel; benchmarks swap in the dense reference to measure the gain
+        self.float32_head = False  # logits from a float32 LM head (`float32_logits`)
         self.config: ModelConfig = model.config
         p = model.model.embed_tokens.weight
         self.dtype, self.device = p.dtype, p.device
@@ -146,6 +148,17 @@ class Runner:
         out, probs = self.attend(i, q, positions, cache, capture_rows, step)
         return self.finish(i, h, out), probs
 
+    @contextlib.contextmanager
+    def float32_logits(self):
+        """Inside, every pass's logits come from a float32 LM head (`CausalLM.logits`): what scoring choices
+        by their log-likelihoods reads in a bfloat16 model, whose own head ties choices that differ. Decoding
+        and serving keep the model's own head."""
+        was, self.float32_head = self.float32_head, True
+        try:
+            yield self
+        finally:
+            self.float32_head = was
+
     def logits(self, h: torch.Tensor, positions: torch.Tensor, at: str | torch.Tensor = "last"):
         """Logits of h (B, T, C): at the highest position per row ("last"), everywhere ("all"),
         or at row indices (B, K); None for at=None."""
@@ -153,13 +166,13 @@ class Runner:
             return None
         if isinstance(at, str):
             if at == "all":
-                return self.model.logits(h)
+                return self.model.logits(h, self.float32_head)
             if at != "last":
                 raise ValueError(f"logits_at must be 'last', 'all', None or an index tensor, not {at!r}")
             at = positions.argmax(dim=1, keepdim=True)  # (B, 1)
             return self.logits(h, positions, at)[:, 0]
         sel = h.gather(1, at[..., None].expand(-1, -1, h.shape[-1]))  # (B, K, C)
-        return self.model.logits(sel)
+        return self.model.logits(sel, self.float32_head)
 
     # -- the whole pass -----------------------------------------------------------------
 

@@ -6,9 +6,13 @@ Per task: the target, the source alone and the handoff on the same items, the ha
 target (handoff − target: percentage points for accuracy, bits per byte for bpb) with its paired bootstrap
 95% interval, and agreement, the share of items whose answer equals the target's own (null on bits per
 byte, where a fixed text is scored and there is no answer to agree on; its Δ stands instead), with Cohen's
-κ beside it (`report.kappa`: agreement beyond what the answers' frequencies give by chance, so a map cannot
+κ beside it (`answers.kappa`: agreement beyond what the answers' frequencies give by chance, so a map cannot
 raise it by answering the target's favourite choice). Accuracy nets gains against losses; agreement does
-not, which is why it is the figure an adoption rule reads.
+not, which is why it is the figure an adoption rule reads. An exact tie between choices is an answer of its
+own and agrees only with the same tie (answers.py). Right/wrong tasks add McNemar's exact p for the
+handoff against the target (`mcnemar_p`); bits-per-byte tasks add the figures weighted by bytes, total bits
+over total bytes, with the paired delta's interval (`by_bytes`): the mean of per-item ratios lets short
+answers weigh as much as long ones (passage QA: +0.667 by the mean of ratios, +0.474 by bytes).
 
 CoQA (`coqa_bpb`, issue 41's conversation workload) comes from an `eval drift run` file: the switching arm
 at the same budget (`switch/RHO:SELECTOR`, a handoff at every target turn, no healing) against the target
@@ -26,9 +30,10 @@ import json
 from pathlib import Path
 
 from ..errors import RarecacheError
+from .answers import PREDICTION, agreement, kappa
 from .arms import handoff_arm
-from .metrics import paired_diff_ci
-from .report import agreement, arm_name, kappa
+from .metrics import bytes_bpb, mcnemar, paired_bytes_ci, paired_diff_ci
+from .report import arm_name, format_p
 from .results import map_sha256
 from .summary import read_task
 
@@ -50,11 +55,30 @@ def _task_cell(task, arm: str, items: list[str]) -> dict:
     def mean(a: str) -> float:
         return scale * sum(vals[a][i] for i in items) / len(items)
 
-    d, lo, hi, _ = paired_diff_ci([vals[arm][i] for i in items], [vals["target"][i] for i in items])
+    a, t = [vals[arm][i] for i in items], [vals["target"][i] for i in items]
+    d, lo, hi, _ = paired_diff_ci(a, t)
     share, _ = agreement(task.rows, arm, task.metric, set(items))
+    exact = mcnemar(a, t) if task.metric in PREDICTION else None  # right/wrong metrics only
     return {"metric": task.metric, "n": len(items), "target": mean("target"), "source": mean("source"),
             "handoff": mean(arm), "delta": scale * d, "ci": [scale * lo, scale * hi], "agreement": share,
-            "kappa": kappa(task.rows, arm, task.metric, set(items))}
+            "kappa": kappa(task.rows, arm, task.metric, set(items)), "mcnemar_p": exact[0] if exact else None,
+            "by_bytes": _by_bytes(task, arm, items)}
+
+
+def _by_bytes(task, arm: str, items: list[str]) -> dict | None:
+    """Bits per byte weighted by bytes (total bits over total bytes) for the target, the source and the
+    handoff, and the handoff − target difference with its paired bootstrap interval; None unless the task
+    scores bits per byte with the bytes recorded on every item."""
+    if task.metric != "bpb":
+        return None
+    n_bytes = {r["item"]: r["bytes"] for r in task.rows if isinstance(r.get("bytes"), int)}
+    if not all(i in n_bytes for i in items):
+        return None
+    w, vals = [n_bytes[i] for i in items], task.vals
+    d, lo, hi = paired_bytes_ci([vals[arm][i] for i in items], [vals["target"][i] for i in items], w)
+    return {**{k: bytes_bpb([vals[a][i] for i in items], w) for k, a in (("target", "target"),
+                                                                          ("source", "source"), ("handoff", arm))},
+            "delta": d, "ci": [lo, hi]}
 
 
 def _probe(probe: Path, arm: str, label: str, previous: str | None, previous_arm: str | None = None) -> dict:
@@ -85,7 +109,8 @@ def _coqa_cell(drift: Path, spec: str, sha: str) -> dict:
     run_record(drift, sha, "the summary's map goes")
     f = arm_figures(drift, parse_arm(spec)[0])
     return {"metric": "bpb", "n": f["n"], "stories": f["stories"], "target": f["target"], "source": f["source"],
-            "handoff": f["gated"], "delta": f["delta"], "ci": f["ci"], "agreement": None, "kappa": None}
+            "handoff": f["gated"], "delta": f["delta"], "ci": f["ci"], "agreement": None, "kappa": None,
+            "mcnemar_p": None, "by_bytes": None}  # (a drift file records no byte counts)
 
 
 def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | None = None,
@@ -134,13 +159,18 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
 
 
 def markdown(summary: dict, label: str, previous: str | None = None) -> str:
-    """The summary as a table: per task the map's and (given) the previous map's figures."""
+    """The summary as a table: per task the map's and (given) the previous map's figures. Maps are named with
+    their sha256 prefix; the delta cell adds McNemar's exact p on right/wrong tasks and the byte-weighted
+    delta on bits per byte."""
     was = summary.get("previous", {})
-    if previous and (was.get("selector"), was.get("rho")) != (summary["selector"], summary["rho"]):
-        previous = f"{previous} ({was['selector']} {was['rho']:g})"
-    lines = [f"fidelity through map {label} (sha256 {summary['map'][:12]}), {summary['selector']} at "
-             f"rho {summary['rho']:g}; delta = handoff - target (pp for accuracy, bpb for bits per byte), "
-             "agreement = share of answers equal to the target's (— on bits per byte)", "",
+    if previous:
+        previous = f"{previous}[{str(was.get('map'))[:8]}]"
+        if (was.get("selector"), was.get("rho")) != (summary["selector"], summary["rho"]):
+            previous = f"{previous} ({was['selector']} {was['rho']:g})"
+    lines = [f"fidelity through map {label}[{summary['map'][:8]}] (sha256 {summary['map'][:12]}), {summary['selector']} at "
+             f"rho {summary['rho']:g}; delta = handoff - target (pp for accuracy, bpb for bits per byte; beside it "
+             "McNemar's exact p, or on bits per byte the delta weighted by bytes), agreement = share of answers "
+             "equal to the target's, a tie agreeing only with the same tie (— on bits per byte)", "",
              "| task | n | target | source | handoff | delta (95% CI) | agreement |"
              + (f" {previous}: handoff | delta (95% CI) | agreement |" if previous else ""),
              "|---" * (7 + (3 if previous else 0)) + "|"]
@@ -152,8 +182,14 @@ def markdown(summary: dict, label: str, previous: str | None = None) -> str:
         fd = "{:+.4f}" if t["metric"] == "bpb" else "{:+.1f}"
         ag = "—" if t["agreement"] is None else f"{t['agreement']:.0%}" + (
             f" (κ {t['kappa']:.2f})" if t.get("kappa") is not None else "")
-        return [f.format(t["handoff"]), f"{fd.format(t['delta'])} ({fd.format(t['ci'][0])}, {fd.format(t['ci'][1])})",
-                ag]
+        extra = ""
+        if t.get("mcnemar_p") is not None:
+            extra = f"; McNemar p {format_p(t['mcnemar_p'], floor=False)}"
+        elif t.get("by_bytes"):
+            b = t["by_bytes"]
+            extra = f"; by bytes {fd.format(b['delta'])} ({fd.format(b['ci'][0])}, {fd.format(b['ci'][1])})"
+        return [f.format(t["handoff"]),
+                f"{fd.format(t['delta'])} ({fd.format(t['ci'][0])}, {fd.format(t['ci'][1])}{extra})", ag]
 
     for name, t in summary["tasks"].items():
         f = "{:.4f}" if t["metric"] == "bpb" else "{:.1f}"

@@ -28,10 +28,11 @@ import numpy as np
 
 from ..errors import RarecacheError
 from ..transfer.gate import SIGNALS, GatePolicy, climbed_signals, decide, rungs_climbed
+from .answers import same_answer
 from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
 from .gate_fit import Item, fit_thresholds
-from .metrics import paired_diff_ci
-from .report import answer_field
+from .metrics import mcnemar, paired_diff_ci
+from .report import format_p
 from .results import load_results, map_sha256, sibling
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
@@ -95,7 +96,6 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
     items = [i for i in ladder if i in target]
     if not items:
         raise RarecacheError(f"{path}: no item has both the target arm and {arm}")
-    key = answer_field(metric)  # None for bits per byte, read apart below
     out = Ladders(task, metric, loss, arm, arm.split("/", 1)[1].split("@")[0],
                   [g["rho"] for g in ladder[items[0]]["ladder"]], items, map_sha256(path, arm.partition("@")[2]),
                   signal)
@@ -116,7 +116,7 @@ def read_ladders(path: Path, arm: str | None = None, loss: str = "changed", sign
             out.loss.append([g["bpb"] - t["bpb"] for g in rungs])
             out.changed.append([g["bpb"] - t["bpb"] > CHANGED_BPB for g in rungs])
         else:
-            out.changed.append([g[key] != t[key] for g in rungs])
+            out.changed.append([not same_answer(g, t, metric) for g in rungs])  # (answers.py's one rule)
             out.loss.append([float(c) for c in out.changed[-1]] if loss == "changed"
                             else [float(t[metric]) - float(g[metric]) for g in rungs])
         out.seconds.append(times.get(i, {}))
@@ -240,11 +240,13 @@ def evaluate(lad: Ladders, policy: GatePolicy) -> dict:
     bpb = lad.metric == "bpb"
     scale = 1.0 if bpb else 100.0  # pp for accuracy
     d, lo, hi, p = paired_diff_ci(gated, lad.target)
+    exact = None if bpb else mcnemar(gated, lad.target)  # right/wrong: McNemar's exact p beside the bootstrap's
     prefill = [tm.get("target_prefill") for tm in lad.seconds]
     have = [(a, b) for a, b in zip(prefill, secs) if a]
     speedup = (sum(a for a, _ in have) / sum(b for _, b in have)) if have else None
     a, alo, ahi = auc_ci(list(zip(lad.js, lad.changed)))
     return {"unit": "bpb" if bpb else "pp", "delta": d * scale, "ci": [lo * scale, hi * scale], "p": p,
+            "mcnemar_p": exact[0] if exact else None,
             "n": len(gated), "fallback_share": fell / len(gated), "mean_recomputed_share": float(np.mean(cost)),
             "expected_speedup": speedup, "target": float(np.mean(lad.target)), "gated": float(np.mean(gated)),
             "auc": a, "auc_ci": [alo, ahi], "agreement": float(np.mean(agree)),
@@ -299,8 +301,9 @@ def markdown(results: dict[str, dict], policy: GatePolicy) -> str:
         dfmt = (lambda x: f"{x:+.1f}") if pct else (lambda x: f"{x:+.4f}")
         sp = f"{r['expected_speedup']:.2f}×" if r["expected_speedup"] else "—"
         auc = "—" if r["auc"] is None else f"{r['auc']:.3f} ({r['auc_ci'][0]:.3f}, {r['auc_ci'][1]:.3f})"
+        mc = f"; McNemar p {format_p(r['mcnemar_p'], floor=False)}" if r.get("mcnemar_p") is not None else ""
         lines.append(f"| {task} | {r['n']} | {f(r['target'])} | {f(r['gated'])} | {dfmt(r['delta'])}{u} "
-                     f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}) | {r['fallback_share']:.1%} | "
+                     f"({dfmt(r['ci'][0])}, {dfmt(r['ci'][1])}{mc}) | {r['fallback_share']:.1%} | "
                      f"{r['mean_recomputed_share']:.3f} | {sp} | {_share(r.get('agreement'))} | {auc} |")
     pooled = policy.fitted.get("auc_pooled")
     if pooled:  # (policies fitted before it was recorded have none)

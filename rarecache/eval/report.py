@@ -9,17 +9,25 @@ favours (RESULTS.md 8.3: the 0.5B answers MMLU's B on 84% of items), which the m
 
 A ratio with nothing to divide by (no gap to close, a target not above chance) is
 undefined and prints as —. A p-value prints with the number of paired items it rests
-on, and at the bootstrap's floor as a bound ("< 0.001"): with no resample on the other
-side of zero, the bootstrap can say no more.
+on, and at the bootstrap's floor as a bound ("< 0.0001"): with no resample on the other
+side of zero, the bootstrap can say no more. On right/wrong outcomes the exact McNemar p
+(metrics.mcnemar) stands beside it, with the discordant items it counts.
+
+What could mislead is printed beside the figures it would move: multiple-choice ties (answers.py: a tie is
+its own answer, agreeing only with the same tie), generations cut at the length cap (`truncated`), and on
+bits per byte the byte-weighted figure (total bits over total bytes) beside the mean of per-item ratios.
+Handoff arms carry their map's sha256 prefix where the results' record names it (`display`), so a label
+such as v4 cannot stand for two files.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 
 from ..transfer.selectors import SELECTORS
-from .metrics import mean_ci, p_floor, paired_diff_ci
+from .answers import PREDICTION, agreement, kappa, ties
+from .answers import agrees, answer_field  # noqa: F401  (research scripts read them from here)
+from .metrics import bytes_bpb, mcnemar, mean_ci, p_floor, paired_bytes_ci, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
 GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)
@@ -43,10 +51,24 @@ def is_oracle(selector: str) -> bool:
     return sel is not None and sel.oracle
 
 
-def display(arm: str) -> str:
-    """An arm's name as printed: oracles (which read the target's own prefill) say so."""
+def map_tag(label: str, shas: dict[str, str] | None) -> str:
+    """A map label as printed: with the first 8 hex digits of its file's sha256 ("v4[7145adb2]") when `shas`
+    (label -> sha256, the results' record) is given, "[unrecorded]" where the record lacks the label."""
+    if shas is None:
+        return label
+    sha = shas.get(label)
+    return f"{label}[{sha[:8] if isinstance(sha, str) else 'unrecorded'}]"
+
+
+def display(arm: str, shas: dict[str, str] | None = None) -> str:
+    """An arm's name as printed: its map with the map's sha256 prefix (`map_tag`, given `shas`), and oracles
+    (which read the target's own prefill) say so. The name in the records stays as it was."""
     parts = split_arm(arm)
-    return arm + (" (oracle)" if parts is not None and is_oracle(parts[1]) else "")
+    if parts is None:
+        return arm
+    body, at, label = arm.partition("@")
+    name = body + at + map_tag(label, shas) if shas is not None else arm
+    return name + (" (oracle)" if is_oracle(parts[1]) else "")
 
 
 def arm_name(rho: float, selector: str, label: str = "") -> str:
@@ -67,13 +89,18 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         if metric in r:
             by_arm[r["arm"]][r["item"]] = float(r[metric])
     target = by_arm.get("target", {})
+    byte_counts = {r["item"]: r["bytes"] for r in rows if metric == "bpb" and isinstance(r.get("bytes"), int)}
     out = []
     for arm, vals in by_arm.items():
         items = sorted(vals)
         m, lo, hi = mean_ci([vals[i] for i in items])
         row = {"arm": arm, "n": len(items), "mean": m, "lo": lo, "hi": hi,
                "position0": _share(rows, arm, "position0"), "template_share": _template_share(rows, arm),
-               "top_answer": top_answer(rows, arm, metric)}
+               "top_answer": top_answer(rows, arm, metric), "ties": ties(rows, arm, metric),
+               "truncated": truncated(rows, arm)}
+        weighted = [i for i in items if i in byte_counts]
+        if weighted:  # bits per byte over the arm's text as a whole, beside the mean of per-item ratios
+            row["bytes_mean"] = bytes_bpb([vals[i] for i in weighted], [byte_counts[i] for i in weighted])
         shared = [i for i in items if i in target]
         if target and arm != "target" and shared:
             t, a = _mean_over(target, shared), _mean_over(vals, shared)
@@ -81,8 +108,18 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
                 row["retention"] = a / t if t else None  # undefined: printed as —
                 # a target not above chance has no headroom over guessing to retain
                 row["floor_retention"] = (a - chance) / (t - chance) if t > chance else None
-            d, dlo, dhi, p = paired_diff_ci([vals[i] for i in shared], [target[i] for i in shared])
+            a_vals, t_vals = [vals[i] for i in shared], [target[i] for i in shared]
+            d, dlo, dhi, p = paired_diff_ci(a_vals, t_vals)
             row.update(diff=d, diff_lo=dlo, diff_hi=dhi, p=p, p_n=len(shared))
+            exact = mcnemar(a_vals, t_vals) if metric in PREDICTION else None  # right/wrong metrics only
+            if exact is not None:  # (arm right where the target is wrong, and the reverse)
+                row.update(mcnemar_p=exact[0], mcnemar_gained=exact[1], mcnemar_lost=exact[2])
+            if byte_counts:
+                paired = [i for i in shared if i in byte_counts]
+                if paired:
+                    bd, blo, bhi = paired_bytes_ci([vals[i] for i in paired], [target[i] for i in paired],
+                                                   [byte_counts[i] for i in paired])
+                    row.update(bytes_diff=bd, bytes_diff_lo=blo, bytes_diff_hi=bhi)
             share, n_agree = agreement(rows, arm, metric)
             row.update(agreement=share, agreement_n=n_agree, kappa=kappa(rows, arm, metric))
         parts = split_arm(arm)
@@ -102,8 +139,12 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             rank = by_arm.get(arm_name(rho, "rank", label), {})
             common = [i for i in items if i in rank]
             if selector != "rank" and common:  # this selector against rank disagreement at the same budget
-                d, dlo, dhi, p = paired_diff_ci([vals[i] for i in common], [rank[i] for i in common])
+                a_vals, r_vals = [vals[i] for i in common], [rank[i] for i in common]
+                d, dlo, dhi, p = paired_diff_ci(a_vals, r_vals)
                 row.update(vs_rank=d, vs_rank_lo=dlo, vs_rank_hi=dhi, vs_rank_p=p, vs_rank_n=len(common))
+                exact = mcnemar(a_vals, r_vals) if metric in PREDICTION else None
+                if exact is not None:
+                    row["vs_rank_mcnemar_p"] = exact[0]
         out.append(row)
     return sorted(out, key=_order)
 
@@ -122,56 +163,20 @@ def _share(rows: list[dict], arm: str, field: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-PREDICTION = {"correct": "prediction", "correct_norm": "prediction_norm"}  # the answer each metric scores
+def truncated(rows: list[dict], arm: str) -> tuple[int, int] | None:
+    """How many of `arm`'s generations stopped at the length cap (`truncated`), of how many; None where no
+    row records it (likelihood tasks; generations written before 2026-12-07, see `mark_truncated`)."""
+    flags = [bool(r["truncated"]) for r in rows if r["arm"] == arm and "truncated" in r]
+    return (sum(flags), len(flags)) if flags else None
 
 
-def answer_field(metric: str) -> str | None:
-    """The record field holding the answer `metric` scores: the chosen choice (acc_norm: the length-
-    normalised one) or a generated answer (GSM8K's extracted number, CoQA's answer line). None for bits
-    per byte: the likelihood of a fixed text gives no answer to agree on (reports give its paired Δ)."""
-    return None if metric == "bpb" else PREDICTION.get(metric, "prediction")
-
-
-def _answer_pairs(rows: list[dict], arm: str, metric: str, items: set[str] | None) -> dict[str, tuple] | None:
-    """Per item both answered (only `items` when given): (the target's answer, `arm`'s). None for bits per
-    byte, which scores a fixed text and gives no answer."""
-    field = answer_field(metric)
-    if field is None:
-        return None
-    answers: dict[str, dict[str, object]] = {"target": {}, arm: {}}
-    for r in rows:
-        if r["arm"] in answers and field in r and (items is None or r["item"] in items):
-            answers[r["arm"]][r["item"]] = r[field]
-    return {i: (answers["target"][i], a) for i, a in answers[arm].items() if i in answers["target"]}
-
-
-def agrees(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> dict[str, bool]:
-    """Per item both answered (only `items` when given): whether `arm`'s answer equals the target's own.
-    Empty for bits per byte, which scores a fixed text and gives no answer."""
-    return {i: a == t for i, (t, a) in (_answer_pairs(rows, arm, metric, items) or {}).items()}
-
-
-def kappa(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> float | None:
-    """Cohen's κ between `arm`'s answers and the target's on the items both answered: agreement beyond what
-    the two answers' frequencies give by chance, (p_o − p_e) / (1 − p_e). Agreement alone can be bought by
-    answering the target's favourite choice (the 0.5B agrees with the 1.5B on 48% of MMLU items by answering
-    B on 79% of them, where the 1.5B answers B on 56%: κ 0.02); κ cannot. None for bits per byte, no item,
-    or chance agreement 1 (both always give one answer)."""
-    pairs = [(repr(t), repr(a)) for t, a in (_answer_pairs(rows, arm, metric, items) or {}).values()]
-    if not pairs:  # (repr: a generated answer may be any JSON value, counted as a key)
-        return None
-    n = len(pairs)
-    t, a = Counter(p[0] for p in pairs), Counter(p[1] for p in pairs)
-    observed = sum(x == y for x, y in pairs) / n
-    chance = sum(t[c] * a[c] for c in t) / n ** 2
-    return None if chance >= 1 else (observed - chance) / (1 - chance)
-
-
-def agreement(rows: list[dict], arm: str, metric: str, items: set[str] | None = None) -> tuple[float | None, int]:
-    """The share of items whose answer under `arm` equals the target's own answer on the same item, and
-    on how many items (both answered; only `items` when given). (None, 0) for bits per byte or no such item."""
-    same = agrees(rows, arm, metric, items)
-    return (sum(same.values()) / len(same), len(same)) if same else (None, 0)
+def mark_truncated(rows: list[dict], cap: int | None) -> list[dict]:
+    """Generation rows written before `truncated` was recorded, marked by their length: `new_tokens` at the
+    run's cap (`cap`, from its record) means the cap stopped them (or, rarely, an answer ended exactly there)."""
+    if cap is None:
+        return rows
+    return [r if "truncated" in r or "new_tokens" not in r else {**r, "truncated": r["new_tokens"] >= cap}
+            for r in rows]
 
 
 def top_answer(rows: list[dict], arm: str, metric: str = "correct") -> tuple[int, float] | None:
@@ -203,40 +208,80 @@ def template_prompt_share(rows: list[dict]) -> float | None:
     return sum(t for t, _ in seen.values()) / total if total else None
 
 
-def format_p(p: float) -> str:
-    """Three decimals; at the bootstrap's floor, a bound ("< 0.001") rather than the floor itself."""
-    if p <= p_floor() * (1 + 1e-9):
-        return f"< {math.ceil(p_floor() * 1000 - 1e-9) / 1000:.3f}"
-    return f"{p:.3f}"
+def format_p(p: float, floor: bool = True) -> str:
+    """Three decimals, two significant digits below 0.001; at the bootstrap's floor (`floor`: a bootstrap p),
+    a bound ("< 0.0001") rather than the floor itself."""
+    if floor and p <= p_floor() * (1 + 1e-9):
+        return f"< {p_floor():g}"
+    return f"{p:.3f}" if p >= 0.001 else f"{p:.2g}"
 
 
-def _p_cell(r: dict, key: str = "p", n_key: str = "p_n") -> str:
-    """A p-value with the number of paired items it rests on, or — when there is none."""
-    return f"{format_p(r[key])} (n={r[n_key]})" if r.get(key) is not None else "—"
+def _p_cell(r: dict, key: str = "p", n_key: str = "p_n", exact: str | None = None) -> str:
+    """A p-value with the number of paired items it rests on (and McNemar's exact p from `exact`, where the
+    outcomes are binary), or — when there is none."""
+    if r.get(key) is None:
+        return "—"
+    mc = f"; McNemar {format_p(r[exact], floor=False)}" if exact and r.get(exact) is not None else ""
+    return f"{format_p(r[key])} (n={r[n_key]}{mc})"
+
+
+def _count_cell(pair: tuple[int, int] | None) -> str:
+    return "—" if pair is None else f"{pair[0]} of {pair[1]}"
 
 
 def markdown(summary: list[dict], title: str = "", metric: str = "accuracy", percent: bool = True,
-             template_share: float | None = None, plain_label: str | None = None) -> str:
+             template_share: float | None = None, plain_label: str | None = None,
+             shas: dict[str, str] | None = None) -> str:
+    """The full table, one row per arm (arms named with their map's sha256 prefix given `shas`). Columns that
+    only some tasks have come where they apply: McNemar's exact p (right/wrong outcomes), bits per byte
+    weighted by bytes (bpb with byte counts), ties (multiple choice) and generations cut at the cap."""
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
     fd = (lambda x: f"{x:+.1%}") if percent else (lambda x: f"{x:+.4f}")
     head = [f"**{title}**", ""] if title else []
     if template_share is not None:
         head += [f"Shared template (instruction, exemplars, chat markup) is {template_share:.0%} of the prompt "
                  "positions; the \"template share of picks\" column is its share of the positions each arm recomputed.", ""]
-    lines = head + [
-        f"| arm | n | {metric} | 95% CI | retention | floor-norm. retention | {gap_closed_header(plain_label)} | Δ vs target (95% CI) "
-        "| p vs target (n) | Δ vs rank (p, n) | agreement with target (n) | κ vs target | pos 0 chosen "
-        "| template share of picks | most given answer |", "|---" * 15 + "|"]
-    for r in summary:
-        def opt(key, fmt="{:.1%}"):
-            return fmt.format(r[key]) if r.get(key) is not None else "—"
-        diff = f"{fd(r['diff'])} ({fd(r['diff_lo'])}, {fd(r['diff_hi'])})" if "diff" in r else "—"
-        vs_rank = (f"{fd(r['vs_rank'])} (p {format_p(r['vs_rank_p'])}, n={r['vs_rank_n']})" if "vs_rank" in r
-                   else "—")
-        lines.append(f"| {display(r['arm'])} | {r['n']} | {f(r['mean'])} | {f(r['lo'])}–{f(r['hi'])} | "
-                     f"{opt('retention')} | {opt('floor_retention')} | {opt('gap_closed')} | {diff} | {_p_cell(r)} | "
-                     f"{vs_rank} | {_agreement_cell(r)} | {opt('kappa', '{:.2f}')} | "
-                     f"{opt('position0', '{:.0%}')} | {opt('template_share', '{:.0%}')} | {_top_cell(r)} |")
+
+    def has(key: str) -> bool:
+        return any(r.get(key) is not None for r in summary)
+
+    def opt(r, key, fmt="{:.1%}"):
+        return fmt.format(r[key]) if r.get(key) is not None else "—"
+
+    def interval(r, key):
+        return f"{fd(r[key])} ({fd(r[key + '_lo'])}, {fd(r[key + '_hi'])})" if r.get(key) is not None else "—"
+
+    def vs_rank(r):
+        if "vs_rank" not in r:
+            return "—"
+        mc = f", McNemar {format_p(r['vs_rank_mcnemar_p'], floor=False)}" if "vs_rank_mcnemar_p" in r else ""
+        return f"{fd(r['vs_rank'])} (p {format_p(r['vs_rank_p'])}{mc}, n={r['vs_rank_n']})"
+
+    def gained_lost(r):
+        return "—" if "mcnemar_p" not in r else (f"{format_p(r['mcnemar_p'], floor=False)} "
+                                                f"(+{r['mcnemar_gained']} / −{r['mcnemar_lost']})")
+
+    columns = [("arm", lambda r: display(r["arm"], shas)), ("n", lambda r: str(r["n"])),
+               (metric, lambda r: f(r["mean"])), ("95% CI", lambda r: f"{f(r['lo'])}–{f(r['hi'])}")]
+    if has("bytes_mean"):
+        columns.append(("by bytes: total bits / total bytes", lambda r: opt(r, "bytes_mean", "{:.4f}")))
+    columns += [("retention", lambda r: opt(r, "retention")), ("floor-norm. retention", lambda r: opt(r, "floor_retention")),
+                (gap_closed_header(plain_label), lambda r: opt(r, "gap_closed")),
+                ("Δ vs target (95% CI)", lambda r: interval(r, "diff"))]
+    if has("bytes_diff"):
+        columns.append(("Δ by bytes vs target (95% CI)", lambda r: interval(r, "bytes_diff")))
+    columns.append(("p vs target (n)", _p_cell))
+    if has("mcnemar_p"):
+        columns.append(("McNemar p vs target (right only here / only the target)", gained_lost))
+    columns += [("Δ vs rank (p, n)", vs_rank), ("agreement with target (n)", _agreement_cell),
+                ("κ vs target", lambda r: opt(r, "kappa", "{:.2f}")), ("pos 0 chosen", lambda r: opt(r, "position0", "{:.0%}")),
+                ("template share of picks", lambda r: opt(r, "template_share", "{:.0%}")), ("most given answer", _top_cell)]
+    if has("ties"):
+        columns.append(("ties (top choices equal)", lambda r: _count_cell(r.get("ties"))))
+    if has("truncated"):
+        columns.append(("cut at the token cap", lambda r: _count_cell(r.get("truncated"))))
+    lines = head + ["| " + " | ".join(h for h, _ in columns) + " |", "|---" * len(columns) + "|"]
+    lines += ["| " + " | ".join(cell(r) for _, cell in columns) + " |" for r in summary]
     return "\n".join(lines)
 
 
@@ -272,11 +317,13 @@ def by_turn(rows: list[dict], metric: str, percent: bool = True) -> str | None:
     return "\n".join(lines)
 
 
-def compact(summary: list[dict], metric: str, percent: bool = True, plain_label: str | None = None) -> str:
+def compact(summary: list[dict], metric: str, percent: bool = True, plain_label: str | None = None,
+            shas: dict[str, str] | None = None) -> str:
     """One row per arm, one column group per map: the metric with its interval, floor-normalised
     retention (or, for lower-is-better metrics, the difference to the target), gap closed, the share
     of the source-to-target gap kept and the p-values against the target and against rank
-    disagreement at the same budget."""
+    disagreement at the same budget (with McNemar's exact p on right/wrong outcomes). Map labels carry their
+    sha256 prefix given `shas`."""
     f = (lambda x: f"{x:.1%}") if percent else (lambda x: f"{x:.4f}")
     labels = sorted({split_arm(r["arm"])[2] for r in summary if split_arm(r["arm"])}) or [""]  # "": no handoff arm
     cells: dict[str, dict[str, dict]] = defaultdict(dict)
@@ -285,7 +332,7 @@ def compact(summary: list[dict], metric: str, percent: bool = True, plain_label:
         key = r["arm"] if parts is None else arm_name(parts[0], parts[1])
         cells[key][parts[2] if parts else ""] = r
     second = "floor-norm. ret." if percent else "Δ vs target"
-    groups = (f"{lab or 'map'}: {metric} (95% CI) | {second} | {gap_closed_header(plain_label)} | {GAP_KEPT} | p vs target (n) | "
+    groups = (f"{map_tag(lab, shas) if lab else 'map'}: {metric} (95% CI) | {second} | {gap_closed_header(plain_label)} | {GAP_KEPT} | p vs target (n) | "
               "p vs rank (n)" for lab in labels)
     head = "| arm | " + " | ".join(groups) + " |"
     lines = [head, "|---" * (1 + 6 * len(labels)) + "|"]
@@ -303,6 +350,7 @@ def compact(summary: list[dict], metric: str, percent: bool = True, plain_label:
                 other = f"{r['floor_retention']:.0%}" if r.get("floor_retention") is not None else "—"
             gap = f"{r['gap_closed']:.0%}" if r.get("gap_closed") is not None else "—"
             kept = f"{r['model_gap_kept']:.0%}" if r.get("model_gap_kept") is not None else "—"
-            row += [val, other, gap, kept, _p_cell(r), _p_cell(r, "vs_rank_p", "vs_rank_n")]
+            row += [val, other, gap, kept, _p_cell(r, exact="mcnemar_p"),
+                    _p_cell(r, "vs_rank_p", "vs_rank_n", "vs_rank_mcnemar_p")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -58,11 +58,31 @@ def sibling(path: Path, suffix: str) -> Path:
     return packed if suffix.endswith(".jsonl") and not plain.is_file() and packed.is_file() else plain
 
 
+def run_record(path: Path) -> dict:
+    """The record of what produced the results file `path` (its meta file), or {} where there is none."""
+    meta = sibling(path, ".meta.json")
+    try:
+        record = json.loads(meta.read_text()) if meta.is_file() else {}
+    except ValueError:
+        raise RarecacheError(f"{meta} is not a run record") from None
+    return record if isinstance(record, dict) else {}
+
+
+def map_shas(path: Path) -> dict[str, str]:
+    """Map label -> sha256 of every map the results file `path` records (its meta file)."""
+    maps = run_record(path).get("maps", {})
+    return {label: e["sha256"] for label, e in maps.items() if isinstance(e, dict) and isinstance(e.get("sha256"), str)}
+
+
 def map_sha256(path: Path, label: str) -> str | None:
     """The sha256 of the map labelled `label` that produced the results file `path` (its meta file)."""
-    meta = sibling(path, ".meta.json")
-    entry = json.loads(meta.read_text()).get("maps", {}).get(label) if meta.is_file() else None
-    return entry.get("sha256") if isinstance(entry, dict) else None
+    return map_shas(path).get(label)
+
+
+def generation_cap(path: Path) -> int | None:
+    """The token cap the generations of results file `path` ran under (its meta file), if recorded."""
+    sampling = run_record(path).get("sampling")
+    return sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
 
 
 def load_results(path: Path) -> list[dict]:
@@ -79,8 +99,11 @@ def load_results(path: Path) -> list[dict]:
 
 def run_meta(task: Task, source: LLM, target: LLM, maps: dict[str, Path], dtype: str,
              sampling: SamplingConfig | None) -> dict:
+    """`logits`: what likelihood tasks score from ("float32 head": `Runner.float32_logits`; records before
+    2026-12-07 scored a bfloat16 model's own head and record none, so they are not resumed with this one)."""
     return {"task": task.name, "task_file": task.record(), **models_meta(source, target, maps, dtype),
-            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None}
+            "sampling": asdict(sampling) if sampling is not None and task.kind == "generate" else None,
+            "logits": "float32 head" if task.kind == "likelihood" else None}
 
 
 def models_meta(source: LLM, target: LLM, maps: dict[str, Path], dtype: str) -> dict:
@@ -97,7 +120,7 @@ def models_meta(source: LLM, target: LLM, maps: dict[str, Path], dtype: str) -> 
                          "cpu": torch.backends.cpu.get_cpu_capability()}}  # float rounding depends on it
 
 
-RUN_KEYS = ("task", "source", "target", "dtype", "seed", "sampling")
+RUN_KEYS = ("task", "source", "target", "dtype", "seed", "sampling", "logits")
 
 
 def check_meta(out: Path, meta: dict, keys: tuple[str, ...] = RUN_KEYS, once: tuple[str, ...] = ()) -> dict:
@@ -112,9 +135,9 @@ def check_meta(out: Path, meta: dict, keys: tuple[str, ...] = RUN_KEYS, once: tu
         except ValueError:
             raise RarecacheError(f"{path} is not a run record; move it away or use another --out") from None
         for key in keys + tuple(k for k in once if old.get(k) is not None and meta.get(k) is not None):
-            if old.get(key) != meta[key]:
-                raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has {meta[key]!r}: "
-                                     "use another --out")
+            if old.get(key) != meta.get(key):  # (a key neither records reads None on both sides)
+                raise RarecacheError(f"{out} was produced with {key} {old.get(key)!r}, this run has "
+                                     f"{meta.get(key)!r}: use another --out")
         was, now = (m.get("task_file") or {} for m in (old, meta))
         if was.get("sha256") != now.get("sha256"):  # the file's content, wherever it lies now
             raise RarecacheError(f"{out}: task file {now.get('file') or was.get('file')} is not the file its results "

@@ -41,8 +41,8 @@ from ..transfer.gate_pass import gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
+from .answers import same_answer
 from .arms import Arm
-from .report import answer_field
 from .results import check_meta, read_done
 from .scoring import continuation_logprobs, template_mask
 from .tasks.base import Item, Task
@@ -211,7 +211,8 @@ def _generate_chunk(task: Task, chunk: list[tuple[Item, Arm]], source: LLM, targ
         for (item, arm), gen, (fields, phases, ctx_s) in zip(rows, gens, meta):
             text = llm.tokenizer.decode(gen.tokens)
             record = _record(task, item, arm, states[item.id],
-                             {**fields, **task.score(item, text), "new_tokens": len(gen.tokens), "text": text})
+                             {**fields, **task.score(item, text), "new_tokens": len(gen.tokens),
+                              "truncated": gen.finish_reason == "length", "text": text})  # (cut at the cap)
             results[(item.id, arm.name)] = (record, {"item": item.id, "arm": arm.name, "item_context_s": ctx_s,
                                                      "phases": phases, "batch_decode_s": decode_s,
                                                      "batch": len(rows)})
@@ -245,12 +246,11 @@ def answer_shift(metric: str, a: dict, b: dict) -> float:
     """How far an answer moves between two scorings of the same item (`answer_views`: the rung's cache against
     the same with the rows still mapped from the map's other view). Bits per byte: the absolute difference.
     Multiple choice: the total variation between the choices' softmax distributions, plus 1 when the
-    scored answer differs (so a changed answer ranks above any agreeing pair)."""
+    scored answer differs (`answers.same_answer`; so a changed answer ranks above any agreeing pair)."""
     if metric == "bpb":
         return abs(a["bpb"] - b["bpb"])
     pa, pb = (torch.tensor(x["logprobs"], dtype=torch.float64).softmax(-1) for x in (a, b))
-    key = answer_field(metric)
-    return 0.5 * (pa - pb).abs().sum().item() + float(a[key] != b[key])
+    return 0.5 * (pa - pb).abs().sum().item() + float(not same_answer(a, b, metric))
 
 
 def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[int]], source: LLM, target: LLM,
@@ -298,7 +298,7 @@ def _ladder(task: Task, item: Item, arm: Arm, st: _ItemState, conts: list[list[i
 
 @torch.inference_mode()
 def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapper | dict[str, Mapper],
-             arms: list[Arm], out: Path, sampling: SamplingConfig = SamplingConfig(max_new_tokens=256),
+             arms: list[Arm], out: Path, sampling: SamplingConfig | None = None,
              progress: bool = True, batch: int = 8, meta: dict | None = None, share_prefix: bool = True) -> Path:
     """Evaluate every (item, arm) not yet in `out`, appending one JSON line each.
 
@@ -307,8 +307,21 @@ def run_task(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapp
     tasks one item at a time (all its arms score together); the lines of a chunk are written
     together, in item then arm order, so a resumed run ends with the same file as an
     uninterrupted one. `share_prefix=False` prefills every prompt whole (the reference `SharedPrefix`
-    is tested against).
+    is tested against). `sampling` defaults to greedy up to the task's own cap (`Task.max_new_tokens`).
+    Likelihood tasks score from a float32 LM head (`Runner.float32_logits`): a bfloat16 head's logits sit
+    on bf16's grid, where choices that differ tie. (The gate ladder's signals are read from the same
+    float32-head logits; a served gate reads the model's own head, which differs by bf16's rounding.)
     """
+    sampling = sampling or SamplingConfig(max_new_tokens=task.max_new_tokens)
+    if task.kind == "likelihood":
+        with source.runner.float32_logits(), target.runner.float32_logits():
+            return _run(task, items, source, target, maps, arms, out, sampling, progress, batch, meta, share_prefix)
+    return _run(task, items, source, target, maps, arms, out, sampling, progress, batch, meta, share_prefix)
+
+
+def _run(task: Task, items: list[Item], source: LLM, target: LLM, maps: Mapper | dict[str, Mapper],
+         arms: list[Arm], out: Path, sampling: SamplingConfig, progress: bool, batch: int, meta: dict | None,
+         share_prefix: bool) -> Path:
     maps = maps if isinstance(maps, dict) else {"": maps}
     for arm in arms:
         if arm.kind == "handoff" and arm.map not in maps:

@@ -12,13 +12,16 @@ each task weighs the same in every candidate's mean, and within a task the ranki
 own. It is still a ratio of noisy means: at ARC-C's 6 pp (p = 0.26 at n = 100) one item moves a
 selector's share there by 17%, against 50% for gap closed. A task whose target does not beat its
 source is refused. The summary file records both means per candidate, so the choice can be checked.
+The pick is made on the very results its figures are then read from, so they are the best of the
+candidates' and lean its way: the summary labels it so (`default_picked`, and the table's first line).
 
 Arms may have run on different numbers of items (a queue grows the arms the acceptance reads first).
 The candidates are compared on the items every one of them, the target and the source share in each
 task (`pick_n`); each headline figure is read over the items its own arms share, paired, and records
 that n (`n`: the default at ρ 0.2 against the target and plain transfer; `n_plain_minus_source`) and
 its paired bootstrap 95% interval (`gap_closed_ci`, `plain_minus_source_ci`): at n = 100 HellaSwag's
-gap closed read 73%, at n = 300 112%.
+gap closed read 73%, at n = 300 112%. On bits per byte, `plain_minus_source_by_bytes` gives the same
+difference weighted by bytes (total bits over total bytes; metrics.bytes_bpb).
 
 A map file serves plain transfer through its plain view (`Mapper.plain`) and handoffs through its
 fit. Results may have measured the two through two files (`--plain-label`: the sharpened fit's
@@ -35,7 +38,7 @@ from typing import NamedTuple
 
 from ..errors import RarecacheError
 from ..transfer.handoff import LAYER_PREFIX
-from .metrics import gap_closed_ci, paired_diff_ci
+from .metrics import gap_closed_ci, paired_bytes_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
 from .results import load_results, map_sha256, sibling
 
@@ -123,6 +126,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                                  "name one with --map-label")
         label = labels.pop()
     loaded = [read_task(p) for p in paths]
+    rows_of = {t.name: t.rows for t in loaded}
     names = [t.name for t in loaded]
     if len(set(names)) < len(names):
         raise RarecacheError(f"a task given twice: {', '.join(names)}")
@@ -155,18 +159,21 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                                  f"{plain_label!r}): plain_minus_source and gap closed read it")
     sha, plain_sha = _one_sha(paths, label), _one_sha(paths, plain_label)
     out = {"map": sha, "map_label": label, "default_selector": default,
+           # the default is the best of the candidates on these very results: its figures favour it
+           "default_picked": f"after the fact, on these results: the highest mean of {len(means)} candidates",
            "selector_mean_model_gap_kept": means, "selector_mean_gap_closed": closed, "tasks": {}}
     if plain_label != label:
         out.update(plain_label=plain_label, plain_map=plain_sha)
     if served is not None:
         out["served"] = check_served(served, paths[0], label, plain_label)
-        out["map"] = out["served"]["sha256"]
+        out["fit_map"], out["map"] = sha, out["served"]["sha256"]  # (the label's file; the one served)
     for _, name, metric, arms, vals, pick_n in tasks:
         bpb = metric == "bpb"
         plain, source = vals.get(arm_name(0, "rank", plain_label), {}), vals.get("source", {})
         d, d_ci, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
         if d is not None and not bpb:
             d, d_ci = d * 100, [x * 100 for x in d_ci]
+        by_bytes = _bytes_gap(rows_of[name], source, plain) if bpb else None
         target, arm = vals.get("target", {}), vals.get(arm_name(0.2, default, label), {})
         both = sorted(set(target) & set(plain) & set(arm))  # the default at 0.2, paired with both ends of its gap
         closed = closed_ci = None
@@ -181,7 +188,20 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                               # the share of answers equal to the target's (None on bits per byte: no answer)
                               "agreement_default_rho0.2": arms.get(arm_name(0.2, default, label), {}).get("agreement"),
                               "agreement_plain": arms.get(arm_name(0, "rank", plain_label), {}).get("agreement")}
+        if bpb:  # the same difference weighted by bytes (total bits over total bytes; None: bytes not recorded)
+            out["tasks"][name]["plain_minus_source_by_bytes"] = by_bytes
     return out
+
+
+def _bytes_gap(rows: list[dict], source: dict[str, float], plain: dict[str, float]) -> dict | None:
+    """source − plain transfer in bits per byte weighted by bytes over the items both hold, with its paired
+    bootstrap 95% interval; None unless every such item records its bytes."""
+    n_bytes = {r["item"]: r["bytes"] for r in rows if isinstance(r.get("bytes"), int)}
+    both = sorted(set(source) & set(plain))
+    if not both or not all(i in n_bytes for i in both):
+        return None
+    d, lo, hi = paired_bytes_ci([source[i] for i in both], [plain[i] for i in both], [n_bytes[i] for i in both])
+    return {"delta": d, "ci": [lo, hi], "n": len(both)}
 
 
 def _one_sha(paths: list[Path], label: str) -> str | None:
@@ -246,12 +266,17 @@ def check_served(served: Path, results: Path, label: str, plain_label: str) -> d
 
 def markdown(summary: dict) -> str:
     closed = summary["selector_mean_gap_closed"]
-    via = summary["map_label"] + (f" (plain transfer through {summary['plain_label']})"
-                                  if summary.get("plain_label") else "")
+    def tag(label: str, sha: str | None) -> str:
+        return f"{label}[{sha[:8] if sha else 'unrecorded'}]"
+
+    via = tag(summary["map_label"], summary.get("fit_map", summary["map"])) + (
+        f" (plain transfer through {tag(summary['plain_label'], summary.get('plain_map'))})"
+        if summary.get("plain_label") else "")
     if summary.get("served"):
         via += f", served as {summary['served']['file']} (sha256 {summary['served']['sha256'][:12]}, checked)"
-    lines = [f"default selector through map {via}: {summary['default_selector']} "
-             f"(mean share of the source-to-target gap kept over tasks at rho {', '.join(map(str, RHOS))}; "
+    lines = [f"default selector through map {via}: {summary['default_selector']}, picked after the fact on these "
+             f"results (the best of {len(summary['selector_mean_model_gap_kept'])}: its figures below favour it; "
+             f"mean share of the source-to-target gap kept over tasks at rho {', '.join(map(str, RHOS))}; "
              "in brackets the mean share of the plain-transfer gap closed: "
              + ", ".join(f"{k} {v:.1%} [" + ("—" if closed.get(k) is None else f"{closed[k]:.1%}") + "]"
                          for k, v in sorted(summary["selector_mean_model_gap_kept"].items(), key=lambda kv: -kv[1]))

@@ -97,6 +97,9 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+HEAD_CHUNK = 16384  # vocabulary rows per float32 head product (`CausalLM.logits`)
+
+
 class CausalLM(nn.Module):
     """Embedding, decoder layers, final norm and LM head, under HF names."""
 
@@ -117,10 +120,23 @@ class CausalLM(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; h (..., C) -> float32 logits (..., V)."""
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's plain (V, C) weight: the embedding when tied."""
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """Final norm and LM head; h (..., C) -> float32 logits (..., V).
+
+        A bfloat16 head rounds every logit to bf16's 8 significant bits (steps of 1/16 near 10, 1/8 near 20),
+        so two choices a few hundredths apart score the same. `float32`: the same normed rows and weight,
+        their products summed and kept in float32 (the weight upcast HEAD_CHUNK rows at a time, so no
+        float32 copy of it is kept)."""
         h = self.model.norm(h)
+        if float32 and h.dtype != torch.float32:
+            x, w = h.float(), self.head_weight
+            return torch.cat([F.linear(x, w[i : i + HEAD_CHUNK].float()) for i in range(0, w.shape[0], HEAD_CHUNK)],
+                             -1)
         if self.packed_head is not None:  # models.packed.pack_model
             return self.packed_head(h).float()
-        w = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(h, w).float()
+        return F.linear(h, self.head_weight).float()

@@ -5,7 +5,10 @@ and not a reading of tables afterwards. Rule 1 (300 items, GSM8K 100) is the fil
 
   python research/scripts/adopt_rules.py [DIR] > research/fidelity/adopt/rules.md
 DIR: where the runs are (default research/fidelity/adopt, the committed copies; RUNS/adopt while running).
-Every comparison is paired over the items (stories, for CoQA) on which every compared arm has a record.
+Every comparison is paired over the items (stories, for CoQA) on which every compared arm has a record; a
+right/wrong or agree/disagree difference prints McNemar's exact p beside its bootstrap interval (10,000
+resamples, rarecache.eval.metrics.N_BOOT); arms are printed with their map's sha256 prefix (v4b[7145adb2]).
+Rule 2b reads κ over the multiple-choice tasks only (MC_TASKS), as ADOPTION.md words it (note of 2026-12-07).
 A later candidate against the map served then (v8 against v4 at suffix 0.3, research/scripts/fidelity_v8.sh):
   python research/scripts/adopt_rules.py RUNS/v8 --candidate v8 --served rho=0.3/suffix@v4b \
       --served-drift research/fidelity/adopt/drift-coqa-v4b-50.jsonl.gz
@@ -22,15 +25,18 @@ from pathlib import Path
 
 import numpy as np
 
-from rarecache.eval.metrics import paired_diff_ci
-from rarecache.eval.report import agrees, kappa
-from rarecache.eval.results import load_results
+from rarecache.eval.answers import agrees, kappa
+from rarecache.eval.metrics import mcnemar, paired_diff_ci
+from rarecache.eval.report import display, format_p
+from rarecache.eval.results import load_results, map_shas
 from rarecache.eval.summary import read_task
 
 SERVED = "rho=0.2/suffix@v3"  # the served map as it was served (--served)
 ARMS = ["rho=0.2/suffix@v4b", "rho=0.3/suffix@v4b", "rho=0.2/rank@v4b", "rho=0.3/rank@v4b"]  # rule 4a (--candidate)
 ANSWER_TASKS = ["mmlu", "arc_challenge", "hellaswag", "gsm8k"]
+MC_TASKS = ["mmlu", "arc_challenge", "hellaswag"]  # rule 2b: "on the multiple-choice tasks"
 BPB_TASKS = ["coqa_passage"]
+SHAS: dict[str, str] = {}  # map label -> sha256, from the records' meta files (arm labels carry its prefix)
 
 
 def find(d: Path, stem: str) -> Path | None:
@@ -45,8 +51,16 @@ def agree(rows: list[dict], arm: str, metric: str) -> dict[str, float]:
     return {i: float(same) for i, same in agrees(rows, arm, metric).items()}
 
 
-def fmt(d: float, lo: float, hi: float, scale: float = 100.0, f: str = "{:+.1f}") -> str:
-    return f"{f.format(scale * d)} ({f.format(scale * lo)}, {f.format(scale * hi)})"
+def fmt(d: float, lo: float, hi: float, scale: float = 100.0, f: str = "{:+.1f}",
+        exact: tuple[float, int, int] | None = None) -> str:
+    """A paired difference with its interval, and McNemar's exact p where the outcomes are binary (`exact`)."""
+    mc = f"; McNemar p {format_p(exact[0], floor=False)}" if exact is not None else ""
+    return f"{f.format(scale * d)} ({f.format(scale * lo)}, {f.format(scale * hi)}{mc})"
+
+
+def name(arm: str) -> str:
+    """An arm as printed: its map label with the map file's sha256 prefix."""
+    return display(arm, SHAS)
 
 
 def coqa(files: list[tuple[Path | None, str]]) -> dict[str, dict[str, float]]:
@@ -89,8 +103,10 @@ def main() -> None:
     drifts = [(find(d, f"drift-coqa-{args.candidate}-50"), args.candidate), (args.served_drift, served_label)]
     drifts += [(f, args.candidate) for f in args.drift]
     print(f"# Adoption rules 2-4 on {d} (research/fidelity/ADOPTION.md)\n")
-    print("Paired 95% bootstrap intervals over items (CoQA: stories). Agreement: the share of items whose answer "
-          f"is the 1.5B's own. Candidate {args.candidate}; the served map at its served arm, {SERVED}.\n")
+    print("Paired 95% bootstrap intervals over items (CoQA: stories), with McNemar's exact p on right/wrong and "
+          "agree/disagree differences. Agreement: the share of items whose answer is the 1.5B's own (an exact tie "
+          f"of choices agrees only with the same tie). Candidate {args.candidate}; the served map at its served "
+          f"arm, {SERVED}; maps by sha256 at the end.\n")
     figures: dict[str, dict[str, float]] = {}  # task -> arm -> the figure rule 4 ranks by
     kappas: dict[str, dict[str, float]] = {}  # answer task -> arm -> Cohen's κ against the target (rule 2b)
     rule3: list[str] = []
@@ -110,7 +126,9 @@ def main() -> None:
             items = sorted(set(t.vals["target"]) & set(t.vals[SERVED]) & set(t.vals[arm]))
             a = [t.vals[arm][i] for i in items]
             dt = paired_diff_ci(a, [t.vals["target"][i] for i in items])
-            row = [task, str(len(items)), arm, f"{scale * np.mean(a):.3f}" if bpb else f"{scale * np.mean(a):.1f}%"]
+            SHAS.update({k: v for k, v in map_shas(path).items() if k not in SHAS})
+            row = [task, str(len(items)), name(arm),
+                   f"{scale * np.mean(a):.3f}" if bpb else f"{scale * np.mean(a):.1f}%"]
             if bpb:
                 row.append("—")
                 figures[task][arm] = dt[0]
@@ -119,19 +137,22 @@ def main() -> None:
                 row.append(f"{np.mean([ag[i] for i in items]):.1%}")
                 figures[task][arm] = float(np.mean([ag[i] for i in items]))
                 kappas.setdefault(task, {})[arm] = kappa(t.rows, arm, t.metric, set(items))
-            row.append(fmt(*dt[:3], scale=scale, f=f))
+            target_vals = [t.vals["target"][i] for i in items]
+            row.append(fmt(*dt[:3], scale=scale, f=f, exact=None if bpb else mcnemar(a, target_vals)))
             if arm == SERVED:
                 row += ["—", "—"]
             else:
-                dv = paired_diff_ci(a, [t.vals[SERVED][i] for i in items])
-                row.append(fmt(*dv[:3], scale=scale, f=f))
+                served_vals = [t.vals[SERVED][i] for i in items]
+                dv = paired_diff_ci(a, served_vals)
+                row.append(fmt(*dv[:3], scale=scale, f=f, exact=None if bpb else mcnemar(a, served_vals)))
                 if bpb:
                     row.append("—")
                     worse = dv[1] > 0  # rule 3 for bpb: the lower end must be below 0
                 else:
                     ag3 = agree(t.rows, SERVED, t.metric)
-                    da = paired_diff_ci([ag[i] for i in items], [ag3[i] for i in items])
-                    row.append(fmt(*da[:3]))
+                    mine, theirs = [ag[i] for i in items], [ag3[i] for i in items]
+                    da = paired_diff_ci(mine, theirs)
+                    row.append(fmt(*da[:3], exact=mcnemar(mine, theirs)))
                     worse = dv[2] < 0  # rule 3: the upper end must be above 0
                 if worse:
                     rule3.append(f"{task} {arm}")
@@ -145,7 +166,7 @@ def main() -> None:
             vals = [per_story[arm][s] for s in stories]
             m = float(np.mean(vals))
             figures["coqa_bpb"][arm] = m
-            row = ["coqa_bpb", f"{len(stories)} stories", arm, "—", "—", f"{m:+.3f}"]
+            row = ["coqa_bpb", f"{len(stories)} stories", name(arm), "—", "—", f"{m:+.3f}"]
             if arm == SERVED:
                 row += ["—", "—"]
             else:
@@ -160,7 +181,7 @@ def main() -> None:
     contenders = [a for a in ARMS if all(a in figures[t] for t in figures if t != "gsm8k")]
     ranked = {t: f for t, f in figures.items() if all(a in f for a in contenders)}
     ranks: dict[str, list[float]] = {a: [] for a in contenders}
-    print("| task | " + " | ".join(contenders) + " |")
+    print("| task | " + " | ".join(name(a) for a in contenders) + " |")
     print("|---" * (len(contenders) + 1) + "|")
     for task, figs in ranked.items():
         lower_better = task in BPB_TASKS or task == "coqa_bpb"
@@ -175,8 +196,11 @@ def main() -> None:
     print("| **mean rank** | " + " | ".join(f"**{mean_rank[a]:.2f}**" for a in contenders) + " |")
     rho = lambda a: float(a.split("/")[0].removeprefix("rho="))  # noqa: E731
     best = min(contenders, key=lambda a: (mean_rank[a], rho(a), "suffix" not in a)) if contenders else None
-    print(f"\nTasks ranked: {', '.join(ranked)}; arms on every one of them: {', '.join(contenders) or 'none'}.")
-    print(f"Default arm by rule 4: **{best}**" if best else "Rule 4: no arm ran on every task yet")
+    print(f"\nTasks ranked: {', '.join(ranked)}; arms on every one of them: "
+          f"{', '.join(name(a) for a in contenders) or 'none'}.")
+    print(f"Default arm by rule 4: **{name(best)}**, picked after the fact on these records (the best mean rank "
+          f"of {len(contenders)} arms): its figures in rules 2 and 3 below are read on the same records that "
+          "picked it and lean its way" if best else "Rule 4: no arm ran on every task yet")
 
     print("\n## Rules 2 and 3\n")
     if best:
@@ -187,18 +211,21 @@ def main() -> None:
                   "are not decided.")
         new = float(np.mean([figures[t][best] for t in have]))
         old = float(np.mean([figures[t][SERVED] for t in have]))
-        print(f"Rule 2, mean agreement over {', '.join(have)}: {best} {new:.1%} against the served arm {old:.1%}: "
-              f"{'rises' if new > old else 'does NOT rise'}.")
-        ks = [(kappas[t][best], kappas[t][SERVED]) for t in have]
-        if any(k is None for pair in ks for k in pair):
-            print("Rule 2b: κ is undecided on a task (no item, or one answer throughout).")
+        print(f"Rule 2, mean agreement over {', '.join(have)}: {name(best)} {new:.1%} against the served arm "
+              f"{old:.1%}: {'rises' if new > old else 'does NOT rise'}.")
+        mc = [t for t in MC_TASKS if t in have]
+        ks = [(kappas[t][best], kappas[t][SERVED]) for t in mc]
+        if not ks or any(k is None for pair in ks for k in pair):
+            print("Rule 2b: κ is undecided on a task (not run, no item, or one answer throughout).")
         else:
             new_k, old_k = (float(np.mean(col)) for col in zip(*ks))
-            print(f"Rule 2b (candidates after v8), mean κ over the same tasks: {best} {new_k:.3f} against the served "
-                  f"arm {old_k:.3f}: {'does not fall' if new_k >= old_k else 'FALLS'}.")
+            print(f"Rule 2b (candidates after v8), mean κ over the multiple-choice tasks ({', '.join(mc)}): "
+                  f"{name(best)} {new_k:.3f} against the served arm {old_k:.3f}: "
+                  f"{'does not fall' if new_k >= old_k else 'FALLS'}.")
     worse = [w for w in rule3 if best and w.endswith(best)]
     print(f"Rule 3, a task significantly worse than the served arm at the default arm: "
           f"{', '.join(worse) if worse else 'none'} (any arm: {', '.join(rule3) or 'none'}).")
+    print(f"\nMaps: {', '.join(f'{k} sha256 {v[:12]}' for k, v in sorted(SHAS.items())) or 'no record'}.")
 
 
 if __name__ == "__main__":

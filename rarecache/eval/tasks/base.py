@@ -10,6 +10,7 @@ from typing import Any
 
 from ...errors import RarecacheError
 from ...transfer.corpus import Corpus
+from ..answers import top_choices
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Task:
     metric = ""  # the headline field of a result row
     kind = "generate"  # or "likelihood"
     chance = 0.0  # accuracy of guessing (for floor-normalised retention)
+    max_new_tokens = 256  # generation tasks: the answer's token cap when `eval run` is given none
 
     def __init__(self, cache_dir: Path | None = None, tokenizer: Any = None):
         self.cache_dir = cache_dir
@@ -82,14 +84,20 @@ def prompt_corpus(name: str, pool: list[Item], ids: list[str]) -> Corpus:
     return Corpus(name, docs, chat=True, ids=tuple(ids))
 
 
+def choice_fields(scores: list[float], gold: int, suffix: str = "") -> dict[str, Any]:
+    """One way of scoring choices: the pick (the first of the top-scoring choices; accuracy counts it), the
+    set of top-scoring choices (`top`: the answer agreement compares, eval/answers.py) and whether that set
+    is a tie of several."""
+    top = top_choices(scores)
+    return {f"prediction{suffix}": top[0], f"correct{suffix}": top[0] == gold, f"top{suffix}": top,
+            f"tie{suffix}": len(top) > 1}
+
+
 def choice_scores(item: Item, logprobs: list[float]) -> dict[str, Any]:
     """Multiple choice by likelihood: acc takes the continuation with the highest total log-probability,
     acc_norm divides it by the continuation's length in characters (lm-eval-harness's acc_norm)."""
     norm = [lp / max(len(c), 1) for lp, c in zip(logprobs, item.continuations)]
-    pick = max(range(len(logprobs)), key=logprobs.__getitem__)
-    pick_norm = max(range(len(norm)), key=norm.__getitem__)
-    return {"logprobs": logprobs, "prediction": pick, "correct": pick == item.gold,
-            "prediction_norm": pick_norm, "correct_norm": pick_norm == item.gold}
+    return {"logprobs": logprobs, **choice_fields(logprobs, item.gold), **choice_fields(norm, item.gold, "_norm")}
 
 
 def gold_bpb(item: Item, logprobs: list[float]) -> dict[str, Any]:

@@ -4,6 +4,9 @@ The 5-shot "Question: ... Answer:" context is the user turn (with a task
 instruction) and each choice is scored as the assistant's reply. acc takes the
 choice with the highest total log-probability; acc_norm divides it by the
 choice's length in characters (lm-eval-harness's acc_norm, OLMES's acc_per_char).
+Log-probabilities come from a float32 LM head; an exact tie still left goes to the
+first tied choice for accuracy and is recorded (`tie`, `tie_norm`, and the tied set
+`top`, `top_norm`, which agreement compares: eval/answers.py).
 Calibration draws from the validation split; evaluation from the test split (or,
 for HellaSwag and WinoGrande, whose test labels are not public, a held-apart part
 of the validation items OLMES evaluates); disjointness is checked in code.

@@ -1,6 +1,11 @@
 """MMLU, 57 subjects: 0-shot, direct answer (the RaReCache paper, arXiv 2610.11358, §4.1), scored by
 the likelihood of the letter.
 
+Letters are scored from a float32 LM head (`eval run` on likelihood tasks): a bfloat16 head puts the four
+log-probabilities on a grid of 1/16 nats or coarser, where 11 of 300 of the 1.5B's answers were exact ties
+that went to the first letter. A tie left in float32 is recorded (`tie`, `top`) and agrees only with the
+same tie (eval/answers.py).
+
 The chat prompt states the subject, the question and four lettered options and
 asks for the letter; each letter is a continuation of the assistant turn and the
 most likely one is the answer (acc; every continuation is one character, so
@@ -16,7 +21,7 @@ from __future__ import annotations
 import hashlib
 
 from ..data import olmo_arrow_tables
-from .base import Item, Task, minus_evaluated
+from .base import Item, Task, choice_fields, minus_evaluated
 
 LETTERS = "ABCD"
 
@@ -67,5 +72,4 @@ class MMLU(Task):
         return minus_evaluated(self._split("validation"), self.items(), f"{self.name}: calibration pool (validation)")
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
-        pick = max(range(len(logprobs)), key=logprobs.__getitem__)
-        return {"logprobs": logprobs, "prediction": pick, "correct": pick == item.gold}
+        return {"logprobs": logprobs, **choice_fields(logprobs, item.gold)}
