@@ -53,6 +53,11 @@ SERVED = ServedMap(
     rho=0.3,
 )
 
+# Below this many prompt tokens a server re-prefills instead of handing off (status fallback_reprefill, reason
+# short_prompt; serve --min-handoff-tokens, issue #54 item 4). A placeholder until a bench sets where a handoff
+# stops paying on short prompts: the fixed cost of mapping and scoring is paid whatever the length.
+MIN_HANDOFF_TOKENS = 256
+
 # The selector registry's names (transfer/selectors.py SELECTORS, then the layer-prefix schedule), spelled
 # here so that `--help` lists them without importing torch; tests/test_defaults.py holds them equal.
 SELECTOR_NAMES = ("rank", "random", "attn-source", "suffix", "attn-rank", "attn+rank", "suffix+attn", "suffix+rank",

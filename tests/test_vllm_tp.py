@@ -85,7 +85,7 @@ def tp_tok_target(vpair, tp_served, tok_map):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from rarecache.adapters.vllm.serving import CONNECTOR
+    from rarecache.adapters.vllm.engines import CONNECTOR
 
     maps = {"src": str(vpair.root / "src-tgt-tok.map")}
     extra = {"store": str(tp_served[1]), "rho": 1.0, "selector": "rank", "maps": maps}
