@@ -490,7 +490,7 @@ def served(vpair):
 
     engine_environment()
     cfg = VllmServeConfig(store=vpair.store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
-                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512)
+                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512, min_handoff_tokens=0)
     svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
                           {("src", "tgt"): vpair.root / "src-tgt.map", ("tgt", "src"): vpair.root / "tgt-src.map"},
                           cfg, engine_kwargs={"worker_extension_cls": EXTENSION})
