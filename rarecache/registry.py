@@ -22,7 +22,8 @@ from .errors import RarecacheError
 # the names code refers to by name (each table below uses the constant, so the name is still written once)
 RANK, RANDOM, SUFFIX, SUFFIX_RANK, ATTN_SOURCE = "rank", "random", "suffix", "suffix+rank", "attn-source"
 LAYER_PREFIX = "layer-prefix"  # a schedule (the target's first layers for every position), named where selectors are
-GSM8K_BPB, ARC_CHALLENGE, MMLU, COQA_BPB, COQA_PASSAGE = "gsm8k_bpb", "arc_challenge", "mmlu", "coqa_bpb", "coqa_passage"
+GSM8K_BPB, ARC_CHALLENGE, MMLU = "gsm8k_bpb", "arc_challenge", "mmlu"
+COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
 GENERAL, GENERAL_V2, GENERAL_V3 = "general", "general-v2", "general-v3"
 
 

@@ -195,3 +195,15 @@ def _sampling():
     from rarecache.engine.generate import SamplingConfig
 
     return SamplingConfig(max_new_tokens=4)
+
+
+def test_an_engine_says_what_it_cannot_do():
+    """The vLLM engine cannot read a final message: the contract's call refuses it in one line (a 400 at the
+    front), before any engine is asked."""
+    from rarecache.adapters.vllm.serving import VllmChatService
+    from rarecache.errors import RarecacheError
+
+    svc = object.__new__(VllmChatService)  # no engine starts
+    for call in (lambda: svc.prepare_continued("tgt", [], None), lambda: svc.continue_final("tgt", None, None)):
+        with pytest.raises(RarecacheError, match="not supported by this server's engine .vllm.: continue_final"):
+            call()

@@ -307,8 +307,8 @@ def create_app(service: ChatBackend, default_max_tokens: int = 256, max_body: in
                                logprobs=req.prompt_logprobs is not None, mapper=mapper, **budget)
             else:
                 ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
-                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt, mapper=mapper,
-                               **budget)
+                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt,
+                               mapper=mapper, **budget)
             service.check_budget(**budget)  # (answer checks it again; a stream must fail here, before it starts)
         except ModelNotFound as e:
             return error(404, str(e), code="model_not_found")

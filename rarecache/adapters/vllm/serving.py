@@ -61,6 +61,7 @@ from .store import CHUNK, Hit, Miss, model_identity, same_model
 from .store_open import open_store
 
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
+NO_FINAL_MESSAGE = "not supported by this server's engine (vllm): continue_final_message"
 
 
 @dataclass
@@ -169,10 +170,10 @@ class VllmChatService:
 
     def prepare_continued(self, model, messages, sampling, stop=(), salt=None) -> Continued:
         """Not in this engine: vLLM's prompt log-probabilities would score a prompt its prefix cache re-read."""
-        raise RarecacheError("not supported by this server's engine (vllm): continue_final_message")
+        raise RarecacheError(NO_FINAL_MESSAGE)
 
     def continue_final(self, *args, **kwargs) -> Reply:
-        return self.prepare_continued(*args[:3])  # (raises, as prepare_continued)
+        raise RarecacheError(NO_FINAL_MESSAGE)
 
     def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
                  selector: str | None = None) -> str | None:
