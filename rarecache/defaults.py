@@ -8,7 +8,7 @@ defaults as an editable one; nothing here reads docs/ or depends on the current 
 The selector and budget are the ones the adoption runs picked through this very map, by agreement with
 the target across the tasks (the rule written before them; tests/test_defaults.py holds them, and the
 file's sha256, equal to the committed fidelity summary's).
-Light on purpose: `--help` reads it, so it must not import torch.
+Light on purpose: `--help` reads it, so it must not import torch (the selectors' names are registry.py's).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from .errors import RarecacheError
+from .registry import RANK, SELECTORS, SUFFIX
 
 
 @dataclass(frozen=True)
@@ -49,30 +50,27 @@ SERVED = ServedMap(
               "--preset general-v3 --tokens 65536 --heldout-tokens 8192 --token-inputs --exact-layer0 "
               "--dtype bfloat16",
     store="rarecache refit --map {fit} --weights-dtype bfloat16",
-    selector="suffix",
+    selector=SUFFIX,
     rho=0.3,
 )
 
-# The selector registry's names (transfer/selectors.py SELECTORS, then the layer-prefix schedule), spelled
-# here so that `--help` lists them without importing torch; tests/test_defaults.py holds them equal.
-SELECTOR_NAMES = ("rank", "random", "attn-source", "suffix", "attn-rank", "attn+rank", "suffix+attn", "suffix+rank",
-                  "attn-target", "l2-oracle", "query", "query-layer", "query-head", "query-all", "query-value",
-                  "query-common", "query-raw", "query-span", "query-layer-span", "query-rank", "query-w8", "query-w64",
-                  "attn-source-span", "layer-prefix")
-ORACLES = ("attn-target", "l2-oracle")  # they read the target's own prefill: evaluation only
+# Below this many prompt tokens a server re-prefills instead of handing off (status fallback_reprefill, reason
+# short_prompt; serve --min-handoff-tokens, issue #54 item 4). A placeholder until a bench sets where a handoff
+# stops paying on short prompts: the fixed cost of mapping and scoring is paid whatever the length.
+MIN_HANDOFF_TOKENS = 256
 
 
-def selector_help(names: tuple[str, ...] = SELECTOR_NAMES) -> str:
-    """One `--selector` help for every command: the registry (oracles marked) and the default."""
-    listed = ", ".join(f"{n} (oracle)" if n in ORACLES else n for n in names)
-    return f"position selector: {listed} (default: {SERVED.selector}, the served default)"
+
+def selector_help() -> str:
+    """One `--selector` help for every command: the registry's selectors (oracles marked) and the default."""
+    return f"position selector: {SELECTORS.help()} (default: {SERVED.selector}, the served default)"
 
 
 def default_selector(runs: tuple[str, ...] | None = None) -> tuple[str, str]:
     """The selector a handoff uses when nobody names one, and why: SERVED's, where the engine runs it
     (`runs`: the selectors it can; None: all), else rank disagreement."""
     if runs is not None and SERVED.selector not in runs:
-        return "rank", f"rank disagreement (the served default, {SERVED.selector}, does not run in this engine)"
+        return RANK, f"rank disagreement (the served default, {SERVED.selector}, does not run in this engine)"
     return SERVED.selector, "the served default (measured best through the served general map)"
 
 

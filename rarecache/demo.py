@@ -47,25 +47,32 @@ class DemoConfig:
     cache_dir: Path | None = None
 
 
-def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM) -> tuple[Mapper, str]:
-    """The shipped general map; a quick map (`demo_map`) only if it does not fit the models as converted
-    here. With how the demo names it."""
-    mapper = Mapper.load(served_map_file())
+def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM,
+                        shipped: Mapper | None = None) -> tuple[Mapper, Path, str]:
+    """The map the bundled pair is handed off through by `demo` and `serve`: the shipped general map
+    (`shipped`, if the caller loaded it already), or a quick map (`demo_map`) where it does not fit the models
+    as converted here. With its file and how to name it."""
+    mapper = shipped if shipped is not None else Mapper.load(served_map_file())
     try:
         mapper.check_pair(source.runner, target.runner)
-        return mapper, f"the shipped map {Path(SERVED.file).name}"
+        return mapper, served_map_file(), f"the shipped map {Path(SERVED.file).name}"
     except RarecacheError as e:
-        print(f"the shipped general map does not fit the models as converted here ({e}); calibrating a quick "
-              "map instead", file=sys.stderr)
-    return demo_map(cfg, source, target), f"a quick map fitted on chat-formatted '{cfg.corpus}'"
+        print(f"the shipped general map does not fit the models as converted here ({e}); using a quick map "
+              "instead", file=sys.stderr)
+    return demo_map(cfg, source, target), quick_map_path(cfg), f"a quick map fitted on chat-formatted '{cfg.corpus}'"
+
+
+def quick_map_path(cfg: DemoConfig) -> Path:
+    """Where `demo_map` keeps its map (cached after first use)."""
+    root = Path(cfg.cache_dir or default_cache_dir()) / "maps"
+    return root / f"demo-{SOURCE}-to-{TARGET}-{cfg.corpus}-chat-{cfg.tokens}-{cfg.dtype}.safetensors"
 
 
 def demo_map(cfg: DemoConfig, source: LLM, target: LLM) -> Mapper:
     """A small map fitted on chat-formatted `cfg.corpus` (cached; resumable): the fallback where the shipped
     map does not fit the pair as converted here."""
-    root = Path(cfg.cache_dir or default_cache_dir()) / "maps"
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / f"demo-{SOURCE}-to-{TARGET}-{cfg.corpus}-chat-{cfg.tokens}-{cfg.dtype}.safetensors"
+    path = quick_map_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_file():
         print(f"using the cached map {path}", file=sys.stderr)
         return Mapper.load(path)
@@ -83,7 +90,7 @@ def run_demo(cfg: DemoConfig) -> int:
     for name in (SOURCE, TARGET):
         pull(name, cache_dir=cfg.cache_dir)
     source, target = (LLM(n, dtype=cfg.dtype, cache_dir=cfg.cache_dir) for n in (SOURCE, TARGET))
-    mapper, map_name = served_or_quick_map(cfg, source, target)
+    mapper, _, map_name = served_or_quick_map(cfg, source, target)
     pipe = Pipeline(source, target, mapper)
     texts = PROMPTS + [long_prompt(cfg, pipe.mapper)]
     prompts = [[{"role": "user", "content": t}] for t in texts]

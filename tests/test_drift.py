@@ -179,7 +179,8 @@ def _server(chat, cfg=HandoffConfig(0.2, "rank"), gate=None, reverse=True, reque
 
     models, maps = chat
     maps = maps if reverse else {("small", "large"): maps[("small", "large")]}
-    app = create_app(ChatService(models, maps, ServiceConfig(cfg, gate=gate, request_budget=request_budget)))
+    cfg = ServiceConfig(cfg, gate=gate, request_budget=request_budget, min_handoff_tokens=0)
+    app = create_app(ChatService(models, maps, cfg))
     return DriftServer("http://testserver", "small", "large", client=TestClient(app))
 
 
@@ -285,7 +286,8 @@ def test_drift_cli_through_a_server(chat, tmp_path, monkeypatch, capsys):
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    app = create_app(ChatService(models, maps, ServiceConfig(HandoffConfig(0.2, "rank"))), api_key="k1")
+    cfg = ServiceConfig(HandoffConfig(0.2, "rank"), min_handoff_tokens=0)
+    app = create_app(ChatService(models, maps, cfg), api_key="k1")
     made, real = {}, drift_server.DriftServer
 
     def server(url, source, target, api_key):

@@ -159,7 +159,7 @@ REQUEST = st.one_of(VALID, ONE_BAD, JUNK)
 def served(chat):
     models, maps = chat
     svc = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3, "rank"), cache_bytes=1 << 20, max_new_tokens=3,
-                                                  max_batch=2))
+                                                  max_batch=2, min_handoff_tokens=0))
     return svc, TestClient(create_app(svc, default_max_tokens=2))
 
 

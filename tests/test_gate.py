@@ -460,7 +460,8 @@ def test_the_response_says_what_the_gate_decided(chat):
     models, maps = chat
     for policy, decision in ((GatePolicy("rank", (0.1, 0.3), NEVER), "fallback"),
                              (GatePolicy("rank", (0.2, 0.5), ALWAYS), "accept")):
-        client = TestClient(create_app(ChatService(models, maps, ServiceConfig(gate=policy))))
+        cfg = ServiceConfig(gate=policy, min_handoff_tokens=0)
+        client = TestClient(create_app(ChatService(models, maps, cfg)))
         messages = [{"role": "user", "content": "the quick brown fox"}]
         first = client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 4})
         assert first.json()["rarecache"]["gate_summary"] == (  # every response says what the gate did
@@ -497,8 +498,8 @@ def test_a_request_on_a_gated_server_may_name_a_fixed_budget(chat):
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    client = TestClient(create_app(ChatService(models, maps, ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3),
-                                                                                           NEVER)))))
+    cfg = ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), NEVER), min_handoff_tokens=0)
+    client = TestClient(create_app(ChatService(models, maps, cfg)))
 
     def switched(salt, **extra):
         messages = [{"role": "user", "content": "the quick brown fox"}]
@@ -566,7 +567,7 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
     assert "the level fitted at <= 0.05 changed answers, <= 0.0125 bpb (threshold 0.02 bits)" in capsys.readouterr().err
     assert main([*args, "--rho", "auto", "--gate-policy", str(leveled), "--max-loss", "2"]) == 2
     assert "--max-loss is a share of answers in [0, 1]" in capsys.readouterr().err
-    assert main([*args, "--rho", "auto", "--gate-policy", str(policy)]) == 0
+    assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--min-handoff-tokens", "0"]) == 0
     assert "gate rank, rungs 0.1/0.3" in capsys.readouterr().err
     client = TestClient(started["app"])
     messages = [{"role": "user", "content": "the quick brown fox"}]
@@ -587,9 +588,10 @@ def test_reused_mapped_rows_are_labelled_in_later_responses(chat):
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    for cfg, approximate in ((ServiceConfig(HandoffConfig(0.3, "rank")), True),
-                             (ServiceConfig(HandoffConfig(1.0)), False),
-                             (ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), NEVER)), False)):
+    short = {"min_handoff_tokens": 0}  # the tiny models' prompts are short: hand them off all the same
+    for cfg, approximate in ((ServiceConfig(HandoffConfig(0.3, "rank"), **short), True),
+                             (ServiceConfig(HandoffConfig(1.0), **short), False),
+                             (ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), NEVER), **short), False)):
         client = TestClient(create_app(ChatService(models, maps, cfg)))
         messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog"}]
         client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3})
@@ -628,7 +630,8 @@ def test_an_idle_healing_server_serves_later_turns_from_the_models_own_rows(chat
     from rarecache.serve.service import ChatService, ServiceConfig
 
     models, maps = chat
-    service = ChatService(models, maps, ServiceConfig(HandoffConfig(0.3, "rank"), heal=True))
+    cfg = ServiceConfig(HandoffConfig(0.3, "rank"), heal=True, min_handoff_tokens=0)
+    service = ChatService(models, maps, cfg)
     client = TestClient(create_app(service))
     messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog, then def add return"}]
     client.post("/v1/chat/completions", json={"model": "small", "messages": messages, "max_tokens": 3})

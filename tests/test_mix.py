@@ -178,7 +178,7 @@ def test_v2s_map_records_the_name_its_preset_makes(monkeypatch):
     assert Mapper.load(path).info.corpus["name"] == _recorded_names(monkeypatch)["general-v2"], path
 
 
-def test_the_cli_offers_every_preset_and_only_those():
-    from rarecache.commands.maps import PRESETS
+def test_every_preset_is_looked_up_through_the_registry():
+    from rarecache.registry import PRESETS
 
-    assert PRESETS == (mix.NAME, *mix.MIXES)
+    assert {n: mix.components(n) for n in PRESETS} == {mix.NAME: mix.MIXES[mix.SERVED_MIX], **mix.MIXES}

@@ -50,7 +50,7 @@ def served(tmp_path_factory):
     svc = VllmChatService(dirs, {("src", "tgt"): root / "src-tgt.map"},
                           VllmServeConfig(store=root / "store", rho=1.0, selector="rank", dtype="float32",
                                           max_new_tokens=NEW, kv_cache_bytes=256 << 20, max_model_len=1024,
-                                          block_size=32))
+                                          block_size=32, min_handoff_tokens=0))
     svc.dirs = dirs  # for the tests' tokenizer
     yield svc
     svc.close()

@@ -12,6 +12,8 @@ import pytest
 from rarecache import SamplingConfig
 from rarecache.errors import RarecacheError
 from rarecache.cli import main
+from rarecache.defaults import MIN_HANDOFF_TOKENS
+from rarecache.packages import sha256_file
 from rarecache.serve.service import ChatService, ServiceConfig
 from rarecache.transfer.conversation import common_prefix
 from rarecache.transfer.handoff import HandoffConfig
@@ -28,6 +30,7 @@ SAMPLING = SamplingConfig(max_new_tokens=5, ignore_eos=True)
 
 def service(chat, rho=1.0, **kw):
     models, maps = chat
+    kw.setdefault("min_handoff_tokens", 0)  # the tiny models' prompts are short: hand them off all the same
     return ChatService(models, maps, ServiceConfig(HandoffConfig(rho=rho, selector="rank"), **kw))
 
 
@@ -184,14 +187,26 @@ def test_serve_cli(pair_dir, fitted, tmp_path, monkeypatch, capsys):
     import uvicorn
 
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: started.update(app=app, **kw))
-    assert main([*args, "--map", str(path), "--rho", "1", "--port", "8123"]) == 0
-    assert started["port"] == 8123 and started["host"] == "127.0.0.1"
-    client = TestClient(started["app"])
-    assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
+    assert main([*args, "--map", str(path), "--min-handoff-tokens", "-1"]) == 2
+    assert "--min-handoff-tokens" in capsys.readouterr().err
     messages = [{"role": "user", "content": TURNS[0]}]
-    ask(client, "src", messages)
-    body = ask(client, "tgt", messages)
-    assert body["rarecache"]["handed_off_from"] == "src"
+    for shortest in (None, "0"):  # the default floor (defaults.MIN_HANDOFF_TOKENS), then none
+        floor = [] if shortest is None else ["--min-handoff-tokens", shortest]
+        assert main([*args, "--map", str(path), "--rho", "1", "--port", "8123", *floor]) == 0
+        assert started["port"] == 8123 and started["host"] == "127.0.0.1"
+        client = TestClient(started["app"])
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["src", "tgt"]
+        ask(client, "src", messages)
+        r = client.post("/v1/chat/completions", json={"model": "tgt", "messages": messages, "max_tokens": 5})
+        body = r.json()
+        if shortest is None:  # a prompt of a few tokens: the model reads it itself
+            assert body["usage"]["prompt_tokens"] < MIN_HANDOFF_TOKENS and body["rarecache"]["handed_off_from"] is None
+            assert (body["rarecache"]["handoff"], body["rarecache"]["fallback_reason"]) == ("fallback_reprefill",
+                                                                                            "short_prompt")
+            assert r.headers["x-vsr-kv-transfer-status"] == "fallback_reprefill"
+        else:  # the map's id is its file's sha256, named for a router
+            assert body["rarecache"]["handed_off_from"] == "src"
+            assert body["rarecache"]["mapper_id"] == r.headers["x-vsr-kv-mapper-id"] == sha256_file(path)
 
 
 def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):
@@ -778,8 +793,9 @@ def test_scoring_requests_are_validated(chat):
     ok = client.post("/v1/chat/completions", json={**base, "logprobs": False, "top_logprobs": 0})
     assert ok.status_code == 200 and "prompt_logprobs" in ok.json()
 
-    class OtherEngine(ChatService):  # as the vLLM engine's service: no continue_final
-        continue_final = None
+    class OtherEngine(ChatService):  # as the vLLM engine's service: it cannot read a final message
+        def prepare_continued(self, *args, **kwargs):
+            raise RarecacheError("not supported by this server's engine (vllm): continue_final_message")
 
     models, maps = chat
     other = TestClient(create_app(OtherEngine(models, maps, ServiceConfig(HandoffConfig(rho=1.0)))))
@@ -796,7 +812,8 @@ def test_poisson_bench_on_our_own_server(chat, tmp_path):
 
     models, maps = chat
     fwd = maps[("small", "large")]
-    svc = ChatService(models, {("small", "large"): fwd}, ServiceConfig(HandoffConfig(rho=1.0), max_batch=2))
+    svc = ChatService(models, {("small", "large"): fwd},
+                      ServiceConfig(HandoffConfig(rho=1.0), max_batch=2, min_handoff_tokens=0))
     words = "the quick brown fox jumps over the lazy dog and again".split()
     (tmp_path / "docs.txt").write_text("\n\n\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(80))
                                                      for i in range(12)))
@@ -855,7 +872,8 @@ def test_a_request_names_its_own_budget(chat):
     default = _switched_score(svc, "a")
     own = _switched_score(svc, "b", rho=0.5, selector="suffix")
     after = _switched_score(svc, "c")  # the next request without one: the server's again
-    started = _switched_score(ChatService(models, maps, ServiceConfig(HandoffConfig(0.5, "suffix"))), "b")
+    suffix = ServiceConfig(HandoffConfig(0.5, "suffix"), min_handoff_tokens=0)
+    started = _switched_score(ChatService(models, maps, suffix), "b")
     assert (default.rho, default.selector, after.rho, after.selector) == (0.3, "rank", 0.3, "rank")
     assert (own.rho, own.selector) == (0.5, "suffix") and own.handed_off_from == "small"
     assert own.recomputed == budget(0.5, own.handed_off) and default.recomputed == budget(0.3, default.handed_off)
@@ -936,7 +954,7 @@ def test_a_cascade_re_asking_the_same_turn_hands_off_with_the_sources_attention(
     from rarecache.transfer.handoff import budget
 
     models, maps = chat
-    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, selector)))
+    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, selector), min_handoff_tokens=0))
     first = [{"role": "user", "content": TURNS[0]}]
     for salt, rho in (("a", 1.0), ("b", 0.3)):
         small = svc.complete("small", first, SAMPLING, salt=salt)

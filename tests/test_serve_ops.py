@@ -11,7 +11,7 @@ import pytest
 
 from rarecache.cli import main
 from rarecache.errors import RarecacheError
-from rarecache.serve.outcome import HEADER, header, outcome
+from rarecache.serve.outcome import HEADER, ROUTER_MAPPER, ROUTER_STATUS, fields, header, headers, outcome
 from rarecache.serve.request import check_text
 from rarecache.serve.service import ChatService, ServiceConfig
 from rarecache.transfer.gate import GatePolicy
@@ -28,6 +28,7 @@ from rarecache.serve.app import create_app  # noqa: E402
 
 def served(chat, maps=None, **kw):
     models, all_maps = chat
+    kw.setdefault("min_handoff_tokens", 0)
     svc = ChatService(models, all_maps if maps is None else maps, ServiceConfig(HandoffConfig(0.3, "rank"), **kw))
     return svc, TestClient(create_app(svc))
 
@@ -140,7 +141,8 @@ def test_every_response_says_the_handoff_outcome(chat):
 
 def test_a_gate_fallback_is_named(chat):
     models, maps = chat
-    svc = ChatService(models, maps, ServiceConfig(gate=GatePolicy("rank", (0.1, 0.3), -1.0)))  # never accepts
+    never = GatePolicy("rank", (0.1, 0.3), -1.0)  # never accepts
+    svc = ChatService(models, maps, ServiceConfig(gate=never, min_handoff_tokens=0))
     client = TestClient(create_app(svc))
     messages = [{"role": "user", "content": TURNS[0]}]
     post(client, "small", messages)
@@ -151,25 +153,27 @@ def test_a_gate_fallback_is_named(chat):
     assert m(scrape(client), "rarecache_handoff_fallbacks_total", model="large", reason="gate") == 1
 
 
-def test_outcome_reads_another_engines_reply():
-    """A reply that does not set its status (another engine's service) is read from what it did; one that
-    sets it is taken as it is, and a status that cannot be is refused."""
-    vllm_like = SimpleNamespace(handed_off_from="small", handed_off=None)  # rows that may be mapped
-    assert outcome(vllm_like, True)["handoff"] == "applied"
-    assert outcome(SimpleNamespace(handed_off_from=None), True) == {
-        "handoff": "fallback_reprefill", "fallback_reason": "no_entry", "approximate_rows_reused": False}
-    assert outcome(SimpleNamespace(handed_off_from=None), False)["handoff"] == "unsupported"
-    down = SimpleNamespace(handoff_status="fallback_reprefill", fallback_reason="store_down", reused_approximate=3)
-    assert header(outcome(down, True)) == "fallback_reprefill; reason=store_down; approximate=1"
-    for status, reason in (("fallback_reprefill", None), ("fallback_reprefill", "other"), ("applied", "gate"),
-                           ("maybe", None)):
+def test_outcome_fields_are_checked_and_named_for_a_router():
+    """Every engine's reply carries its outcome, read as it is; a status that cannot be is refused; the headers
+    say it in our words and in semantic-router's (the map's id with an applied handoff only)."""
+    down = SimpleNamespace(handoff_status="fallback_reprefill", fallback_reason="store_down", reused_approximate=3,
+                           mapper_id=None)
+    assert header(outcome(down)) == "fallback_reprefill; reason=store_down; approximate=1"
+    assert headers(outcome(down)) == {HEADER: "fallback_reprefill; reason=store_down; approximate=1",
+                                      ROUTER_STATUS: "fallback_reprefill"}
+    applied = SimpleNamespace(handoff_status="applied", fallback_reason=None, reused_approximate=0, mapper_id="ab12")
+    assert headers(outcome(applied)) == {HEADER: "applied; approximate=0", ROUTER_STATUS: "applied",
+                                         ROUTER_MAPPER: "ab12"}
+    for status, reason, mapper in (("fallback_reprefill", None, None), ("fallback_reprefill", "other", None),
+                                   ("applied", "gate", None), ("maybe", None, None), (None, None, None),
+                                   ("unsupported", None, "ab12"), ("fallback_reprefill", "gate", "ab12")):
         with pytest.raises(ValueError):
-            outcome(SimpleNamespace(handoff_status=status, fallback_reason=reason), True)
+            fields(status, reason, False, mapper)
 
 
-def test_store_stats_are_read_duck_typed(chat):
-    """/metrics reads any store with a flat stats() (as the vLLM row stores) as model="all", and a store
-    whose stats fail as store_up 0, without failing the scrape."""
+def test_store_stats_are_read_through_the_contract(chat):
+    """/metrics reads the engine's store_stats: a flat dict (as the vLLM row stores give) as model="all", and a
+    store whose stats fail as store_up 0, without failing the scrape."""
     svc, client = served(chat)
     flat = {"hits": 4, "misses": 2, "bytes": 1024, "evictions": 1, "entries": 3}
     svc.store = SimpleNamespace(stats=lambda: flat)

@@ -15,21 +15,23 @@ MAX_LINES = 400
 # room -> the rooms it may import (docs/ARCHITECTURE.md, "Import directions"); a room imports itself freely
 ALLOWED = {
     "errors": set(),
+    "registry": {"errors"},
     "packages": {"errors"},
-    "defaults": {"errors", "packages"},
+    "defaults": {"errors", "packages", "registry"},
     "models": {"errors", "packages"},
     "engine": {"models", "errors"},
-    "transfer": {"defaults", "engine", "models", "errors", "packages"},
-    "eval": {"transfer", "engine", "models", "errors", "packages"},
-    "serve": {"transfer", "engine", "models", "errors"},
-    "bench": {"defaults", "serve", "transfer", "engine", "models", "errors"},
-    "adapters": {"defaults", "transfer", "engine", "models", "errors", "serve"},
-    "demo": {"defaults", "transfer", "engine", "models", "errors"},
-    "commands": {"errors", "packages", "defaults", "models", "engine", "transfer", "eval", "serve", "bench",
+    "transfer": {"registry", "defaults", "engine", "models", "errors", "packages"},
+    "eval": {"registry", "transfer", "engine", "models", "errors", "packages"},
+    "serve": {"registry", "defaults", "transfer", "engine", "models", "errors"},
+    "bench": {"registry", "defaults", "serve", "transfer", "engine", "models", "errors"},
+    "adapters": {"registry", "defaults", "transfer", "engine", "models", "errors", "packages", "serve"},
+    "demo": {"registry", "defaults", "transfer", "engine", "models", "errors"},
+    "commands": {"registry", "errors", "packages", "defaults", "models", "engine", "transfer", "eval", "serve", "bench",
                  "adapters", "demo", "commands"},
     "cli": {"commands", "errors"},
 }
-ADAPTERS_MAY_IMPORT_SERVE = {"adapters/vllm/serving.py", "adapters/vllm/records.py", "adapters/vllm/launch.py"}
+ADAPTERS_MAY_IMPORT_SERVE = {"adapters/vllm/serving.py", "adapters/vllm/records.py", "adapters/vllm/launch.py",
+                             "adapters/vllm/serve_config.py", "adapters/vllm/engines.py"}
 COMMANDS_MAY_IMPORT_ADAPTERS = {"commands/serve.py", "commands/bench_vllm.py"}
 
 

@@ -268,6 +268,7 @@ def _stand_in_service(monkeypatch) -> dict:
     class Service:
         def __init__(self, models, maps, cfg, engine_kwargs=None):
             seen.update(models=models, maps=maps, cfg=cfg, store_existed=cfg.store.is_dir())
+            self.models, self.maps, self.cfg = models, maps, cfg  # (what create_app reads of the contract)
 
         def close(self):
             seen["closed"] = True
@@ -539,7 +540,7 @@ def served(vpair):
 
     engine_environment()
     cfg = VllmServeConfig(store=vpair.store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
-                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512)
+                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512, min_handoff_tokens=0)
     svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
                           {("src", "tgt"): vpair.root / "src-tgt.map", ("tgt", "src"): vpair.root / "tgt-src.map"},
                           cfg, engine_kwargs={"worker_extension_cls": EXTENSION})
@@ -858,10 +859,12 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
     from rarecache.adapters.vllm.store_open import open_store
     from rarecache.serve import outcome as served
 
-    def service(store, maps):
+    def service(store, maps, shortest=0):
         svc = object.__new__(VllmChatService)  # the routing's state only: no engine starts
-        svc.cfg, svc.maps, svc._filing, svc._lock = (VllmServeConfig(store=store, rho=1.0, selector="rank"), maps, {},
+        svc.cfg, svc.maps, svc._filing, svc._lock = (VllmServeConfig(store=store, rho=1.0, selector="rank",
+                                                                     min_handoff_tokens=shortest), maps, {},
                                                            threading.Lock())
+        svc.map_ids = {pair: f"id-{'-'.join(pair)}" for pair in maps}
         svc.models = {m: SimpleNamespace(identity=model_identity(vpair.root / m)) for m in ("src", "tgt")}
         svc.engines = {m: SimpleNamespace(block_size=BS) for m in ("src", "tgt")}
         svc.store = open_store(store)
@@ -878,6 +881,14 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
     assert svc.route("tgt", ids, "A")[1]["reason"] == "no_entry"
     entry = svc.store.put(model_identity(vpair.root / "src"), tenant_scope("A"), ids[:80], *rows("src", 80))
     assert svc.route("tgt", ids, "A") == ("src", {})
+    assert svc.route("tgt", ids, "A", mapper="id-src-tgt") == ("src", {})  # the map a router named: this one
+    assert svc.route("tgt", ids, "A", mapper="another")[1] == {  # a map the server does not have into tgt
+        "status": "fallback_reprefill", "reason": "identity_mismatch", "detail": "no map another into tgt"}
+    short = service(tmp_path / "rows", {("src", "tgt"): vpair.root / "src-tgt.map"}, shortest=len(ids) + 1)
+    assert short.route("tgt", ids, "A")[1] == {"status": "fallback_reprefill", "reason": "short_prompt",
+                                               "detail": f"{len(ids)} prompt tokens, fewer than {len(ids) + 1}"}
+    assert service(tmp_path / "rows", {("src", "tgt"): vpair.root / "src-tgt.map"}, len(ids)).route(
+        "tgt", ids, "A") == ("src", {})  # as long as the floor: handed off
     svc.store.put(model_identity(vpair.root / "tgt"), tenant_scope("A"), ids[:90], *rows("tgt", 90))
     assert svc.route("tgt", ids, "A")[1]["status"] == "not_needed"  # its own rows reach as far, in whole blocks
     assert svc.route("tgt", ids, "B")[1]["reason"] == "no_entry"  # another tenant
@@ -898,13 +909,14 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
             (outcome("fallback_reprefill", "corrupt_entry"), "fallback_reprefill", "identity_mismatch"),
             (outcome("fallback_reprefill", "store_down"), "fallback_reprefill", "store_down"),
             (outcome("not_needed", "own_rows"), "fallback_reprefill", "no_entry"),
+            (outcome("fallback_reprefill", "short_prompt"), "fallback_reprefill", "short_prompt"),
             (outcome("unsupported", "reread"), "unsupported", None)]:
         reply = VllmReply(model="tgt", text="", tokens=[], finish_reason="stop", prompt_tokens=100, reused=0,
                           handed_off_from=None, recomputed=None, handed_off=None, seconds={})
         settle(reply, detail)
-        fields = served.outcome(reply, True)
+        fields = served.outcome(reply)
         assert (fields["handoff"], fields["fallback_reason"]) == (status, reason)
-        info = {**svc.describe(reply), **fields}  # as serve/app.py joins them
+        info = {**fields, **svc.describe(reply)}  # as serve/app.py joins them
         assert info["handoff_detail"]["status"] == detail["status"] and info["handoff"] == status
         assert served.header(fields).startswith(status)
 
@@ -989,7 +1001,7 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
     handoff is accepted or rejected on its nll, and a rejected job stops before on_text sees anything."""
     import math
 
-    from rarecache.adapters.vllm.engines import Job
+    from rarecache.adapters.vllm.engines import EngineJob
     from rarecache.adapters.vllm.gate import UNMEASURED, Judge
 
     ids = list(range(3, 110))  # P = 107: at rho 0.2, K = 22 and the claim at most 85 (in blocks: 64)
@@ -1022,11 +1034,13 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
     shown = []
     tok = SimpleNamespace(decode=lambda t: "".join(chr(97 + x % 26) for x in t))
     for threshold, going in ((1.0, False), (3.0, True)):
-        job = Job("r", {}, None, tok, (), shown.append, judge=Judge(_nll_policy(threshold), ids))
+        job = EngineJob(rid="r", prompt={}, params=None, tokenizer=tok, on_text=shown.append,
+                        judge=Judge(_nll_policy(threshold), ids))
         assert job.take(out(64, tokens=())) and job.judge is not None  # no token yet: not decided
         assert job.take(out(64, tokens=(1, 2))) is going and job.rejected is not going and job.judge is None
         assert shown == ([] if not going else ["bc"])
-    job = Job("r", {}, None, tok, (), shown.append, judge=Judge(_nll_policy(1.0), ids))
+    job = EngineJob(rid="r", prompt={}, params=None, tokenizer=tok, on_text=shown.append,
+                    judge=Judge(_nll_policy(1.0), ids))
     assert not job.take(out(64, tokens=(1,), finished=True)) and job.rejected  # decided before a finish returns
 
 
@@ -1090,8 +1104,9 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
 
     def service(policy, cached=96):
         svc = object.__new__(VllmChatService)  # the service's state only: no engine starts
-        svc.cfg = VllmServeConfig(store=tmp_path / "rows", gate=policy)
+        svc.cfg = VllmServeConfig(store=tmp_path / "rows", gate=policy, min_handoff_tokens=0)
         svc.maps, svc._filing, svc._lock = {("src", "tgt"): vpair.root / "src-tgt.map"}, {}, threading.Lock()
+        svc.map_ids = {("src", "tgt"): "id-src-tgt"}
         svc.models = {m: SimpleNamespace(identity=model_identity(vpair.root / m), tokenizer=tok) for m in ("src", "tgt")}
         svc.store = open_store(tmp_path / "rows")
         svc.engines = {m: _ScriptedEngine(svc, m, cached, plp) for m in ("src", "tgt")}
@@ -1110,7 +1125,8 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
         return reply, info, svc.engines["tgt"].jobs
 
     svc = service(_nll_policy(3.0, rungs=(0.1,), first_rung=0))
-    assert _budget_info(svc) == {"rho": None, "selector": "suffix", "gate": True, "request_budget": True}
+    assert _budget_info(svc) == {"rho": None, "selector": "suffix", "gate": True, "request_budget": True,
+                                 "min_handoff_tokens": 0}
     reply, info, jobs = ask(svc)  # accepted: the handed-off answer stands
     (job,) = jobs
     assert job.params.prompt_logprobs == 0 and job.params.skip_reading_prefix_cache is False
@@ -1132,7 +1148,7 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     assert (info["rho"], info["selector"], info["prefilled_tokens"]) == (1.0, "suffix", len(ids))
     assert (info["handoff"], info["fallback_reason"], info["approximate_rows_reused"]) == (
         "fallback_reprefill", "gate", False)
-    assert served.header(served.outcome(reply, True)) == "fallback_reprefill; reason=gate; approximate=0"
+    assert served.header(served.outcome(reply)) == "fallback_reprefill; reason=gate; approximate=0"
     assert info["handoff_detail"]["reason"] == "gate"
     record = first.params.extra_args["kv_transfer_params"]["rarecache"]["record"]
     assert svc.store.take_record(record) is None  # the rejected handoff's record is gone
@@ -1170,17 +1186,23 @@ def test_a_gated_vllm_servers_request_budget():
     """A request's budget on a gated vLLM server: our own engine's rules (serve/config.py), the engine's selectors."""
     from dataclasses import replace
 
-    from rarecache.adapters.vllm.serve_config import VllmServeConfig, request_budget
+    from rarecache.adapters.vllm.serve_config import VllmServeConfig, request_budget, rung
+    from rarecache.serve.config import Budget
     from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.handoff import HandoffConfig
+
+    def budget(rho, selector, gate=None):  # our own engine's budget type, the one every engine uses
+        return Budget(HandoffConfig(rho, selector), gate)
 
     policy = _nll_policy()
     cfg = VllmServeConfig(store="/nowhere", gate=policy)
-    assert request_budget(cfg) == request_budget(cfg, "auto") == request_budget(cfg, "auto", "suffix") == (
-        0.2, "suffix", policy)
-    assert request_budget(cfg, 0.5) == (0.5, "suffix", None)
-    assert request_budget(cfg, 0.5, "rank") == (0.5, "rank", None)
+    assert request_budget(cfg) == request_budget(cfg, "auto") == request_budget(cfg, "auto", "suffix") == budget(
+        0.2, "suffix", policy) == cfg.budget
+    assert rung(cfg.budget) == 0.2 and cfg.budget.rho is None  # the gate picks it: its one rung is what vLLM runs
+    assert request_budget(cfg, 0.5) == budget(0.5, "suffix") and rung(budget(0.5, "suffix")) == 0.5
+    assert request_budget(cfg, 0.5, "rank") == budget(0.5, "rank")
     always = GatePolicy("rank", threshold=-1.0)
-    assert request_budget(VllmServeConfig(store="/nowhere", gate=always)) == (0.1, "rank", always)
+    assert request_budget(VllmServeConfig(store="/nowhere", gate=always)) == budget(0.1, "rank", always)
     for c, kw, why in [(cfg, {"rho": "auto", "selector": "rank"}, "the gate policy's selector"),
                        (cfg, {"selector": "rank"}, "must name its rho too"),
                        (replace(cfg, request_budget=False), {"rho": 0.2}, "its own budget only"),
@@ -1189,7 +1211,7 @@ def test_a_gated_vllm_servers_request_budget():
                        (cfg, {"rho": 0.5, "selector": "attn-source"}, "needs the source's attention")]:
         with pytest.raises(RarecacheError, match=why):
             request_budget(c, **kw)
-    assert request_budget(replace(cfg, request_budget=False)) == (0.2, "suffix", policy)
+    assert request_budget(replace(cfg, request_budget=False)) == budget(0.2, "suffix", policy)
 
 
 def test_engine_environment_keeps_what_the_user_set():
@@ -1567,7 +1589,7 @@ def test_vllm_gate_falls_back_to_the_targets_own_answer(vpair, served, monkeypat
     assert reply.tokens == alone.tokens and reply.handed_off_from is None and reply.handed_off is None
     assert reply.gate["decision"] == "fallback" and reply.gate["rungs"][0]["nll"] > 0
     assert reply.gate["reason"].startswith("no rung had nll <= 0 bits (last: nll ")
-    fields = served_outcome.outcome(reply, True)
+    fields = served_outcome.outcome(reply)
     assert (fields["handoff"], fields["fallback_reason"]) == ("fallback_reprefill", "gate")
     assert served_outcome.header(fields) == "fallback_reprefill; reason=gate; approximate=0"
     assert (reply.rho, reply.selector, reply.prefilled) == (1.0, "suffix", len(ids) - reply.reused)

@@ -53,7 +53,8 @@ def tp_served(vpair, tmp_path_factory):
 
     store = tmp_path_factory.mktemp("tp-store")
     cfg = VllmServeConfig(store=store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
-                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512, tensor_parallel_size=TP)
+                          kv_cache_bytes=64 << 20, block_size=BS, max_model_len=512, tensor_parallel_size=TP,
+                          min_handoff_tokens=0)
     with _tp_environment():
         svc = VllmChatService({"src": vpair.root / "src", "tgt": vpair.root / "tgt"},
                               {("src", "tgt"): vpair.root / "src-tgt.map"}, cfg,
@@ -85,7 +86,7 @@ def tp_tok_target(vpair, tp_served, tok_map):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from rarecache.adapters.vllm.serving import CONNECTOR
+    from rarecache.adapters.vllm.engines import CONNECTOR
 
     maps = {"src": str(vpair.root / "src-tgt-tok.map")}
     extra = {"store": str(tp_served[1]), "rho": 1.0, "selector": "rank", "maps": maps}

@@ -28,6 +28,7 @@ import torch
 from ..engine.attention import attend, attend_reference
 from ..engine.runner import Runner, pack_float32
 from ..errors import RarecacheError
+from ..registry import RANK
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset
@@ -183,7 +184,7 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     caches = [source.prefill([p])[0] for p in prompts]
     batched_src, _ = source.prefill(prompts)
-    cfg = HandoffConfig(rho, "rank")  # rank, not the served default: the batched path that scores in the map
+    cfg = HandoffConfig(rho, RANK)  # rank, not the served default: the batched path that scores in the map
     one_by_one = _median(lambda: [handoff(source, target, mapper, [p], cfg, source_cache=c, source_kept=[len(p)])
                                   for p, c in zip(prompts, caches)], repeats)
     together = _median(lambda: handoff(source, target, mapper, prompts, cfg, source_cache=batched_src,

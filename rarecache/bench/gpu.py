@@ -21,6 +21,7 @@ import torch
 
 from ..engine import attention
 from ..engine.runner import Runner
+from ..registry import RANK, SUFFIX
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
 from .ablate import median_time
@@ -42,9 +43,9 @@ class Grid:
 
 
 # most important first (the acceptance cells are at T 2048): a run cut short keeps what it finished
-FULL = Grid(("qwen3-0.6b", "qwen3-14b"), (2048, 512, 8192, 149), (1, 16, 4), (0.2, 0.3, 0.5), ("rank", "suffix"),
+FULL = Grid(("qwen3-0.6b", "qwen3-14b"), (2048, 512, 8192, 149), (1, 16, 4), (0.2, 0.3, 0.5), (RANK, SUFFIX),
             32768)
-SMOKE = Grid(("toy-source", "toy-target"), (96,), (1, 2), (0.2, 0.5), ("rank", "suffix"), 32768)
+SMOKE = Grid(("toy-source", "toy-target"), (96,), (1, 2), (0.2, 0.5), (RANK, SUFFIX), 32768)
 
 
 def hf_twin(model: torch.nn.Module, name: str):

@@ -95,8 +95,8 @@ def run_switch_bench(source: LLM, target: LLM, forward: Mapper, backward: Mapper
     maps = {(names["source"], names["target"]): forward}
     if backward is not None:
         maps[(names["target"], names["source"])] = backward
-    arms = {"baseline": ChatService(models, {}, ServiceConfig(cfg.handoff)),
-            "rarecache": ChatService(models, maps, ServiceConfig(cfg.handoff))}
+    arms = {"baseline": ChatService(models, {}, ServiceConfig(cfg.handoff)),  # (timing handoffs at every length:
+            "rarecache": ChatService(models, maps, ServiceConfig(cfg.handoff, min_handoff_tokens=0))}  # no floor)
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens)
     texts = passages(cfg, source, list(maps.values()), cache_dir)
     for llm in models.values():  # warm-up, outside both arms' stores

@@ -84,5 +84,5 @@ def random_mapper(source: Runner, target: Runner, k: int = 8, rank: int = 128) -
                        torch.linalg.qr(torch.randn(lt, dt, rank, generator=g)).Q, torch.ones(lt, dt),
                        torch.zeros(lt), torch.zeros(lt, ls))
 
-    ident = {"name": "random", "config": "random", "weights": "random"}
+    ident = dict.fromkeys(("name", "config", "weights"), "random-weights")  # no checkpoint: any pair's shapes
     return Mapper(MapInfo(ident, ident, k, 0.01, rank, 0), {"k": side(), "v": side()})

@@ -178,8 +178,9 @@ def cmd_bench_load_poisson(args) -> int:
     mapper = _load_map(args.map)
     names = model_id(args.source), model_id(args.target)
     models = {n: LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for n, m in zip(names, (args.source, args.target))}
-    svc = ChatService(models, {names: mapper}, ServiceConfig(handoff, max_batch=args.max_batch,
-                                                             max_new_tokens=max(args.max_new_tokens, args.answer_tokens)))
+    cfg = ServiceConfig(handoff, max_batch=args.max_batch, max_new_tokens=max(args.max_new_tokens, args.answer_tokens),
+                        min_handoff_tokens=0)  # (it times every handoff, whatever its length)
+    svc = ChatService(models, {names: mapper}, cfg)
     settings = {"engine": "rarecache", "dtype": args.dtype, "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "selector": args.selector, "scheduling_policy": "fcfs"}
     try:

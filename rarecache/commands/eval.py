@@ -6,14 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..defaults import SELECTOR_NAMES, SERVED
+from ..defaults import SERVED
 from ..errors import RarecacheError
+from ..registry import RANDOM, RANK, SELECTORS, TASKS
 from .common import add_model_options, map_specs
-
-# The names in rarecache.eval.tasks.TASKS, in its order, for `eval run --help` alone: importing the tasks
-# (and the corpus and tokenizer code under them) just to print help is what this spares. A test holds the two equal.
-TASK_NAMES = ("gsm8k", "gsm8k_bpb", "arc_challenge", "arc_easy", "hellaswag", "winogrande", "mmlu", "coqa",
-              "coqa_bpb", "coqa_passage", "wiki_ppl")
 
 
 def register(sub) -> None:
@@ -54,7 +50,7 @@ def _add_run(ev) -> None:
                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=TASK_FILE_HELP,
                       description=RUN_DESCRIPTION)
     e.add_argument("--task", required=True,
-                   help=f"one of: {', '.join(TASK_NAMES)}; or FILE.jsonl, your own items (formats below)")
+                   help=f"one of: {', '.join(TASKS)}; or FILE.jsonl, your own items (formats below)")
     e.add_argument("--source", required=True, help="model whose cache is handed off (name, HF dir or .gguf)")
     e.add_argument("--target", required=True, help="model that answers (the direction is source -> target)")
     e.add_argument("--map", nargs="+", required=True, metavar="[LABEL=]FILE",
@@ -62,8 +58,8 @@ def _add_run(ev) -> None:
                         "wiki=B.safetensors): every handoff arm runs through each, sharing the prefills")
     e.add_argument("--rhos", nargs="+", type=float, default=[0.0, 0.3],
                    help="rank-disagreement budgets (default: 0 0.3)")
-    e.add_argument("--selectors", nargs="+", default=["random"],
-                   help=f"other selectors to run at --selector-rho: {' '.join(SELECTOR_NAMES)} (default: random; "
+    e.add_argument("--selectors", nargs="+", default=[RANDOM],
+                   help=f"other selectors to run at --selector-rho: {' '.join(SELECTORS)} (default: {RANDOM}; "
                         f"served: {SERVED.selector} at {SERVED.rho:g})")
     e.add_argument("--selector-rho", type=float, default=0.3, help="budget of --selectors (default: 0.3)")
     e.add_argument("--arms", nargs="+", default=None,
@@ -141,8 +137,8 @@ def _eval_arms(args, labels: tuple[str, ...]) -> list:
     if args.arms:
         specs = args.arms
     else:
-        specs = ["target", "source", *(f"{r:g}:rank" for r in args.rhos),
-                 *(f"{args.selector_rho:g}:{s}" for s in args.selectors if s != "rank")]
+        specs = ["target", "source", *(f"{r:g}:{RANK}" for r in args.rhos),
+                 *(f"{args.selector_rho:g}:{s}" for s in args.selectors if s != RANK)]
     return parse_arms(specs, labels)
 
 

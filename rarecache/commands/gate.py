@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
+from ..registry import COQA_BPB
 
 SIGNALS = ("js", "js_views", "nll")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
 
@@ -119,7 +120,7 @@ def cmd_gate_report(args) -> int:
     if args.drift is not None:
         from ..eval.drift import gate_figures
 
-        results["coqa_bpb"] = gate_figures(args.drift, policy, next(iter(shas)))
+        results[COQA_BPB] = gate_figures(args.drift, policy, next(iter(shas)))
     print(markdown(results, policy))
     if args.summary:
         keys = ("unit", "delta", "ci", "n", "fallback_share", "mean_recomputed_share", "expected_speedup")

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..defaults import SELECTOR_NAMES
+from ..registry import ATTN_SOURCE, LAYER_PREFIX, RANDOM, RANK, SELECTORS
 from ..errors import RarecacheError
 from .common import add_model_options, load_models, warn_fit
 
@@ -28,9 +28,10 @@ def _add_inspect(sub) -> None:
     p.add_argument("--prompt", help="prompt text (for --strip)")
     p.add_argument("--chat", action="store_true", help="render --prompt as a user turn")
     p.add_argument("--rho", type=float, default=0.3, help="budget for --strip (default: 0.3)")
-    p.add_argument("--selectors", nargs="+", default=["rank", "random", "attn-source"],
-                   help=f"selectors to draw: {' '.join(n for n in SELECTOR_NAMES if n != 'layer-prefix')} "
-                        "(default: rank random attn-source; attn-target and l2-oracle are oracles)")
+    drawn = [n for n in SELECTORS if n != LAYER_PREFIX]
+    p.add_argument("--selectors", nargs="+", default=[RANK, RANDOM, ATTN_SOURCE],
+                   help=f"selectors to draw: {' '.join(drawn)} (default: {RANK} {RANDOM} {ATTN_SOURCE}; "
+                        f"{' and '.join(SELECTORS.oracles)} are oracles)")
     p.add_argument("--diagnose", metavar="TASK", default=None,
                    help="the mapping paper's diagnostics on TASK's first evaluation prompts (needs --source, "
                         "--target): attention-output cosine, K/V error concentration and top-rho agreement per "
@@ -143,7 +144,7 @@ def _strip(args, mapper) -> None:
         _, _, res = handoff(pipe.source.runner, pipe.target.runner, mapper, [ids],
                             HandoffConfig(rho=args.rho, selector=name))
         picks[sel.label] = res.positions[0]
-        if name == "rank":
+        if name == RANK:
             scores = res.scores[0].tolist()
     tokens = [pipe.source.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
     plot_strip(tokens, picks, scores, args.rho, args.strip)

@@ -8,10 +8,8 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
+from ..registry import GENERAL, PRESETS
 from .common import add_model_options, load_models, warn_fit
-
-# general (the served mix) and eval.mix.MIXES' names: --help imports no evaluation code; a test holds them equal
-PRESETS = ("general", "general-v2", "general-v3")
 
 
 def register(sub) -> None:
@@ -36,7 +34,7 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="with --task FILE.jsonl: the map's data, lines of the task's forms or {\"text\": ...} "
                         "(a user turn); refused if any prompt is one of FILE's (by sha256)")
-    p.add_argument("--preset", choices=PRESETS, default=None,
+    p.add_argument("--preset", choices=PRESETS.names, default=None,
                    help="general: the chat-formatted mix of the served map, meant to serve all traffic, "
                         "checked disjoint from every task's evaluated items, instead of --corpus; it is general-v3: "
                         "multi-turn reading conversations, unevaluated few-shot tasks, math, code, prose (that "
@@ -166,7 +164,7 @@ def _check_corpus_flags(args) -> None:
     if args.calibration is not None and not args.task:
         raise RarecacheError("--calibration is a task file's data: give it with --task FILE.jsonl")
     if getattr(args, "out", "") is None:
-        if args.preset != "general":
+        if args.preset != GENERAL:
             raise RarecacheError("give --out FILE (only --preset general has a default place)")
         from ..defaults import general_map_path
 

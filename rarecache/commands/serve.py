@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..defaults import SERVED, selector_help
+from ..defaults import MIN_HANDOFF_TOKENS, SERVED, selector_help
 from ..errors import RarecacheError
 from .common import add_model_options, fill_served_defaults
 
@@ -73,6 +73,10 @@ def register(sub) -> None:
                    help="refuse a request naming a budget other than the server's (its body's rarecache.rho and "
                         "selector); by default a request may name its own, e.g. {\"rho\": 1} for the model's own "
                         "rows (README: threat model)")
+    p.add_argument("--min-handoff-tokens", type=int, default=MIN_HANDOFF_TOKENS, metavar="N",
+                   help=f"prompts of fewer tokens are read by the model itself, never handed off (the response "
+                        f"says fallback_reprefill, reason short_prompt; default: {MIN_HANDOFF_TOKENS}; 0 hands off "
+                        "at any length)")
     p.add_argument("--heal", action="store_true",
                    help="when idle, re-prefill the rows a handoff left (256 positions a step), so a conversation's "
                         "later turns reuse the model's own rows and a handoff costs accuracy on its own turn only")
@@ -127,27 +131,9 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
                              "pip install 'rarecache[serve]'") from None
-    from ..demo import DemoConfig, demo_map
-    from ..engine.llm import LLM
     from ..serve.names import model_id
-    from ..serve.service import ChatService, ServiceConfig
-    from ..transfer.handoff import HandoffConfig
-    from ..transfer.mapper import Mapper
 
-    if not 1 <= args.port <= 65535:
-        raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
-    if (args.cache_gib <= 0 or args.max_waiting < 0 or args.max_batch < 1
-            or not 1 <= args.default_max_tokens <= args.max_tokens_limit):
-        raise RarecacheError("--cache-gib must be > 0, --max-batch >= 1, --max-waiting >= 0 and "
-                             "1 <= --default-max-tokens <= --max-tokens-limit")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("RARECACHE_API_KEY")
-    if api_key is not None and not api_key.strip():
-        raise RarecacheError("--api-key (or $RARECACHE_API_KEY) is empty")
-    if api_key is None and not _loopback(args.host):
-        print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
-              "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
-    if args.map is None and (args.source, args.target) != (SERVED.source, SERVED.target):
-        raise RarecacheError("give --map: without it only the bundled pair is served (with its general map)")
+    api_key = _check_flags(args)
     runs = None
     if args.engine == "vllm":
         from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
@@ -156,7 +142,6 @@ def cmd_serve(args) -> int:
     for kind, note in fill_served_defaults(args, args.source, args.target, runs).items():
         if not (gated and kind == "selector"):
             print(note, file=sys.stderr)
-    shipped = args.map == SERVED.path  # the map rarecache ships: for the pair as the recorded environment converted it
     rho, gate = _rho(args)
     args.rho = rho  # a number from here on (None with the gate)
     names = model_id(args.source), model_id(args.target)
@@ -168,44 +153,70 @@ def cmd_serve(args) -> int:
         from ..adapters.vllm.launch import serve_vllm
 
         return serve_vllm(args, names, api_key, gate)  # (the gate's shape is checked there: adapters/vllm/gate.py)
-    given = [flag for flag, value in (("--store", args.store), ("--store-gib", args.store_gib),
-                                      ("--store-ttl", args.store_ttl), ("--block-size", args.block_size),
-                                      ("--max-model-len", args.max_model_len), ("--compile", args.compile),
-                                      ("--tensor-parallel-size", None if args.tensor_parallel_size == 1 else 1))
-             if value not in (None, False)]
-    if given:
-        raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
-    cfg = ServiceConfig(HandoffConfig.named(rho if gate is None else 0.3, args.selector),
-                        cache_bytes=int(args.cache_gib * (1 << 30)), max_new_tokens=args.max_tokens_limit,
-                        max_batch=args.max_batch, gate=gate, request_budget=args.request_budget,
-                        heal=args.heal)
-    maps = {}  # map files load (and fail) before the models, which take much longer
-    for pair, path in (((names[0], names[1]), args.map), ((names[1], names[0]), args.reverse_map)):
-        if path is not None:
-            maps[pair] = Mapper.load(path)
-            maps[pair].check_fit(args.accept_poor_map, f"the map {path}")
-    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
-              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
-    if shipped:  # the committed map is for the pair as the recorded environment converted it
-        try:
-            maps[(names[0], names[1])].check_pair(models[names[0]].runner, models[names[1]].runner)
-        except RarecacheError as e:
-            print(f"the shipped general map does not fit the models as converted here ({e}); serving through the "
-                  "demo's quick map", file=sys.stderr)
-            del maps[(names[0], names[1])]
-            args.map = None
-    if args.map is None:  # the bundled pair: the demo's map, fitted on chat-formatted prompts (cached after first use)
-        maps[(names[0], names[1])] = demo_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
-                                              *models.values())
-    service = ChatService(models, maps, cfg)
+    service = _our_service(args, names, rho, gate)
     budget = (f"gate {gate.selector}, rungs {'/'.join(f'{r:g}' for r in gate.climbed)}, threshold {gate.threshold:.4g}"
               if gate else f"rho {rho:g}, {args.selector}")
-    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in maps)}, {budget}) "
-          f"on http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
+    print(f"serving {' and '.join(names)} (handoff {', '.join(f'{a} -> {b}' for a, b in service.maps)}, {budget}; "
+          f"prompts under {args.min_handoff_tokens} tokens re-prefilled) on "
+          f"http://{args.host}:{args.port}/v1/chat/completions", file=sys.stderr)
     app = create_app(service, default_max_tokens=args.default_max_tokens, max_waiting=args.max_waiting,
                      api_key=api_key, openapi_docs=args.openapi_docs)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _check_flags(args) -> str | None:
+    """The flags every engine shares, checked before anything loads; the API key in force."""
+    if not 1 <= args.port <= 65535:
+        raise RarecacheError(f"--port must be in 1..65535, got {args.port}")
+    if (args.cache_gib <= 0 or args.max_waiting < 0 or args.max_batch < 1 or args.min_handoff_tokens < 0
+            or not 1 <= args.default_max_tokens <= args.max_tokens_limit):
+        raise RarecacheError("--cache-gib must be > 0, --max-batch >= 1, --max-waiting >= 0, --min-handoff-tokens "
+                             ">= 0 and 1 <= --default-max-tokens <= --max-tokens-limit")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("RARECACHE_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise RarecacheError("--api-key (or $RARECACHE_API_KEY) is empty")
+    if api_key is None and not _loopback(args.host):
+        print(f"rarecache: warning: serving on {args.host} without an API key: anyone who can reach the port can "
+              "use the models; pass --api-key (or set RARECACHE_API_KEY)", file=sys.stderr)
+    if args.map is None and (args.source, args.target) != (SERVED.source, SERVED.target):
+        raise RarecacheError("give --map: without it only the bundled pair is served (with its general map)")
+    if args.engine != "vllm":
+        given = [flag for flag, value in (("--store", args.store), ("--store-gib", args.store_gib),
+                                          ("--store-ttl", args.store_ttl), ("--block-size", args.block_size),
+                                          ("--max-model-len", args.max_model_len), ("--compile", args.compile),
+                                          ("--tensor-parallel-size", None if args.tensor_parallel_size == 1 else 1))
+                 if value not in (None, False)]
+        if given:
+            raise RarecacheError(f"{', '.join(given)}: only with --engine vllm")
+    return api_key
+
+
+def _our_service(args, names: tuple[str, str], rho: float | None, gate):
+    """Our own engine's service. Map files load (and fail) before the models, which take much longer; the
+    bundled pair's shipped map gives way to the quick map where it does not fit the models as converted here
+    (`demo.served_or_quick_map`, the rule `demo` follows too)."""
+    from ..demo import DemoConfig, served_or_quick_map
+    from ..engine.llm import LLM
+    from ..packages import sha256_file
+    from ..serve.service import ChatService, ServiceConfig
+    from ..transfer.mapper import Mapper
+
+    cfg = ServiceConfig.started(rho, args.selector, gate, cache_bytes=int(args.cache_gib * (1 << 30)),
+                                max_new_tokens=args.max_tokens_limit, max_batch=args.max_batch,
+                                request_budget=args.request_budget, heal=args.heal,
+                                min_handoff_tokens=args.min_handoff_tokens)
+    maps, files = {}, {}
+    for pair, path in ((names, args.map), (names[::-1], args.reverse_map)):
+        if path is not None:
+            maps[pair], files[pair] = Mapper.load(path), path
+            maps[pair].check_fit(args.accept_poor_map, f"the map {path}")
+    models = {names[0]: LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir),
+              names[1]: LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)}
+    if args.map == SERVED.path:  # the committed map is for the pair as the recorded environment converted it
+        maps[names], files[names], _ = served_or_quick_map(DemoConfig(dtype=args.dtype, cache_dir=args.cache_dir),
+                                                           *models.values(), shipped=maps[names])
+    return ChatService(models, maps, cfg, {pair: sha256_file(path) for pair, path in files.items()})
 
 
 def _rho(args):

@@ -10,8 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import RarecacheError
+from ..registry import PRESETS
 from .common import add_model_options, load_models
-from .maps import PRESETS, _check_corpus_flags, _corpus, add_weights_option
+from .maps import _check_corpus_flags, _corpus, add_weights_option
 
 REFINE_LR = 1e-5  # transfer.refine.RefineConfig.lr, spelled here so --help imports no torch (a test holds them equal)
 
@@ -32,7 +33,7 @@ def _add_map_text_options(p, about: str) -> None:
     p.add_argument("--task", default=None, help="the map's calibration task")
     p.add_argument("--calibration", type=Path, default=None, metavar="CAL.jsonl",
                    help="the map's --calibration file (with a task file as --task)")
-    p.add_argument("--preset", choices=PRESETS, default=None, help="the map's calibration preset")
+    p.add_argument("--preset", choices=PRESETS.names, default=None, help="the map's calibration preset")
 
 
 def _add_mlp(sub) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import RarecacheError
+from ..registry import RANK
 from ..transfer.handoff import HandoffConfig
 from ..transfer.selectors import SELECTORS
 from .report import arm_name, display
@@ -23,7 +24,7 @@ SEED = 0  # the random selector's seed
 class Arm:
     kind: str  # "target", "source", "handoff" or "ladder"
     rho: float = 0.0
-    method: str = "rank"  # a selector's name, or layer-prefix: the word HandoffConfig.named reads
+    method: str = RANK  # a selector's name, or layer-prefix: the word HandoffConfig.named reads
     map: str = ""  # label of the map a handoff goes through ("" when the run has one unlabelled map)
 
     @property
@@ -57,7 +58,7 @@ class Arm:
                                      f"({', '.join(k for k, v in SELECTORS.items() if not (v.oracle or v.two_pass))})")
             return [cls("ladder", 0.0, method, m) for m in ([label] if label else maps)]
         try:
-            arms = [cls("handoff", float(rho), method or "rank", m) for m in ([label] if label else maps)]
+            arms = [cls("handoff", float(rho), method or RANK, m) for m in ([label] if label else maps)]
             HandoffConfig.named(arms[0].rho, arms[0].method)  # validates
             return arms
         except ValueError:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..engine.llm import LLM
 from ..engine.runner import spans
 from ..errors import RarecacheError
+from ..registry import RANK
 from ..transfer.conversation import Conversation, kept
 from ..transfer.gate import GatePolicy, gate_rule
 from ..transfer.handoff import HandoffConfig, _now
@@ -52,7 +53,7 @@ def parse_arm(spec: str) -> tuple[str, HandoffConfig | None]:
         return "switch/gate" + tail, None
     rho, _, sel = base.partition(":")
     try:
-        cfg = HandoffConfig(float(rho), sel or "rank")
+        cfg = HandoffConfig(float(rho), sel or RANK)
     except ValueError:
         raise RarecacheError(f"bad drift arm {spec!r}: use alone, gate or RHO:SELECTOR (e.g. 0.2:attn-source), "
                              "a switching one optionally ending :heal") from None

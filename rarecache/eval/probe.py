@@ -32,16 +32,18 @@ from pathlib import Path
 import torch
 
 from ..errors import RarecacheError
+from ..registry import ARC_CHALLENGE, COQA_BPB, COQA_PASSAGE, GSM8K_BPB, MMLU
 from .arms import Arm
 from .report import arm_name
+from .tasks.choice import QUESTION
 
 EVALUATED = 300  # every evaluation reads a task's first items (stories): acceptance runs take n <= 300
-PLAN = (("passage", 8), ("mmlu", 6), ("arc", 6), ("chain", 4), ("chat", 8))  # category, prompts: 32 in all
+PLAN = (("passage", 8), (MMLU, 6), ("arc", 6), ("chain", 4), ("chat", 8))  # category, prompts: 32 in all
 CHAT_TURN = 4  # the chat prompts switch at this turn of a CoQA conversation (or the story's last)
 MAX_ANSWER = 32  # reference-answer tokens measured at most (a GSM8K solution runs to ~100)
 ARC_INSTRUCTION = "Answer the question with the text of the correct answer.\n\n"
-SOURCES = {"passage": "coqa_passage", "mmlu": "mmlu", "arc": "arc_challenge", "chain": "gsm8k_bpb",
-           "chat": "coqa_bpb"}  # the task each category is drawn from
+SOURCES = {"passage": COQA_PASSAGE, MMLU: MMLU, "arc": ARC_CHALLENGE, "chain": GSM8K_BPB,
+           "chat": COQA_BPB}  # the task each category is drawn from
 
 
 @dataclass(frozen=True)
@@ -98,16 +100,16 @@ def build_set(tasks: dict[str, object]) -> list[ProbePrompt]:
     """The probe's prompts from `tasks` (SOURCES' task names -> Task objects), PLAN's counts per category."""
     count = dict(PLAN)
     out: list[ProbePrompt] = []
-    for item in _tail(tasks["coqa_passage"], count["passage"]):
+    for item in _tail(tasks[COQA_PASSAGE], count["passage"]):
         out.append(ProbePrompt(f"passage-{item.id}", "passage", item.messages, item.continuations[0]))
-    for item in _subjects(tasks["mmlu"], count["mmlu"]):
-        out.append(ProbePrompt(f"mmlu-{item.id}", "mmlu", item.messages, item.continuations[item.gold]))
-    for item in _tail(tasks["arc_challenge"], count["arc"]):  # 0-shot: the question alone, no exemplars
-        messages = ({"role": "user", "content": ARC_INSTRUCTION + item.extra["query"]},)
+    for item in _subjects(tasks[MMLU], count[MMLU]):
+        out.append(ProbePrompt(f"{MMLU}-{item.id}", MMLU, item.messages, item.continuations[item.gold]))
+    for item in _tail(tasks[ARC_CHALLENGE], count["arc"]):  # 0-shot: the question alone, no exemplars
+        messages = ({"role": "user", "content": ARC_INSTRUCTION + item.extra[QUESTION]},)
         out.append(ProbePrompt(f"arc-{item.id}", "arc", messages, item.continuations[item.gold]))
-    for item in _tail(tasks["gsm8k_bpb"], count["chain"]):
+    for item in _tail(tasks[GSM8K_BPB], count["chain"]):
         out.append(ProbePrompt(f"chain-{item.id}", "chain", item.messages, item.continuations[0]))
-    chat = tasks["coqa_bpb"]
+    chat = tasks[COQA_BPB]
     stories = _stories(chat)
     # stories before the passage prompts' (those are the last of the same story list)
     first = len(stories) - count["passage"] - count["chat"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from ..registry import RANK
 from ..transfer.selectors import SELECTORS
 from .answers import PREDICTION, agreement, kappa, ties
 from .answers import agrees, answer_field  # noqa: F401  (research scripts read them from here)
@@ -125,7 +126,7 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
         parts = split_arm(arm)
         if parts is not None:
             rho, selector, label = parts
-            plain = by_arm.get(arm_name(0, "rank", plain_label or label), {})  # (same map, or plain_label's)
+            plain = by_arm.get(arm_name(0, RANK, plain_label or label), {})  # (same map, or plain_label's)
             both = [i for i in items if i in target and i in plain]
             if both:  # only handoffs close the plain-transfer gap
                 t2, p0, a2 = _mean_over(target, both), _mean_over(plain, both), _mean_over(vals, both)
@@ -136,9 +137,9 @@ def summarise(rows: list[dict], metric: str = "correct", chance: float = 0.0,
             if both:  # the share of the source-to-target gap this handoff keeps (1.0 = the target's figure)
                 t2, s0, a2 = _mean_over(target, both), _mean_over(source, both), _mean_over(vals, both)
                 row["model_gap_kept"] = (a2 - s0) / (t2 - s0) + 0.0 if t2 != s0 else None
-            rank = by_arm.get(arm_name(rho, "rank", label), {})
+            rank = by_arm.get(arm_name(rho, RANK, label), {})
             common = [i for i in items if i in rank]
-            if selector != "rank" and common:  # this selector against rank disagreement at the same budget
+            if selector != RANK and common:  # this selector against rank disagreement at the same budget
                 a_vals, r_vals = [vals[i] for i in common], [rank[i] for i in common]
                 d, dlo, dhi, p = paired_diff_ci(a_vals, r_vals)
                 row.update(vs_rank=d, vs_rank_lo=dlo, vs_rank_hi=dhi, vs_rank_p=p, vs_rank_n=len(common))
@@ -155,7 +156,7 @@ def _order(row: dict) -> tuple:
     if parts is None:
         return (0 if row["arm"] == "target" else 1,)
     rho, selector, label = parts
-    return (2, label, selector != "rank", selector, rho)
+    return (2, label, selector != RANK, selector, rho)
 
 
 def _share(rows: list[dict], arm: str, field: str) -> float | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import RarecacheError
+from ..registry import RANK
 from ..transfer.handoff import LAYER_PREFIX
 from .metrics import gap_closed_ci, paired_bytes_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
@@ -154,8 +155,8 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
     default = max(means, key=means.get)
     plain_label = plain_label or label
     for _, name, _, _, vals, _ in tasks:
-        if arm_name(0, "rank", plain_label) not in vals:
-            raise RarecacheError(f"{name}: no plain-transfer arm {arm_name(0, 'rank', plain_label)} (map label "
+        if arm_name(0, RANK, plain_label) not in vals:
+            raise RarecacheError(f"{name}: no plain-transfer arm {arm_name(0, RANK, plain_label)} (map label "
                                  f"{plain_label!r}): plain_minus_source and gap closed read it")
     sha, plain_sha = _one_sha(paths, label), _one_sha(paths, plain_label)
     out = {"map": sha, "map_label": label, "default_selector": default,
@@ -169,7 +170,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
         out["fit_map"], out["map"] = sha, out["served"]["sha256"]  # (the label's file; the one served)
     for _, name, metric, arms, vals, pick_n in tasks:
         bpb = metric == "bpb"
-        plain, source = vals.get(arm_name(0, "rank", plain_label), {}), vals.get("source", {})
+        plain, source = vals.get(arm_name(0, RANK, plain_label), {}), vals.get("source", {})
         d, d_ci, n_d = _paired(source, plain) if bpb else _paired(plain, source)  # >= 0: plain at least as good
         if d is not None and not bpb:
             d, d_ci = d * 100, [x * 100 for x in d_ci]
@@ -187,7 +188,7 @@ def general_summary(paths: list[Path], label: str | None = None, plain_label: st
                               "n_plain_minus_source": n_d, "pick_n": pick_n,
                               # the share of answers equal to the target's (None on bits per byte: no answer)
                               "agreement_default_rho0.2": arms.get(arm_name(0.2, default, label), {}).get("agreement"),
-                              "agreement_plain": arms.get(arm_name(0, "rank", plain_label), {}).get("agreement")}
+                              "agreement_plain": arms.get(arm_name(0, RANK, plain_label), {}).get("agreement")}
         if bpb:  # the same difference weighted by bytes (total bits over total bytes; None: bytes not recorded)
             out["tasks"][name]["plain_minus_source_by_bytes"] = by_bytes
     return out

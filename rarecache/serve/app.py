@@ -9,7 +9,12 @@ fallback_reprefill with its `fallback_reason`, or unsupported; `approximate_rows
 which the response also gives in its `x-rarecache-handoff` header. A streamed answer
 (server-sent events) carries the object in its last chunk; its headers wait for the
 outcome when the service reports it before the first token (ChatService does; the vLLM
-service knows it only at the end, and its streams carry no such header). `GET /metrics` is Prometheus text (serve/metrics.py). Anything
+service knows it only at the end, and its streams carry no such header). The same outcome goes out
+under vLLM semantic-router's header names too (`x-vsr-kv-transfer-status`; `x-vsr-kv-mapper-id` for
+the map of an applied handoff), and a request's `x-vsr-kv-mapper-id` header names the only map its
+prompt may be handed off through (serve/outcome.py). The front serves any engine through the
+`ChatBackend` contract (serve/contract.py) and asks it nothing else. `GET /metrics` is Prometheus
+text (serve/metrics.py). Anything
 the service does not do (n > 1, tools, penalties, logprobs, top_logprobs) is refused
 with a 400 rather than silently ignored.
 
@@ -83,10 +88,11 @@ from ..engine.generate import SamplingConfig
 from ..errors import RarecacheError
 from . import outcome
 from .guards import MAX_BODY, BearerAuth, BodyLimit, error, is_json, not_json, why_unparsed
+from .contract import ChatBackend
+from .job import Reply
 from .metrics import CONTENT_TYPE, Metrics
-from .request import ModelNotFound, check_text
+from .request import ModelNotFound, check_mapper_id, check_text
 from .schema import UNSUPPORTED, ChatRequest, HandoffOptions, asked
-from .service import ChatService, Reply
 
 LOGPROB_FLOOR = -9999.0  # what vLLM sends for a logprob of -inf (JSON has no infinity)
 
@@ -96,21 +102,18 @@ def _usage(reply: Reply) -> dict:
             "total_tokens": reply.prompt_tokens + len(reply.tokens)}
 
 
-def _info(service: ChatService, reply: Reply) -> dict:
-    """The response's `rarecache` object: where the prompt's rows came from, and the handoff's outcome."""
-    fields = outcome.outcome(reply, any(b == reply.model for (_, b) in service.maps))
+def _info(service: ChatBackend, reply: Reply) -> dict:
+    """The response's `rarecache` object: where the prompt's rows came from and the handoff's outcome, in
+    the fields every engine gives, then what the engine adds in its own words (`describe`)."""
     gate = reply.gate
-    if hasattr(service, "describe"):  # another engine's service says what it did (adapters/vllm/serving.py)
-        info = {**service.describe(reply), **fields}  # (the outcome is the reply's: handoff_status, ...)
-    else:
-        info = {"reused_tokens": reply.reused, "reused_approximate_tokens": reply.reused_approximate,
-                "handed_off_from": reply.handed_off_from,
-                "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-                "rho": reply.rho, "selector": reply.selector, **fields,
-                "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+    info = {"engine": service.engine, "reused_tokens": reply.reused,
+            "reused_approximate_tokens": reply.reused_approximate, "handed_off_from": reply.handed_off_from,
+            "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
+            "rho": reply.rho, "selector": reply.selector, **outcome.outcome(reply),
+            "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}, **service.describe(reply)}
     if gate is not None:  # what the quality gate decided and why; a fallback's rows are the model's own
         info["gate"] = gate
-    if getattr(service.cfg, "gate", None) is not None:  # a gated server: one line on every response
+    if service.cfg.budget.gate is not None:  # a gated server: one line on every response
         info["gate_summary"] = gate["summary"] if gate is not None else "the gate did not run: " + (
             "the request named a fixed budget" if reply.handed_off_from is not None
             else "no other model's rows were handed off (the model read the prompt itself)")
@@ -119,22 +122,17 @@ def _info(service: ChatService, reply: Reply) -> dict:
     return info
 
 
-def _budget_info(service) -> dict:
+def _budget_info(service: ChatBackend) -> dict:
     """The server's own handoff budget, as /health shows it (a client checks what it can ask for)."""
     cfg = service.cfg
-    if hasattr(cfg, "budget"):  # ChatService
-        b = cfg.budget
-        return {"rho": None if b.gate else b.handoff.rho, "selector": b.selector, "gate": b.gate is not None,
-                "request_budget": cfg.request_budget}
-    gated = getattr(cfg, "gate", None) is not None  # (the vLLM service's config: its rung is its rho)
-    return {"rho": None if gated else cfg.rho, "selector": cfg.selector, "gate": gated,
-            "request_budget": cfg.request_budget}
+    return {**cfg.budget.describe(), "request_budget": cfg.request_budget,
+            "min_handoff_tokens": cfg.min_handoff_tokens}
 
 
 def _prompt_logprobs(reply: Reply) -> list[dict | None]:
     """vLLM's `prompt_logprobs` (prompt_logprobs 0): per prompt token, null, or for the final message's
     tokens {token id: {logprob, rank, decoded_token}}."""
-    scored = [{str(t): {"logprob": LOGPROB_FLOOR if lp == float("-inf") else lp, "rank": rank, "decoded_token": text}}
+    scored = [{str(t): dict(logprob=LOGPROB_FLOOR if lp == float("-inf") else lp, rank=rank, decoded_token=text)}
               for t, lp, rank, text in reply.prompt_logprobs or ()]
     return [None] * (reply.prompt_tokens - len(scored)) + scored
 
@@ -167,7 +165,7 @@ class _Run:
         if kind != "start":
             return {}
         self.first = None
-        return {outcome.HEADER: outcome.header(value)}
+        return outcome.headers(value)
 
     async def next(self) -> tuple[str, object]:
         if self.first is not None:
@@ -176,7 +174,7 @@ class _Run:
         return await self.queue.get()
 
 
-async def _stream(service: ChatService, head: dict, run: _Run, req: ChatRequest,
+async def _stream(service: ChatBackend, head: dict, run: _Run, req: ChatRequest,
                   metrics: Metrics) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, a chunk per piece of text as it is decoded, a last chunk
     with the finish reason (and `rarecache`), a usage chunk if asked, then [DONE]."""
@@ -212,7 +210,7 @@ async def _stream(service: ChatService, head: dict, run: _Run, req: ChatRequest,
         await asyncio.shield(run.task)
 
 
-def create_app(service: ChatService, default_max_tokens: int = 256, max_body: int = MAX_BODY,
+def create_app(service: ChatBackend, default_max_tokens: int = 256, max_body: int = MAX_BODY,
                max_waiting: int = 16, api_key: str | None = None, openapi_docs: bool = False) -> FastAPI:
     """The HTTP app over `service`. Past the service's `max_batch` running answers and
     `max_waiting` queued requests, a new request gets a 503 with Retry-After instead of a place in line.
@@ -256,7 +254,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         message = str(exc.detail)
         if exc.status_code == 400 and message == "There was an error parsing the body":
             message = why_unparsed(exc.__cause__)
-        return error(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)  # a bug of ours: still the one error shape (and still logged)
     async def _bug(request: Request, exc: Exception):
@@ -268,8 +266,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         return {"status": "ok", "models": list(service.models), "requests_in_flight": in_flight[0],
                 "answers_running": running, "requests_waiting": waiting, "max_batch": service.cfg.max_batch,
                 "held_cache_bytes": service.held_bytes(), "handoff": _budget_info(service),
-                "heal": getattr(service.cfg, "heal", False),  # (the vLLM service does not heal)
-                "healed_positions": getattr(service, "healed", 0)}
+                "heal": service.healing, "healed_positions": service.healed}
 
     @app.get("/metrics")
     def scrape():
@@ -282,7 +279,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
              "handoff_from": [a for (a, b) in service.maps if b == name]} for name in service.models]}
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
+    async def chat(req: ChatRequest, request: Request):
         extra = req.model_extra or {}
         try:
             check_text({**req.model_dump(exclude_none=True), **extra}, "")  # every string, the one rule
@@ -296,10 +293,9 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         wrong = req.refusal()
         if wrong is not None:
             return error(400, wrong)
-        if req.continue_final_message and not callable(getattr(service, "continue_final", None)):
-            return error(400, "not supported by this server's engine: continue_final_message")
         try:
             opts = req.rarecache or HandoffOptions()
+            mapper = check_mapper_id(request.headers.get(outcome.ROUTER_MAPPER))
             budget = {"rho": opts.rho, "selector": opts.selector}
             new = req.answer_tokens(default_max_tokens)
             sampling = None if new == 0 else SamplingConfig(max_new_tokens=new, temperature=req.temperature,
@@ -308,10 +304,11 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
             if req.continue_final_message:  # tokenised, checked; the final message read after the rest
                 prompt = service.prepare_continued(req.model, messages, sampling, req.stops(), req.cache_salt)
                 call = partial(service.continue_final, req.model, prompt, sampling, req.stops(), salt=req.cache_salt,
-                               logprobs=req.prompt_logprobs is not None, **budget)
+                               logprobs=req.prompt_logprobs is not None, mapper=mapper, **budget)
             else:
                 ids = service.prepare(req.model, messages, sampling, req.stops(), req.cache_salt)  # tokenised, checked
-                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt, **budget)
+                call = partial(service.answer, req.model, ids, sampling, req.stops(), salt=req.cache_salt,
+                               mapper=mapper, **budget)
             service.check_budget(**budget)  # (answer checks it again; a stream must fail here, before it starts)
         except ModelNotFound as e:
             return error(404, str(e), code="model_not_found")
@@ -325,7 +322,7 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
         done = [False]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
         if req.stream:  # released once the stream ends, however it ends
-            early = getattr(service, "streams_outcome", False)  # the outcome comes before the first token
+            early = service.streams_outcome  # the outcome comes before the first token
             run = _Run(call, early)
             try:
                 headers = await run.headers() if early else {}
@@ -349,6 +346,6 @@ def create_app(service: ChatService, default_max_tokens: int = 256, max_body: in
                 "usage": _usage(reply), "rarecache": info}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = _prompt_logprobs(reply)
-        return JSONResponse(body, headers={outcome.HEADER: outcome.header(info)})
+        return JSONResponse(body, headers=outcome.headers(info))
 
     return app

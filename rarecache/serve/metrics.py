@@ -4,10 +4,10 @@ Per model: requests by handoff status, handoffs applied, fallbacks to the model'
 reason (serve/outcome.py), positions recomputed by handoffs, reuses of approximate rows, and a
 time-to-first-token histogram; and the row store's hits, misses, evictions, bytes and entries.
 Request figures are counted by the HTTP front from each response's `rarecache` fields, so they mean
-the same whichever engine answered. Store figures are read at scrape time from the service's store,
-duck-typed: any `service.store.stats()` dict with hits, misses, bytes, evictions and entries
-(per model under "models" when it keeps them; else labelled model="all"); a store that cannot
-be read shows `rarecache_store_up 0` instead of failing the scrape.
+the same whichever engine answered. Store figures are read at scrape time through the engine's
+contract (serve/contract.py, `store_stats`: hits, misses, bytes, evictions and entries, per model
+under "models" when it keeps them, else labelled model="all"); a store that cannot be read shows
+`rarecache_store_up 0` instead of failing the scrape.
 
 Each app has its own `CollectorRegistry` (not the library's global one), so several apps in one
 process (tests, two servers) never collide.
@@ -21,6 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .contract import ChatBackend
 from .outcome import REASONS, STATUSES
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -33,7 +34,7 @@ log = logging.getLogger(__name__)
 class _StoreCollector:
     """The service's row store, read at each scrape."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: ChatBackend):
         self.service = service
 
     def describe(self):
@@ -62,10 +63,7 @@ class _StoreCollector:
             yield fam
 
     def _read(self) -> dict[str, dict]:
-        stats = getattr(getattr(self.service, "store", None), "stats", None)
-        if not callable(stats):
-            return {}
-        got = stats()
+        got = self.service.store_stats()
         models = got.get("models")
         return dict(models) if isinstance(models, dict) else {"all": got}
 
@@ -73,7 +71,7 @@ class _StoreCollector:
 class Metrics:
     """One app's metrics: `observe` each answered request, `render` for a scrape."""
 
-    def __init__(self, service: Any):
+    def __init__(self, service: ChatBackend):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("rarecache_requests", "chat requests answered, by handoff status",
                                 ["model", "handoff"], registry=r)
@@ -87,7 +85,7 @@ class Metrics:
         self.ttft = Histogram("rarecache_ttft_seconds", "time to first token, from submission",
                               ["model"], buckets=TTFT_BUCKETS, registry=r)
         r.register(_StoreCollector(service))
-        for model in getattr(service, "models", ()):  # every series from the first scrape, at 0
+        for model in service.models:  # every series from the first scrape, at 0
             for status in STATUSES:
                 self.requests.labels(model, status)
             for reason in REASONS:

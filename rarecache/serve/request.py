@@ -17,6 +17,7 @@ Role = Literal["system", "user", "assistant"]  # what a message's role may be (t
 ROLES: tuple[str, ...] = get_args(Role)
 MAX_STOP, MAX_STOP_CHARS = 4, 64  # OpenAI's limit on stop strings; a bound on what is held back
 MAX_SALT = 1024  # characters of a cache salt
+MAX_MAPPER_ID = 256  # characters of a map's id a router names (outcome.ROUTER_MAPPER)
 
 
 class ModelNotFound(RarecacheError):
@@ -100,3 +101,15 @@ def check_request(models, cfg, model: str, messages: list[dict[str, str]], sampl
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT):
         raise RarecacheError(f"cache_salt is a string of 1 to {MAX_SALT} characters")
     check_text(salt, "cache_salt")
+
+
+def check_mapper_id(value: str | None) -> str | None:
+    """The map a router names for a request's handoff (its `x-vsr-kv-mapper-id` header), checked: None, or
+    1 to MAX_MAPPER_ID printable ASCII characters without spaces (an id it matches against the server's maps;
+    one that matches none is not an error: the prompt is read by the model itself, serve/outcome.py)."""
+    if value is None:
+        return None
+    if not 0 < len(value) <= MAX_MAPPER_ID or not all("!" <= c <= "~" for c in value):
+        raise RarecacheError(f"the x-vsr-kv-mapper-id header is 1 to {MAX_MAPPER_ID} printable characters "
+                             "without spaces (the id of a map, its file's sha256)")
+    return value

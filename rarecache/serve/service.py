@@ -22,7 +22,8 @@ else the answer continues the message.
 Requests are scheduled continuously by one worker thread (serve/worker.py: admission, then
 batched decode steps); a request is checked and tokenised before it is queued (serve/request.py),
 and its handoff budget is the server's or its own (serve/config.py). This module is the service's
-face: the calls a client (the HTTP front, the benches) makes, and idle healing.
+face: the calls a client (the HTTP front, the benches) makes, the `ChatBackend` contract the front
+relies on (serve/contract.py), and idle healing.
 
 With `heal` (serve --heal) the worker spends idle time making handed-off rows exact: when no answer
 runs and no request waits, it re-prefills the most recently used entry that holds rows a handoff left
@@ -43,7 +44,7 @@ from ..errors import RarecacheError
 from ..transfer.conversation import check_maps, heal
 from ..transfer.mapper import Mapper
 from .config import Budget, ServiceConfig, request_budget
-from .job import Job, Reply
+from .job import Reply, Scheduled
 from .request import MAX_SALT, MAX_STOP, MAX_STOP_CHARS, ROLES, Continued, ModelNotFound, Role, check_request
 from .store import Entry
 from .worker import Scheduler
@@ -55,16 +56,31 @@ HEAL_STEP = 256  # positions one idle healing step re-prefills (what a request a
 
 
 class ChatService(Scheduler):
+    """Our own engine behind the `ChatBackend` contract. `map_ids`: (source, target) -> the id a response
+    gives its map by (the map file's sha256), where the caller knows it."""
+
+    engine = "rarecache"
     streams_outcome = True  # `answer` and `continue_final` take on_start (serve/outcome.py)
 
     def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper],
-                 cfg: ServiceConfig = ServiceConfig()):
+                 cfg: ServiceConfig = ServiceConfig(), map_ids: dict[tuple[str, str], str] | None = None):
         check_maps(models, maps, "the service")
-        super().__init__(models, maps, cfg)
+        super().__init__(models, maps, cfg, map_ids)
         self.healed = 0  # positions re-prefilled by idle healing (ServiceConfig.heal)
+
+    @property
+    def healing(self) -> bool:
+        return self.cfg.heal
 
     def held_bytes(self) -> int:
         return self.store.nbytes()
+
+    def store_stats(self) -> dict:
+        return self.store.stats()
+
+    def describe(self, reply: Reply) -> dict:
+        """Nothing beyond the fields every engine's response has (serve/app.py `_info`)."""
+        return {}
 
     @property
     def load(self) -> tuple[int, int]:
@@ -105,13 +121,15 @@ class ChatService(Scheduler):
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None,
                cancelled: Callable[[], bool] | None = None, salt: str | None = None, *,
-               rho: float | str | None = None, selector: str | None = None,
+               rho: float | str | None = None, selector: str | None = None, mapper: str | None = None,
                on_start: Callable[[dict], None] | None = None) -> Reply:
         """`complete` for a prompt `prepare` has already checked and tokenised: queue it and wait.
+        `mapper`: hand off through the map of this id only (serve/outcome.py, ROUTER_MAPPER).
         `on_start(fields)`: called once the prompt's rows are ready, before the first token, with the
         handoff's outcome (serve/outcome.py's `fields`), so a stream's headers can carry it."""
-        return self._submit(Job(model, ids, sampling, tuple(stop), on_text, cancelled, salt,
-                                budget=self.check_budget(rho, selector), on_start=on_start))
+        return self._submit(Scheduled(model=model, ids=ids, sampling=sampling, stop=tuple(stop), on_text=on_text,
+                                      cancelled=cancelled, salt=salt, budget=self.check_budget(rho, selector),
+                                      mapper=mapper, on_start=on_start))
 
     def prepare_continued(self, model: str, messages: list[dict[str, str]], sampling: SamplingConfig | None,
                           stop: tuple[str, ...] = (), salt: str | None = None) -> Continued:
@@ -133,17 +151,18 @@ class ChatService(Scheduler):
     def continue_final(self, model: str, prompt: Continued, sampling: SamplingConfig | None,
                        stop: tuple[str, ...] = (), on_text: Callable[[str], None] | None = None,
                        cancelled: Callable[[], bool] | None = None, salt: str | None = None,
-                       logprobs: bool = True, *, rho: float | str | None = None,
-                       selector: str | None = None, on_start: Callable[[dict], None] | None = None) -> Reply:
+                       logprobs: bool = True, *, rho: float | str | None = None, selector: str | None = None,
+                       mapper: str | None = None, on_start: Callable[[dict], None] | None = None) -> Reply:
         """Give `model` the rows of `prompt.ids` as `answer` does (kept, prefilled or handed off), then
         let it read the final message's tokens itself: with `logprobs`, the reply's `prompt_logprobs`
         scores each of them; their rows stay held for the next turn as `Conversation.score` leaves
         them (all but the last token's, when no answer is asked). With `sampling`, the answer then
         continues the message (`text`, `tokens` are the continuation only). `rho`, `selector`: as `complete`;
-        `on_start`: as `answer`."""
-        return self._submit(Job(model, prompt.ids, sampling, tuple(stop), on_text, cancelled, salt,
-                                continued=list(prompt.tokens), logprobs=logprobs,
-                                budget=self.check_budget(rho, selector), on_start=on_start))
+        `mapper`, `on_start`: as `answer`."""
+        return self._submit(Scheduled(model=model, ids=prompt.ids, sampling=sampling, stop=tuple(stop),
+                                      on_text=on_text, cancelled=cancelled, salt=salt, continued=list(prompt.tokens),
+                                      logprobs=logprobs, budget=self.check_budget(rho, selector), mapper=mapper,
+                                      on_start=on_start))
 
     def forget(self, model: str, salt: str | None) -> int:
         """Drop `model`'s held caches of `salt` that no running answer is writing (a conversation

@@ -22,26 +22,28 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..transfer.conversation import prefill_or_handoff
 from ..transfer.mapper import Mapper
-from .config import ServiceConfig
-from .job import Job, Reply, cut
-from .outcome import APPLIED, FALLBACK, UNSUPPORTED, fields
+from .config import ServiceConfig, too_short
+from .job import Reply, Scheduled
+from .outcome import APPLIED, FALLBACK, IDENTITY_MISMATCH, SHORT_PROMPT, UNSUPPORTED, fields
 from .store import Entry, PrefixStore
 
 
 class Scheduler:
     """Jobs in, replies out: the queue, the running batch and the worker thread over one `PrefixStore`."""
 
-    def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: ServiceConfig):
+    def __init__(self, models: dict[str, LLM], maps: dict[tuple[str, str], Mapper], cfg: ServiceConfig,
+                 map_ids: dict[tuple[str, str], str] | None = None):
         self.models, self.maps, self.cfg = models, maps, cfg
+        self.map_ids = {pair: (map_ids or {}).get(pair) for pair in maps}  # (source, target) -> the map's id or None
         self.store = PrefixStore(models, cfg.cache_bytes)  # touched by the worker only
         self.lock = threading.Lock()  # held by the worker while it works (one admission or one step)
-        self._waiting: deque[Job] = deque()
-        self._running: list[Job] = []
+        self._waiting: deque[Scheduled] = deque()
+        self._running: list[Scheduled] = []
         self._wake = threading.Condition()
         self._worker: threading.Thread | None = None
         self._closed = False
 
-    def _submit(self, job: Job) -> Reply:
+    def _submit(self, job: Scheduled) -> Reply:
         """Queue a job and wait for its reply."""
         with self._wake:
             if self._closed:
@@ -89,7 +91,7 @@ class Scheduler:
                         self._heal_step()
                     if job is not None:
                         self._admit(job)
-                    by_model: dict[str, list[Job]] = {}
+                    by_model: dict[str, list[Scheduled]] = {}
                     for j in self._running:
                         by_model.setdefault(j.model, []).append(j)
                     for model, jobs in by_model.items():
@@ -98,7 +100,7 @@ class Scheduler:
                     for j in [*self._running, *([job] if job is not None and not job.done.is_set() else [])]:
                         self._fail(j, e)
 
-    def _fail(self, job: Job, error: BaseException) -> None:
+    def _fail(self, job: Scheduled, error: BaseException) -> None:
         for name, e in job.held.items():  # its rows cannot be trusted: drop its entries
             self.store.drop(name, e)
         if job in self._running:
@@ -106,32 +108,29 @@ class Scheduler:
         job.error = error
         job.done.set()
 
-    def _check(self, job: Job, toks: list[int]) -> bool:
+    def _check(self, job: Scheduled, toks: list[int]) -> bool:
         """After each token: stream what is settled; True once a stop string appears or the client left."""
-        text = self.models[job.model].tokenizer.decode(toks)
-        end = cut(text, job.stop)
-        if job.on_text is not None:
-            hold = max((len(x) for x in job.stop), default=1) - 1  # characters that may start a stop string
-            shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
-            if shown > job.sent:
-                job.on_text(text[job.sent:shown])
-                job.sent = shown
-        return end is not None or (job.cancelled is not None and job.cancelled())
+        return job.show(self.models[job.model].tokenizer.decode(toks)) or job.gone()
 
-    def _claim(self, job: Job) -> None:
+    def _claim(self, job: Scheduled) -> None:
         """Pick the job's starting points (its model's own longest prefix, or a longer one another model
-        holds with a map into it) and claim their entries."""
+        holds with a map into it: the map the request named, if it named one) and claim their entries. A
+        prompt too short to hand off (`too_short`) keeps its own rows only."""
         model, ids, store = job.model, job.ids, self.store
         own, own_n = store.best(model, ids, job.salt)
         keep = min(own_n, len(ids) - 1)
+        into = [a for (a, b) in self.maps if b == model and job.mapper in (None, self.map_ids[(a, b)])]
         src, src_n = None, 0
-        for other in self.models:
-            if other != model and (other, model) in self.maps:
-                e, n = store.best(other, ids, job.salt)
-                if e is not None and n > max(keep, src_n):
-                    job.source, src, src_n = other, e, n
-        if job.source is None:  # why not: had another model's longer prefix been evicted?
-            lost = any(store.evicted_longer(a, ids, job.salt, keep) for (a, b) in self.maps if b == model)
+        for other in into:
+            e, n = store.best(other, ids, job.salt)
+            if e is not None and n > max(keep, src_n):
+                job.source, src, src_n = other, e, n
+        if job.source is not None and too_short(self.cfg.min_handoff_tokens, len(ids)):
+            job.source, src, src_n, job.missed = None, None, 0, SHORT_PROMPT
+        elif job.source is None and job.mapper is not None and not into:
+            job.missed = IDENTITY_MISMATCH  # the map the router named is not one this server has into the model
+        elif job.source is None:  # why not: had another model's longer prefix been evicted?
+            lost = any(store.evicted_longer(a, ids, job.salt, keep) for a in into)
             job.missed = "evicted" if lost else "no_entry"
         job.held[model] = store.claim(model, self.models[model].runner, own, own_n, job.salt)
         if job.source is not None:
@@ -140,14 +139,16 @@ class Scheduler:
         for e in job.held.values():
             e.used = now
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Scheduled) -> None:
         """Claim the job's entries, prefill or hand off its prompt, take its first token."""
         job.seconds["queued"] = time.perf_counter() - job.submitted
         model, ids = job.model, job.ids
         try:
-            if job.cancelled is not None and job.cancelled():  # the client left while it waited
+            if job.gone():  # the client left while it waited: nothing was handed off (nor looked for)
+                job.missed = "no_entry"
                 job.reply = Reply(model, "", [], "stop", len(ids) + len(job.continued or ()), 0, None, None, None,
-                                  dict(job.seconds))
+                                  dict(job.seconds), **dict(zip(("handoff_status", "fallback_reason"),
+                                                                self._status(job))))
                 job.done.set()
                 return
             self._claim(job)
@@ -163,7 +164,7 @@ class Scheduler:
         job.seconds["prefill_or_handoff"] = job.started.seconds
         if job.on_start is not None:  # (a stream's headers wait for it)
             try:
-                job.on_start(fields(*self._status(job), job.started.reused_approximate))
+                job.on_start(fields(*self._status(job), job.started.reused_approximate, self._mapper_id(job)))
             except Exception as e:  # noqa: BLE001  (the client's side)
                 self._fail(job, e)
                 return
@@ -186,7 +187,7 @@ class Scheduler:
         self._take(job, logits)
 
     @staticmethod
-    def _room(job: Job) -> SamplingConfig:
+    def _room(job: Scheduled) -> SamplingConfig:
         """What `prefill_or_handoff` makes room for: the answer, and a final message to continue before it
         (as `Conversation.score` asks: that message's tokens as the new ones, when no answer follows)."""
         if job.continued is None:
@@ -195,7 +196,7 @@ class Scheduler:
                                                                    job.sampling.max_new_tokens))
 
     @torch.inference_mode()
-    def _read(self, job: Job) -> torch.Tensor | None:
+    def _read(self, job: Scheduled) -> torch.Tensor | None:
         """The model reads the final message's tokens after the prompt's rows, as `Conversation.score`
         does (each token's logprob from the logits before it; the rows of all but the last written);
         with an answer to come, the last token is fed too and its logits returned. `job.ids` then
@@ -217,7 +218,7 @@ class Scheduler:
         job.seconds["score" if job.logprobs else "read"] = time.perf_counter() - t0
         return logits
 
-    def _finish_read(self, job: Job) -> None:
+    def _finish_read(self, job: Scheduled) -> None:
         """A continued message read with no answer: hold its rows (all but the last token's)."""
         entry = job.held[job.model]
         entry.held.ids = job.ids[:-1]
@@ -227,7 +228,7 @@ class Scheduler:
         job.reply = self._reply(job, "", [], "length")
         job.done.set()
 
-    def _take(self, job: Job, logits: torch.Tensor) -> None:
+    def _take(self, job: Scheduled, logits: torch.Tensor) -> None:
         try:
             going = job.row.take(logits)
         except Exception as e:  # noqa: BLE001  (a failing on_text: the client's side)
@@ -236,7 +237,7 @@ class Scheduler:
         if not going:
             self._finish(job)
 
-    def _step(self, model: str, jobs: list[Job]) -> None:
+    def _step(self, model: str, jobs: list[Scheduled]) -> None:
         """One token for every running answer of `model`, in one batched step."""
         runner = self.models[model].runner
         try:
@@ -250,7 +251,7 @@ class Scheduler:
         for b, j in enumerate(jobs):
             self._take(j, logits[b : b + 1])
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: Scheduled) -> None:
         model, row = job.model, job.row
         entry = job.held[model]
         entry.held.ids = job.ids + row.fed
@@ -259,28 +260,26 @@ class Scheduler:
         self._running.remove(job)
         self.store.evict(tuple(job.held.values()))
         job.seconds["decode"] = time.perf_counter() - job.t_decode
-        text = self.models[model].tokenizer.decode(row.tokens)
-        end, reason = cut(text, job.stop), row.finish_reason
-        if end is not None:
-            text, reason = text[:end], "stop"
-        try:
-            if job.on_text is not None and len(text) > job.sent:
-                job.on_text(text[job.sent:])
-        except Exception as e:  # noqa: BLE001
-            job.error = e
+        text, stopped = job.last(self.models[model].tokenizer.decode(row.tokens))  # (a failing on_text: job.error)
+        reason = "stop" if stopped else row.finish_reason
         job.reply = self._reply(job, text, row.tokens, reason)
         job.done.set()
 
-    def _status(self, job: Job) -> tuple[str, str | None]:
+    def _status(self, job: Scheduled) -> tuple[str, str | None]:
         """What became of the job's handoff (serve/outcome.py), once its prompt's rows are ready."""
-        gated = job.started.gate
         if job.source is not None:
+            gated = job.started.gate
             return (FALLBACK, "gate") if gated is not None and gated.decision == "fallback" else (APPLIED, None)
         if any(b == job.model for (_, b) in self.maps):
             return FALLBACK, job.missed
         return UNSUPPORTED, None
 
-    def _reply(self, job: Job, text: str, tokens: list[int], reason: str) -> Reply:
+    def _mapper_id(self, job: Scheduled) -> str | None:
+        """The id of the map that handed the job's prompt off (None if none did, or its id is unknown)."""
+        applied = job.source is not None and self._status(job)[0] == APPLIED
+        return self.map_ids[(job.source, job.model)] if applied else None
+
+    def _reply(self, job: Scheduled, text: str, tokens: list[int], reason: str) -> Reply:
         result, gated = job.started.handoff, job.started.gate
         budget, handed = job.budget, job.source is not None
         return Reply(job.model, text, tokens, reason, len(job.ids), job.started.keep, job.source,
@@ -290,4 +289,4 @@ class Scheduler:
                      (gated.rho if gated is not None else budget.handoff.rho) if handed else None,
                      budget.selector if handed else None,
                      job.started.reused_approximate, 0 if job.continued is None else len(job.continued),
-                     job.scored, *self._status(job))
+                     job.scored, *self._status(job), self._mapper_id(job))

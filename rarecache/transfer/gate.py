@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import RarecacheError
+from ..registry import RANK
 from .handoff import HandoffConfig, HandoffResult
 
 RUNGS = (0.1, 0.2, 0.3, 0.5)
@@ -66,7 +67,7 @@ class GatePolicy:
     # rank, not the served default (suffix): every suffix rung adds positions before all the others and
     # reruns its whole set, so its ladder costs about twice rank's (module docstring); a served policy names
     # its selector anyway (fitted on recorded ladders, eval/gate.py)
-    selector: str = "rank"
+    selector: str = RANK
     rungs: tuple[float, ...] = RUNGS
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
     min_margin: float | None = None  # and, if set, when its top-2 log-probability margin (nats) is at least this

@@ -39,6 +39,7 @@ from ...engine.runner import Runner
 from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.rope import Rope
+from ...registry import LAYER_PREFIX, RANDOM, RANK, SUFFIX, SUFFIX_RANK
 from ...transfer.features import rows, write_rows
 from ...transfer.handoff import budget
 from ...transfer.mapper import Mapper
@@ -48,9 +49,9 @@ from .sharding import HeadRange
 from .store import RECORD_NAME, model_identity, same_model
 
 
-RECOMPUTE_SELECTORS = ("rank", "random", "suffix+rank")  # scored positions, recomputed by our Runner
+RECOMPUTE_SELECTORS = (RANK, RANDOM, SUFFIX_RANK)  # scored positions, recomputed by our Runner
 QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass)  # two passes around vLLM's tail
-NATIVE_SELECTORS = ("suffix",)  # the newest positions, recomputed by vLLM itself
+NATIVE_SELECTORS = (SUFFIX,)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + QUERY_SELECTORS + NATIVE_SELECTORS
 DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
 KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture",
@@ -116,7 +117,7 @@ def check_selector(name: Any, where: str = "selector") -> str:
         why = "needs the source's attention, which the row store does not hold"
     elif sel is not None and sel.oracle:
         why = "is an oracle (it reads the target's own prefill): not for serving"
-    elif name == "layer-prefix":
+    elif name == LAYER_PREFIX:
         why = "is a schedule that runs the first layers for every position; the vLLM adapter has positions only"
     else:
         why = "is not a selector"

@@ -6,23 +6,56 @@ So each engine gets one thread that owns it outright (vLLM's engine client is no
 shared between threads): between two steps it adds the requests that arrived, runs calls
 such as `collective_rpc`, and aborts the requests that a stop string or a departed client
 ended; then it steps the engine, whose scheduler batches everything running. Text is decoded
-with our tokenizer, as ChatService does, so stop strings and streaming behave the same. A request
+with our tokenizer and streamed by the one rule both engines' requests share (serve/job.py `Job.show`),
+so stop strings and streaming behave the same as in ChatService. A request
 of the quality gate (gate.py) carries a judge, which decides at its first token, before any text is
 shown, whether it goes on.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from ...errors import RarecacheError
+from . import INSTALL_HINT
 from ...models.tokenizer import Tokenizer
+from ...serve.job import Job
+
+
+CONNECTOR = "rarecache.adapters.vllm.connector"
+
+
+def start_engine(path: Path, cfg: Any, maps: dict[str, str], engine_kwargs: dict[str, Any]):
+    """A `vllm.LLM` of the checkpoint at `path` loading RarecacheConnector, under the service's settings `cfg`
+    (serve_config.VllmServeConfig); `maps`: peer -> the map file it hands off from."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # the stdlib's own test for this
+        raise RarecacheError("the vLLM service was started by a spawned process importing the script again: "
+                             "start it under `if __name__ == \"__main__\":` (vLLM spawns its engine processes)")
+    try:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+    except ImportError as e:
+        raise RarecacheError(f"--engine vllm needs vllm ({e}); {INSTALL_HINT}") from None
+    extra = {"store": str(cfg.store), "rho": cfg.rho, "selector": cfg.selector, "maps": maps,
+             **({"store_bytes": cfg.store_bytes} if cfg.store_bytes else {}),
+             **({"store_ttl": cfg.store_ttl} if cfg.store_ttl else {}),
+             "accept_poor_map": cfg.accept_poor_map}
+    ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR,
+                           kv_role="kv_both", kv_connector_extra_config=extra,
+                           kv_load_failure_policy="recompute")  # a failed handoff: vLLM prefills it itself
+    kw = {"block_size": cfg.block_size, "max_model_len": cfg.max_model_len}
+    return LLM(model=str(path), dtype=cfg.dtype, enforce_eager=not cfg.compile,
+               skip_tokenizer_init=True, kv_cache_memory_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_batch,
+               seed=0, kv_transfer_config=ktc, tensor_parallel_size=cfg.tensor_parallel_size,
+               **{k: v for k, v in kw.items() if v is not None}, **engine_kwargs)
 
 
 def engine_environment(environ=os.environ, tensor_parallel_size: int = 1) -> dict[str, str]:
@@ -54,31 +87,18 @@ def _spans(cores: list[int]) -> str:
     return ",".join(spans)
 
 
-def cut(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where the first stop string starts in text, if any."""
-    hits = [text.find(x) for x in stop if x in text]
-    return min(hits) if hits else None
-
-
-@dataclass(eq=False)
-class Job:
+@dataclass(eq=False, kw_only=True)
+class EngineJob(Job):
     """One request in an engine's thread: its tokens as vLLM returns them, checked for stop strings."""
 
     rid: str
-    prompt: dict[str, Any]
+    prompt: dict[str, Any]  # as vLLM takes it: prompt_token_ids, cache_salt
     params: Any  # vllm SamplingParams
     tokenizer: Tokenizer | None = None  # None: a raw request (tests, tools), kept as vLLM returns it
-    stop: tuple[str, ...] = ()
-    on_text: Callable[[str], None] | None = None
-    cancelled: Callable[[], bool] | None = None
-    submitted: float = field(default_factory=time.perf_counter)
     first: float | None = None  # when the first token came
     ended: float | None = None
     output: Any = None  # the latest RequestOutput
-    sent: int = 0  # characters given to on_text
     stopped: bool = False  # a stop string ended it
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
     judge: Callable[[Any], bool] | None = None  # the quality gate (gate.py): whether the request goes on
     rejected: bool = False  # the judge stopped it: nothing was given to on_text
 
@@ -95,20 +115,12 @@ class Job:
                 return False
         if self.tokenizer is None or out.finished:
             return True
-        text = self.tokenizer.decode(toks)
-        end = cut(text, self.stop)
         try:
-            if self.on_text is not None:  # as ChatService: never half a character or a stop string's start
-                hold = max((len(x) for x in self.stop), default=1) - 1
-                shown = end if end is not None else min(len(text.rstrip("\ufffd")), len(text) - hold)
-                if shown > self.sent:
-                    self.on_text(text[self.sent:shown])
-                    self.sent = shown
+            self.stopped = self.show(self.tokenizer.decode(toks))
         except Exception as e:  # noqa: BLE001  (the client's side)
             self.error = e
             return False
-        self.stopped = end is not None
-        return not self.stopped and not (self.cancelled is not None and self.cancelled())
+        return not self.stopped and not self.gone()
 
     def end(self, error: BaseException | None = None) -> None:
         self.error = self.error or error
@@ -124,11 +136,11 @@ class Engine:
         self.block_size: int = self.core.vllm_config.cache_config.block_size
         self.max_model_len: int = self.core.model_config.max_model_len
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, EngineJob] = {}
         self._thread = threading.Thread(target=self._loop, name=f"rarecache-vllm-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, jobs: list[EngineJob]) -> None:
         """Add `jobs` to the engine together, between two steps (so they may be scheduled in one)."""
         self._inbox.put(jobs)
 
@@ -190,8 +202,7 @@ class Engine:
                     self.jobs.pop(job.rid).end()
                 elif not going:
                     ended.append(job.rid)
-            ended += [rid for rid, j in self.jobs.items() if j.cancelled is not None and j.cancelled()
-                      and rid not in ended]
+            ended += [rid for rid, j in self.jobs.items() if j.gone() and rid not in ended]
             self._abort(ended)
 
     def _abort(self, rids: list[str], error: BaseException | None = None) -> None:

@@ -14,7 +14,7 @@ selectors recompute positions inside the claim, where vLLM returns no log-probab
 vLLM skips reading its prefix cache for a request that asks for prompt log-probabilities, which would
 drop the connector's claim; the gated request says skip_reading_prefix_cache=False (its salt is its own,
 so there is nothing else to read). The gate decides at the request's first output with a token, which
-first carries the prompt log-probabilities, before any text reaches the client (engines.Job). A rejected
+first carries the prompt log-probabilities, before any text reaches the client (engines.EngineJob). A rejected
 request is aborted and the service answers again as a plain request; the rejected one's blocks are under
 a salt of their own and evicted (scheduler.py), so that answer is the model's own.
 
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import RarecacheError
+from ...registry import SUFFIX
 from ...transfer.gate import ALWAYS_FALLS_BACK, GatePolicy, accept_reason, fallback_reason, gate_summary
 from ...transfer.handoff import budget
 
@@ -47,7 +48,7 @@ def check_vllm_gate(policy: GatePolicy) -> GatePolicy:
         why.append(f"its signal {policy.signal} compares two next-token distributions (a second handoff)")
     if len(policy.climbed) != 1:
         why.append(f"it climbs {len(policy.climbed)} rungs (one needs max_rungs 1)")
-    if policy.selector != "suffix":
+    if policy.selector != SUFFIX:
         why.append(f"its selector {policy.selector} recomputes positions vLLM returns no log-probabilities for")
     if policy.min_margin is not None:
         why.append("its min_margin needs the last position's top-2 margin, which vLLM does not return")
@@ -94,7 +95,7 @@ def always_fallback_record() -> dict:
 
 @dataclass
 class Judge:
-    """The gate's decision on one handed-off request, made on its first output with a token (engines.Job)."""
+    """The gate's decision on one handed-off request, made on its first output with a token (engines.EngineJob)."""
 
     policy: GatePolicy
     ids: list[int]

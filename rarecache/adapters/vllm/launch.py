@@ -54,7 +54,8 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None, gate=None) -> 
                               kv_cache_bytes=int(args.cache_gib * (1 << 30)) // 2, block_size=args.block_size,
                               max_model_len=args.max_model_len, compile=args.compile,
                               tensor_parallel_size=args.tensor_parallel_size,
-                              request_budget=args.request_budget, accept_poor_map=args.accept_poor_map)
+                              request_budget=args.request_budget, accept_poor_map=args.accept_poor_map,
+                              min_handoff_tokens=args.min_handoff_tokens)
         paths = [resolve_model(m, cache_dir=args.cache_dir) for m in (args.source, args.target)]
         maps = {}
         for pair, path in (((names[0], names[1]), args.map), ((names[1], names[0]), args.reverse_map)):
@@ -141,7 +142,8 @@ def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache
     try:
         cfg = VllmServeConfig(store=store, store_bytes=store_bytes(store_gib), store_ttl=store_ttl,
                               selector=selector, dtype=dtype, max_batch=max_batch,
-                              kv_cache_bytes=kv_cache_bytes, block_size=block_size, max_model_len=max_model_len)
+                              kv_cache_bytes=kv_cache_bytes, block_size=block_size, max_model_len=max_model_len,
+                              min_handoff_tokens=0)  # (the benches time handoffs at every length)
         paths = [resolve_model(m, cache_dir=cache_dir) for m in (source, target)]
         env = {} if torch.cuda.is_available() else engine_environment()
         if env:

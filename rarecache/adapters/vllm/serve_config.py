@@ -1,8 +1,9 @@
 """What `rarecache serve --engine vllm` runs with (`VllmServeConfig`) and the budget a request gets under it.
 
 Apart from the service (serving.py) because both are checked before an engine starts, and a
-request's budget before it is queued: the same rules as our own engine's (serve/config.py), with
-the engine's selectors, and the quality gate in the shape this path serves (gate.py).
+request's budget before it is queued: the same rules and the same `Budget` as our own engine's
+(serve/config.py), with the engine's selectors, and the quality gate in the shape this path serves
+(gate.py), whose one rung is the budget's ρ (`rung`).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...defaults import SERVED
+from ...defaults import MIN_HANDOFF_TOKENS, SERVED
 from ...errors import RarecacheError
+from ...serve.config import Budget, check_min_handoff
 from ...transfer.gate import GatePolicy, gate_decides
-from ...transfer.handoff import check_rho
+from ...transfer.handoff import HandoffConfig, check_rho
 from .core import check_selector
 from .gate import check_vllm_gate, gate_rho
 from .store import CHUNK
@@ -38,10 +40,12 @@ class VllmServeConfig:
     store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
     accept_poor_map: bool = False  # serve maps that fit badly (Mapper.fit_problems), refused otherwise
     gate: GatePolicy | None = None  # the quality gate decides each request's handoff (gate.py); selector: its own
+    min_handoff_tokens: int = MIN_HANDOFF_TOKENS  # shorter prompts are read by the model itself (serve/config.py)
 
     def __post_init__(self):
         check_rho(self.rho)
         check_selector(self.selector)
+        check_min_handoff(self.min_handoff_tokens)
         if self.gate is not None:
             check_vllm_gate(self.gate)
             if not self.gate.always_falls_back and self.selector != self.gate.selector:
@@ -59,18 +63,27 @@ class VllmServeConfig:
         if self.store_bytes is not None and self.store_bytes <= 0 or self.store_ttl is not None and self.store_ttl <= 0:
             raise RarecacheError("the store's capacity and entry lifetime must be > 0")
 
+    @property
+    def budget(self) -> Budget:
+        """The server's own budget (a gated server's: the gate policy's, at its one rung)."""
+        return request_budget(self)
 
-def request_budget(cfg: VllmServeConfig, rho: float | str | None = None,
-                   selector: str | None = None) -> tuple[float, str, GatePolicy | None]:
-    """A request's own (rho, selector) instead of the server's, checked as our own engine checks it
-    (serve/config.py `request_budget`), with the engine's selectors; and the gate policy when the gate
-    decides (`rho` "auto", or nothing named on a gated server), whose rung is then the rho."""
+
+def rung(budget: Budget) -> float:
+    """The ρ a request under `budget` asks the engine for: its fixed ρ, or the gate's one rung."""
+    return gate_rho(budget.gate) if budget.gate is not None else budget.handoff.rho
+
+
+def request_budget(cfg: VllmServeConfig, rho: float | str | None = None, selector: str | None = None) -> Budget:
+    """A request's own budget instead of the server's, checked as our own engine checks it (serve/config.py
+    `request_budget`), with the engine's selectors; the gate policy's when the gate decides (`rho` "auto",
+    or nothing named on a gated server)."""
     gate = cfg.gate
     if (rho is None and selector is None and gate is not None) or gate_decides(gate, rho, selector):
-        return gate_rho(gate), gate.selector, gate
+        return Budget(HandoffConfig.named(gate_rho(gate), gate.selector), gate)
     own = (cfg.rho if rho is None else check_rho(rho, "rarecache.rho"),
            cfg.selector if selector is None else check_selector(selector, "rarecache.selector"))
     if not cfg.request_budget and (gate is not None or own != (cfg.rho, cfg.selector)):
         raise RarecacheError("this server hands off with its own budget only (rarecache serve "
                              "--no-request-budget): leave rarecache.rho and selector out")
-    return (*own, None)
+    return Budget(HandoffConfig.named(*own))

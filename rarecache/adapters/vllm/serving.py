@@ -1,8 +1,8 @@
 """The chat service of `rarecache serve --engine vllm`: the same API over two vLLM engines.
 
-`serve/app.py` is the HTTP front whichever engine answers; it calls a service's `prepare`,
-`answer` and `describe`. `ChatService` (serve/service.py) runs both models in our own Runner
-and hands a conversation between them through its in-memory prefix store. This one runs each
+`serve/app.py` is the HTTP front whichever engine answers, through the `ChatBackend` contract
+(serve/contract.py) this service implements. `ChatService` (serve/service.py) runs both models in
+our own Runner and hands a conversation between them through its in-memory prefix store. This one runs each
 model in its own vLLM engine, both loading RarecacheConnector: every engine files the rows
 of the requests it answered itself in a shared row store, and an engine given a map for its
 peer hands off a prompt the peer has read. vLLM does the batching, the paged cache and the
@@ -14,7 +14,9 @@ reuses that model's own rows of the conversation, unless the peer's rows in the 
 more whole blocks of the prompt than the model's own do; then it is sent with a salt of its
 own (the request-only rule, docs/VLLM.md) and the connector hands it off. Handed-off rows are
 never filed or reused, so a later turn on that model is handed off again from the peer's
-rows, never from approximate ones. Rows are only ever found under the tenant's scope.
+rows, never from approximate ones. Rows are only ever found under the tenant's scope. A prompt
+shorter than the server's `min_handoff_tokens` is never handed off (serve/config.py `too_short`), and
+a request naming a map (`mapper`, a router's `x-vsr-kv-mapper-id`) is handed off through that map only.
 
 What happened to a request is said by the process that did it: the worker files a record of
 its load (peer, positions recomputed, ρ, or the error) under a name the service chose, before
@@ -32,7 +34,6 @@ scripts that build this service need the `if __name__ == "__main__":` guard.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 import uuid
@@ -45,19 +46,22 @@ from ...engine.llm import generation_eos
 from ...errors import RarecacheError
 from ...models.config import ModelConfig
 from ...models.tokenizer import Tokenizer
-from ...serve.service import Reply, check_request
+from ...packages import sha256_file
+from ...serve.config import Budget, too_short
+from ...serve.job import Reply
+from ...serve.outcome import IDENTITY_MISMATCH, SHORT_PROMPT
+from ...serve.request import Continued, check_request
 from ...transfer.mapper import Mapper
-from . import INSTALL_HINT
 from .core import check_map, check_peer_fits, claim
-from .engines import Engine, Job, cut
+from .engines import Engine, EngineJob, start_engine
 from .gate import Judge, always_fallback_record
 from .records import account, outcome, settle
-from .serve_config import VllmServeConfig, request_budget
+from .serve_config import VllmServeConfig, request_budget, rung
 from .store import CHUNK, Hit, Miss, model_identity, same_model
 from .store_open import open_store
 
-CONNECTOR = "rarecache.adapters.vllm.connector"
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
+NO_FINAL_MESSAGE = "not supported by this server's engine (vllm): continue_final_message"
 
 
 @dataclass
@@ -67,12 +71,9 @@ class VllmReply(Reply):
     handoff: dict[str, Any] | None = None  # the outcome in the store's words (records.outcome, settle)
 
 
-
 def tenant_scope(salt: str | None) -> str:
     """The store scope of a tenant's rows: its cache_salt, or one scope for all requests without one."""
     return "-" if salt is None else f"t:{salt}"
-
-
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,15 @@ class _Model:
 
 
 class VllmChatService:
-    """ChatService's interface (`prepare`, `answer`, `describe`, `load`, ...) over one vLLM engine per model.
+    """The `ChatBackend` contract (serve/contract.py) over one vLLM engine per model.
 
     `models`: served name -> checkpoint directory; `maps`: (peer, model) -> map file fitted
     peer -> model (the engine of `model` hands off from `peer`). Everything is checked before
     any engine starts (about a minute each on a small CPU). `engine_kwargs` go to every `vllm.LLM`."""
+
+    engine = "vllm"
+    streams_outcome = False  # the outcome is known once vLLM returns the first output: no stream header waits
+    healing, healed = False, 0  # vLLM's prefix cache keeps only a model's own rows: nothing to heal
 
     def __init__(self, models: dict[str, Path], maps: dict[tuple[str, str], Path], cfg: VllmServeConfig,
                  engine_kwargs: dict[str, Any] | None = None):
@@ -100,6 +105,7 @@ class VllmChatService:
             self.models[name] = _Model(path, model_identity(path), config,
                                        Tokenizer.from_dir(path, extra_eos=generation_eos(path, config)))
         self.maps = dict(maps)
+        self.map_ids = {pair: sha256_file(path) for pair, path in self.maps.items()}
         for (a, b), path in self.maps.items():
             if a not in self.models or b not in self.models or a == b:
                 raise RarecacheError(f"map {a} -> {b} names a model the service does not have")
@@ -116,35 +122,11 @@ class VllmChatService:
         self.engines: dict[str, Engine] = {}
         try:
             for name in self.models:
-                self.engines[name] = Engine(name, self._start(name, engine_kwargs or {}))
+                into = {a: str(p) for (a, b), p in self.maps.items() if b == name}
+                self.engines[name] = Engine(name, start_engine(self.models[name].path, cfg, into, engine_kwargs or {}))
         except BaseException:
             self.close()
             raise
-
-    def _start(self, name: str, engine_kwargs: dict[str, Any]):
-        if getattr(multiprocessing.current_process(), "_inheriting", False):  # the stdlib's own test for this
-            raise RarecacheError("the vLLM service was started by a spawned process importing the script again: "
-                                 "start it under `if __name__ == \"__main__\":` (vLLM spawns its engine processes)")
-        try:
-            from vllm import LLM
-            from vllm.config import KVTransferConfig
-        except ImportError as e:
-            raise RarecacheError(f"--engine vllm needs vllm ({e}); {INSTALL_HINT}") from None
-        cfg = self.cfg
-        extra = {"store": str(cfg.store), "rho": cfg.rho, "selector": cfg.selector,
-                 "maps": {a: str(p) for (a, b), p in self.maps.items() if b == name},
-                 **({"store_bytes": cfg.store_bytes} if cfg.store_bytes else {}),
-                 **({"store_ttl": cfg.store_ttl} if cfg.store_ttl else {}),
-                 "accept_poor_map": cfg.accept_poor_map}
-        ktc = KVTransferConfig(kv_connector="RarecacheConnector", kv_connector_module_path=CONNECTOR,
-                               kv_role="kv_both", kv_connector_extra_config=extra,
-                               kv_load_failure_policy="recompute")  # a failed handoff: vLLM prefills it itself
-        kw = {"block_size": cfg.block_size, "max_model_len": cfg.max_model_len}
-        return LLM(model=str(self.models[name].path), dtype=cfg.dtype, enforce_eager=not cfg.compile,
-                   skip_tokenizer_init=True, kv_cache_memory_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_batch,
-                   seed=0, kv_transfer_config=ktc, tensor_parallel_size=cfg.tensor_parallel_size,
-                   **{k: v for k, v in kw.items() if v is not None},
-                   **engine_kwargs)
 
     def close(self) -> None:
         for engine in self.engines.values():
@@ -182,10 +164,16 @@ class VllmChatService:
                                  "(vLLM's max_model_len)")
         return ids
 
-    def check_budget(self, rho: float | str | None = None, selector: str | None = None) -> tuple[float, str]:
-        """A request's own (rho, selector) instead of the service's, checked (serve_config.request_budget);
-        on a gated server, the gate's rung when it decides."""
-        return request_budget(self.cfg, rho, selector)[:2]
+    def check_budget(self, rho: float | str | None = None, selector: str | None = None) -> Budget:
+        """A request's own budget instead of the service's, checked (serve_config.request_budget)."""
+        return request_budget(self.cfg, rho, selector)
+
+    def prepare_continued(self, model, messages, sampling, stop=(), salt=None) -> Continued:
+        """Not in this engine: vLLM's prompt log-probabilities would score a prompt its prefix cache re-read."""
+        raise RarecacheError(NO_FINAL_MESSAGE)
+
+    def continue_final(self, *args, **kwargs) -> Reply:
+        raise RarecacheError(NO_FINAL_MESSAGE)
 
     def peer_for(self, model: str, ids: list[int], salt: str | None, rho: float | None = None,
                  selector: str | None = None) -> str | None:
@@ -193,16 +181,21 @@ class VllmChatService:
         return self.route(model, ids, salt, rho, selector)[0]
 
     def route(self, model: str, ids: list[int], salt: str | None, rho: float | str | None = None,
-              selector: str | None = None) -> tuple[str | None, dict[str, Any]]:
-        """(the peer to hand `ids` off from, or None; the outcome if there is none)."""
+              selector: str | None = None, mapper: str | None = None) -> tuple[str | None, dict[str, Any]]:
+        """(the peer to hand `ids` off from, or None; the outcome if there is none). `mapper`: through the
+        map of that id only."""
         bs, scope, P = self.engines[model].block_size, tenant_scope(salt), len(ids)
-        rho, selector = self.check_budget(rho, selector)
+        budget = self.check_budget(rho, selector)
+        rho, selector = rung(budget), budget.selector
         self._settle(scope)
-        peers = [a for (a, b) in self.maps if b == model]
+        into = [a for (a, b) in self.maps if b == model]
+        peers = [a for a in into if mapper in (None, self.map_ids[(a, model)])]
         own = self.store.find(self.models[model].identity, scope, ids)
         mine = min(own.length, P - 1) // bs * bs if isinstance(own, Hit) else 0
-        if not peers:
+        if not into:
             return None, outcome("unsupported", "no_map", detail=f"no map into {model}")
+        if not peers:
+            return None, outcome("fallback_reprefill", IDENTITY_MISMATCH, detail=f"no map {mapper[:64]} into {model}")
         best, most, miss = None, mine, None
         for a in peers:
             found = self.store.find(self.models[a].identity, scope, ids)
@@ -214,6 +207,9 @@ class VllmChatService:
                 best, most = a, n
             elif n == 0:
                 miss = miss or Miss("no_entry", f"the peer rows cover {found.length} tokens: less than a block")
+        if best is not None and too_short(self.cfg.min_handoff_tokens, P):
+            return None, outcome("fallback_reprefill", SHORT_PROMPT,
+                                 detail=f"{P} prompt tokens, fewer than {self.cfg.min_handoff_tokens}")
         if best is not None:
             return best, {}
         if mine > 0 and (miss is None or miss.reason == "no_entry"):
@@ -245,17 +241,21 @@ class VllmChatService:
     def answer(self, model: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...] = (),
                on_text: Callable[[str], None] | None = None, cancelled: Callable[[], bool] | None = None,
                salt: str | None = None, *, reread: bool = False, rho: float | str | None = None,
-               selector: str | None = None) -> VllmReply:
+               selector: str | None = None, mapper: str | None = None,
+               on_start: Callable[[dict], None] | None = None) -> VllmReply:
         """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
         model's vLLM engine prefill it (reusing its own cached blocks), and say which it was.
 
-        `rho`, `selector`: this request's budget instead of the service's ("auto": the gate's, gate.py).
+        `rho`, `selector`: this request's budget instead of the service's ("auto": the gate's, gate.py);
+        `mapper`: through the map of that id only. `on_start` is never called (`streams_outcome` False).
         `reread`: vLLM reads the whole prompt itself: no handoff, a salt of its own (its prefix cache
         holds nothing of the prompt) and nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
         arrived = time.perf_counter()  # first_token counts the routing below too
         asked = rho, selector
-        rho, selector, gate = request_budget(self.cfg, rho, selector)
-        peer, routed = (None, outcome("unsupported", "reread")) if reread else self.route(model, ids, salt, *asked)
+        budget = request_budget(self.cfg, rho, selector)
+        rho, selector, gate = rung(budget), budget.selector, budget.gate
+        peer, routed = (None, outcome("unsupported", "reread")) if reread else self.route(model, ids, salt, *asked,
+                                                                                          mapper=mapper)
         gated = None  # the gate's record, once it decided
         if peer is not None and gate is not None and gate.always_falls_back:  # decided before any handoff
             peer, gated = None, always_fallback_record()
@@ -287,11 +287,13 @@ class VllmChatService:
             reply.gate = gated
             if gated["decision"] == "fallback":  # as our engine: rho 1.0, the policy's selector
                 reply.rho, reply.selector = 1.0, gate.selector
+        if reply.handoff_status == "applied":
+            reply.mapper_id = self.map_ids[(reply.handed_off_from, model)]
         return reply
 
     def _run(self, model: str, rid: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...],
              on_text: Callable[[str], None] | None, cancelled: Callable[[], bool] | None, arrived: float,
-             salt: str | None, vsalt: str | None, rc: dict[str, Any], judge: Judge | None = None) -> Job:
+             salt: str | None, vsalt: str | None, rc: dict[str, Any], judge: Judge | None = None) -> EngineJob:
         """One request to the model's engine, run to its end; `judge` (gate.py) asks for the prompt
         log-probabilities it reads."""
         from vllm import SamplingParams
@@ -306,7 +308,9 @@ class VllmChatService:
             output_kind=RequestOutputKind.CUMULATIVE,  # with ignore_eos)
             extra_args={"kv_transfer_params": {"rarecache": {"scope": tenant_scope(salt), **rc}}}, **read)
         prompt = {"prompt_token_ids": ids, **({"cache_salt": vsalt} if vsalt else {})}
-        job = Job(rid, prompt, params, m.tokenizer, tuple(stop), on_text, cancelled, arrived, judge=judge)
+        job = EngineJob(rid=rid, prompt=prompt, params=params, tokenizer=m.tokenizer, model=model, ids=ids,
+                        sampling=sampling, stop=tuple(stop), on_text=on_text, cancelled=cancelled, salt=salt,
+                        submitted=arrived, judge=judge)
         self.engines[model].submit([job])
         job.done.wait()
         if job.error is not None:
@@ -320,7 +324,7 @@ class VllmChatService:
         except (RarecacheError, OSError):
             pass
 
-    def _reply(self, model: str, ids: list[int], job: Job, salt: str | None, peer: str | None,
+    def _reply(self, model: str, ids: list[int], job: EngineJob, salt: str | None, peer: str | None,
                record: str | None) -> VllmReply:
         m, out = self.models[model], job.output
         comp = out.outputs[0] if out is not None and out.outputs else None
@@ -328,14 +332,11 @@ class VllmChatService:
         reason = (comp.finish_reason if comp is not None else None) or "stop"
         if tokens and reason == "stop" and tokens[-1] in m.tokenizer.eos_token_ids:
             tokens = tokens[:-1]  # as our Row: an end token is not part of the answer
-        text = m.tokenizer.decode(tokens)
-        end = cut(text, job.stop)
-        if end is not None or job.stopped:
-            text, reason = text[:end] if end is not None else text, "stop"
-        elif reason not in ("stop", "length"):
-            reason = "stop"  # aborted: the client left
-        if job.on_text is not None and len(text) > job.sent:
-            job.on_text(text[job.sent:])
+        text, stopped = job.last(m.tokenizer.decode(tokens))
+        if job.error is not None:  # on_text failed: the client's side
+            raise job.error
+        if stopped or job.stopped or reason not in ("stop", "length"):
+            reason = "stop"  # a stop string, or aborted: the client left
         seconds = {}
         if job.first is not None:
             seconds = {"first_token": job.first - job.submitted, "decode": job.ended - job.first}
@@ -361,11 +362,9 @@ class VllmChatService:
                 self.engines[model].block_size, peer, scheduler, seconds)
 
     def describe(self, reply: VllmReply) -> dict[str, Any]:
-        """The response's `rarecache` object: ChatService's fields, plus what vLLM prefilled itself."""
-        info = {"engine": "vllm", "reused_tokens": reply.reused, "handed_off_from": reply.handed_off_from,
-                "handed_off_tokens": reply.handed_off, "recomputed_tokens": reply.recomputed,
-                "prefilled_tokens": reply.prefilled, "rho": reply.rho, "selector": reply.selector,
-                "seconds": {k: round(v, 6) for k, v in reply.seconds.items()}}
+        """What the response's `rarecache` object adds to every engine's fields: what vLLM prefilled itself,
+        and the outcome in the row store's words."""
+        info: dict[str, Any] = {"prefilled_tokens": reply.prefilled}
         if reply.note is not None:
             info["note"] = reply.note
         if reply.handoff is not None:  # (the response's `handoff` and `fallback_reason`: serve/outcome.py)
@@ -377,7 +376,7 @@ class VllmChatService:
     def run_requests(self, model: str, prompts: list[dict[str, Any]], params: list[Any]) -> list[Any]:
         """vLLM requests as they are (`prompt_token_ids`, `cache_salt`; SamplingParams), added to the
         model's engine together, so they can be scheduled in one step; their final RequestOutputs."""
-        jobs = [Job(f"raw-{uuid.uuid4().hex}", p, sp) for p, sp in zip(prompts, params)]
+        jobs = [EngineJob(rid=f"raw-{uuid.uuid4().hex}", prompt=p, params=sp) for p, sp in zip(prompts, params)]
         self.engines[model].submit(jobs)
         for job in jobs:
             job.done.wait()

@@ -25,6 +25,8 @@ from ...errors import RarecacheError
 from ..data import POSITION, document_ids, olmo_documents
 from .base import Item, Task, choice_scores, minus_evaluated
 
+QUESTION = "query"  # item.extra's field for the question alone, without exemplars (eval/probe.py reads it)
+
 INSTRUCTION = "Answer the last question like the examples, with the text of the correct answer.\n\n"
 
 
@@ -46,7 +48,7 @@ class OlmesChoice(Task):
         for key, r in zip(ids, rows):
             doc, context = r["doc"], r["request"]["context"]
             items.append(Item(f"{self.name}-{key}", ({"role": "user", "content": self.instruction + context},),
-                              int(doc["gold"]), {"query": doc["query"]}, tuple(c.strip() for c in doc["choices"])))
+                              int(doc["gold"]), {QUESTION: doc["query"]}, tuple(c.strip() for c in doc["choices"])))
         return field, items
 
     def items(self) -> list[Item]:

@@ -1,0 +1,112 @@
+"""Every name a user types for a position selector, an evaluation task or a calibration preset, and where
+the object it names lives.
+
+One table per kind, one line per name: `"name": "module:attr"`, the way vLLM's `KVConnectorFactory`
+registers a connector by its module path. `--help`, the command line's checks (argparse's choices) and
+the lookup (`Names.load`) all read these tables, and reading them imports nothing: `--help` must not
+import torch (tests/test_cli.py). Each name is written once in the package, here
+(tests/test_registry.py greps the package for every name); code that means one name in particular
+(the served selector, the plain-transfer arm, the task a probe draws from) uses the constant below
+that names it. A new selector, task or preset is one line in its table (a constant too, if code refers
+to it by name).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import RarecacheError
+
+# the names code refers to by name (each table below uses the constant, so the name is still written once)
+RANK, RANDOM, SUFFIX, SUFFIX_RANK, ATTN_SOURCE = "rank", "random", "suffix", "suffix+rank", "attn-source"
+LAYER_PREFIX = "layer-prefix"  # a schedule (the target's first layers for every position), named where selectors are
+GSM8K_BPB, ARC_CHALLENGE, MMLU = "gsm8k_bpb", "arc_challenge", "mmlu"
+COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
+GENERAL, GENERAL_V2, GENERAL_V3 = "general", "general-v2", "general-v3"
+
+
+class Names:
+    """A kind's names in their order, each with the `module:attr` of the object it names, loaded on demand."""
+
+    def __init__(self, kind: str, table: dict[str, str], oracles: dict[str, str] | None = None):
+        self.kind, self.table, self.oracles = kind, {**table, **(oracles or {})}, tuple(oracles or ())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.table)
+
+    def check(self, name: str) -> str:
+        """`name` if it is one of this kind's, else a RarecacheError listing them."""
+        if name not in self.table:
+            raise RarecacheError(f"unknown {self.kind} {name!r}; choose from {', '.join(self.table)}")
+        return name
+
+    def load(self, name: str) -> Any:
+        """The object `name` names (its module imported now)."""
+        module, attr = self.table[self.check(name)].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def name_of(self, module: str, attr: str) -> str:
+        """The name registered for `module:attr` (a class may read its own name here rather than spell it)."""
+        found = [n for n, where in self.table.items() if where == f"{module}:{attr}"]
+        if len(found) != 1:
+            raise KeyError(f"{module}:{attr} is registered as {len(found)} {self.kind}s")
+        return found[0]
+
+    def help(self, default: str | None = None) -> str:
+        """The names for a flag's help, oracles marked, and the default."""
+        listed = ", ".join(f"{n} (oracle)" if n in self.oracles else n for n in self.table)
+        return listed + (f" (default: {default})" if default is not None else "")
+
+
+_SEL = "rarecache.transfer.selectors"
+SELECTORS = Names("selector", {
+    RANK: f"{_SEL}:RankDisagreement",
+    RANDOM: f"{_SEL}:Random",
+    ATTN_SOURCE: f"{_SEL}:SourceAttention",
+    SUFFIX: f"{_SEL}:Suffix",
+    "attn-rank": f"{_SEL}:AttentionTimesRank",
+    "attn+rank": f"{_SEL}:AttentionPlusRank",
+    "suffix+attn": f"{_SEL}:SuffixPlusAttention",
+    SUFFIX_RANK: f"{_SEL}:SuffixPlusRank",
+    # the query-aware variants (transfer/query.py): one QuerySelector each, its settings in QUERY_VARIANTS
+    **{name: f"{_SEL}:QuerySelector" for name in (
+        "query", "query-layer", "query-head", "query-all", "query-value", "query-common", "query-raw", "query-span",
+        "query-layer-span", "query-rank", "query-w8", "query-w64", "attn-source-span")},
+    LAYER_PREFIX: "rarecache.transfer.handoff:LAYER_PREFIX",  # a schedule: no positions chosen
+}, oracles={  # they read the target's own prefill: evaluation only, never a default or served
+    "attn-target": f"{_SEL}:TargetAttention",
+    "l2-oracle": f"{_SEL}:L2Oracle",
+})
+
+_TASKS = "rarecache.eval.tasks"
+TASKS = Names("task", {
+    "gsm8k": f"{_TASKS}.gsm8k:GSM8K",
+    GSM8K_BPB: f"{_TASKS}.gsm8k:GSM8KBPB",
+    ARC_CHALLENGE: f"{_TASKS}.choice:ARCChallenge",
+    "arc_easy": f"{_TASKS}.choice:ARCEasy",
+    "hellaswag": f"{_TASKS}.choice:HellaSwag",
+    "winogrande": f"{_TASKS}.choice:WinoGrande",
+    MMLU: f"{_TASKS}.mmlu:MMLU",
+    "coqa": f"{_TASKS}.coqa:CoQA",
+    COQA_BPB: f"{_TASKS}.coqa:CoQABPB",
+    COQA_PASSAGE: f"{_TASKS}.coqa:CoQAPassage",
+    "wiki_ppl": f"{_TASKS}.wiki_ppl:WikiPerplexity",
+})
+
+PRESETS = Names("preset", {
+    GENERAL: "rarecache.eval.mix:SERVED_COMPONENTS",  # the served map's mix: one of the others
+    GENERAL_V2: "rarecache.eval.mix:COMPONENTS",
+    GENERAL_V3: "rarecache.eval.mix:COMPONENTS_V3",
+})
