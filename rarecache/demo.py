@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .defaults import SERVED, served_map_file
+from .dtypes import dtype_name
 from .engine.generate import SamplingConfig
 from .engine.llm import LLM
 from .errors import RarecacheError
@@ -43,8 +44,11 @@ class DemoConfig:
     corpus: str = "code"  # the long prompt's code; and the quick map's text (chat-formatted), when one is needed
     tokens: int = 16384  # the quick map's calibration tokens
     max_new_tokens: int = 24
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: what this machine runs fast (dtypes.py), resolved here
     cache_dir: Path | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
 
 
 def served_or_quick_map(cfg: DemoConfig, source: LLM, target: LLM) -> tuple[Mapper, str]:

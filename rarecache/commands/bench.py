@@ -12,7 +12,8 @@ from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
 from ..packages import results_path
 from .bench_gpu import add_gpu
-from .common import add_model_options, add_pair_options, load_pair, print_json, with_map_dtype, write_out
+from .common import (add_model_options, add_pair_options, engine_device, load_pair, print_json, ran_in,
+                     with_map_dtype, write_out)
 
 SUMMARY = "bench-handoff-summary.json"  # under $RARECACHE_HOME/results unless --summary names a file
 
@@ -54,7 +55,7 @@ def cmd_bench_map(args) -> int:
         rows.append(r)
         print(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
               f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
-    print_json({"bench": "map", "source": source.path.name, "target": target.path.name, "dtype": args.dtype,
+    print_json({"bench": "map", "source": source.path.name, "target": target.path.name, **ran_in(args),
                 "rows": rows})
     return 0
 
@@ -213,7 +214,7 @@ def _add_serve(bench) -> None:
                    help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
                         "bench-vllm-switch.json)")
     add_serve_options(b)
-    add_model_options(b)
+    add_model_options(b, device=engine_device)
     b.set_defaults(func=cmd_bench_serve)
 
 
@@ -238,7 +239,7 @@ def cmd_bench_serve(args) -> int:
     backward = Mapper.load(args.reverse_map) if args.reverse_map else None
     source = LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir)
     target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
-    print_json(run_switch_bench(source, target, forward, backward, cfg, args.cache_dir), args.out)
+    print_json({**run_switch_bench(source, target, forward, backward, cfg, args.cache_dir), **ran_in(args)}, args.out)
     return 0
 
 
@@ -275,7 +276,7 @@ def _add_load(bench) -> None:
                    help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
                         "bench-vllm-load.json)")
     add_load_options(b)
-    add_model_options(b)
+    add_model_options(b, device=engine_device)
     b.set_defaults(func=cmd_bench_load)
 
 
@@ -295,7 +296,7 @@ def cmd_bench_load(args) -> int:
     cfg = LoadBenchConfig(clients=args.clients, requests=args.requests, prompt_tokens=args.prompt_tokens,
                           max_new_tokens=args.max_new_tokens, corpus=args.corpus)
     llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    print_json(run_load_bench(llm, cfg, args.cache_dir), args.out)
+    print_json({**run_load_bench(llm, cfg, args.cache_dir), **ran_in(args)}, args.out)
     return 0
 
 
@@ -327,7 +328,7 @@ def cmd_bench_ablate(args) -> int:
     for r in rows:
         print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
     print_json({"bench": "ablate", "pair": pair, "device": args.device, "T": args.length, "rho": args.rho,
-                "dtype": args.dtype, "packed": target.packed,
+                **ran_in(args), "packed": target.packed,
                 "rows": rows})
     return 0
 

@@ -1,6 +1,7 @@
 """Source model, target model and map as one object that hands prompts off and decodes.
 
 `Pipeline("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "map.safetensors")`
+(models named by a string load in `dtype`; auto: what this machine runs fast, dtypes.py)
 checks the map belongs to this pair and direction, then `generate` runs the source
 prefill, the map, the selection and the target's recompute for each request, and
 decodes the batch with the target. The source's prefill of a prompt is kept for a
@@ -26,7 +27,7 @@ _KEEP = 8  # source prefills remembered
 
 class Pipeline:
     def __init__(self, source: str | Path | LLM, target: str | Path | LLM, mapper: str | Path | Mapper,
-                 dtype: str = "bfloat16", cache_dir: Path | None = None):
+                 dtype: str = "auto", cache_dir: Path | None = None):
         self.source = source if isinstance(source, LLM) else LLM(source, dtype=dtype, cache_dir=cache_dir)
         self.target = target if isinstance(target, LLM) else LLM(target, dtype=dtype, cache_dir=cache_dir)
         self.mapper = mapper if isinstance(mapper, Mapper) else Mapper.load(mapper)

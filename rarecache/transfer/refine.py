@@ -380,6 +380,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
                               "ids": list(prompts[n].ids[:read[n]])} for n in sorted(prompts)},
               "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
     record["dtype"] = str(target.dtype).replace("torch.", "")  # what the models ran in (the map's products: float32)
+    record["cpu"] = torch.backends.cpu.get_cpu_capability()  # and on which kernels
     # the closed-form fit's held-out R² is not this map's: left out, as a resharpened map's is (its KL is above)
     info = replace(mapper.info, refined=record, r2_heldout={})
     return Mapper(info, delta.fitted(mapper)), record
