@@ -67,10 +67,10 @@ def native_bf16() -> tuple[str, ...]:
     return tuple(name for name, flag in (("avx512_bf16", "avx512_bf16"), ("amx", "amx_bf16")) if flag in flags)
 
 
-def cpu_flags(path: Path = CPUINFO) -> set[str]:
+def cpu_flags(path: Path | None = None) -> set[str]:
     """The first processor's feature flags from /proc/cpuinfo (empty where there is none: not Linux)."""
     try:
-        text = path.read_text(errors="replace")
+        text = (path or CPUINFO).read_text(errors="replace")
     except OSError:
         return set()
     for line in text.splitlines():
