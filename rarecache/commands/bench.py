@@ -44,17 +44,20 @@ def _add_map(bench) -> None:
 
 def cmd_bench_map(args) -> int:
     from ..bench.mapbench import time_map
+    from ..bench.progress import round_lines, rounds, table_row
 
     source, target, mapper, _ = load_pair(args)
     rows = []
     print(f"map vs target prefill, {source.path.name} -> {target.path.name}, {args.dtype}, batch 1, "
           f"median of {args.repeats} after a warm-up")
     print(f"{'T':>6} {'prefill ms':>11} {'map ms':>9} {'score ms':>9} {'map/prefill':>12} {'(map+score)/prefill':>20}")
-    for length in args.lengths:
-        r = time_map(source, target, mapper, length, args.repeats).row()
-        rows.append(r)
-        print(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
-              f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
+    with rounds(len(args.lengths) * (args.repeats + 1), "bench map") as bar:
+        for length in args.lengths:
+            r = time_map(source, target, mapper, length, args.repeats,
+                         on_round=round_lines(bar, f"T {length}", args.repeats, length, "map")).row()
+            rows.append(r)
+            table_row(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
+                      f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
     print_json({"bench": "map", "source": source.path.name, "target": target.path.name, **ran_in(args),
                 "rows": rows})
     return 0
@@ -126,6 +129,7 @@ def cmd_bench_handoff(args) -> int:
     import torch
 
     from ..bench.handoff import read_summary, summary, time_cell
+    from ..bench.progress import round_lines, rounds, table_row
     from ..bench.memory import formula, memory_kind
     from ..transfer.selectors import SELECTORS
 
@@ -147,19 +151,19 @@ def cmd_bench_handoff(args) -> int:
             f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9} "
             f"{'mem pre':>8} {'mem hand':>8} {'(src':>6} {'tgt':>6} {'map)':>5}")
     print(head)
-    rows = []
-    for T in args.lengths:
-        for batch in args.batches:
-            for rho in args.rhos:
-                r = time_cell(source, target, mapper, T, rho, batch, args.repeats,
-                              selector=args.selector).row(target, mapper)
-                rows.append(r)
-                print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
+    rows, cells = [], [(T, b, rho) for T in args.lengths for b in args.batches for rho in args.rhos]
+    with rounds(len(cells) * (args.repeats + 1), "bench handoff") as bar:
+        for T, batch, rho in cells:
+            report = round_lines(bar, f"T {T} rho {rho} B {batch}", args.repeats, T * batch, "handoff")
+            r = time_cell(source, target, mapper, T, rho, batch, args.repeats, selector=args.selector,
+                          on_round=report).row(target, mapper)
+            rows.append(r)
+            table_row(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
                       f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
                       f"{r['ceiling_dense']:>9.2f}x {r['ceiling_sparse']:>10.2f}x {r['of_sparse_ceiling']:>9.2f} "
                       f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
-                      f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
-                      f"{r['map_mib']:>5.0f}", flush=True)
+                      f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} "
+                      f"{r['target_cache_mib']:>6.0f} {r['map_mib']:>5.0f}")
     header = {"bench": "handoff", "pair": pair, "selector": args.selector, "dtype": args.dtype, "map_dtype": map_dtype,
               "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
               "memory": memory_kind(args.device)}
@@ -323,10 +327,10 @@ def cmd_bench_ablate(args) -> int:
             _pack(target)  # refused with the reason (the float32 rows pack it in place after timing it plain)
     print(f"optimisations vs their references: {pair}, T={args.length}, rho={args.rho}, {args.dtype}, "
           f"{args.device}, median of {args.repeats} after a warm-up")
-    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack)
-    print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
-    for r in rows:
-        print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
+    print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}", flush=True)
+    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack,
+                  on_row=lambda r: print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} "
+                                         f"{r['gain']:>5.2f}x", flush=True))  # each row as it is measured
     print_json({"bench": "ablate", "pair": pair, "device": args.device, "T": args.length, "rho": args.rho,
                 **ran_in(args), "packed": target.packed,
                 "rows": rows})

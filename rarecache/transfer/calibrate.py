@@ -248,8 +248,12 @@ class Calibration:
                        f"(asked {cfg.tokens} + {cfg.heldout_tokens})")
         self._save_state()
         if progress:
-            tqdm.write(f"accumulated {fit.n + held.n} tokens in {time.monotonic() - t0:.0f} s; fitting")
-        return self.fit()
+            tqdm.write(f"accumulated {fit.n + held.n} tokens in {time.monotonic() - t0:.0f} s; fitting ...")
+        t1 = time.monotonic()
+        mapper = self.fit()
+        if progress:
+            tqdm.write(f"fitted in {time.monotonic() - t1:.0f} s")
+        return mapper
 
     def fit(self) -> Mapper:
         cfg = self.cfg
