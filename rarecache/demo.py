@@ -108,7 +108,8 @@ class _Progress:
 
     @contextmanager
     def bar(self, total: int, unit: str, desc: str):
-        bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+        bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False,
+                   disable=None)  # a terminal only: a log keeps the lines
         stop = threading.Event()
 
         def tick():

@@ -14,7 +14,8 @@ from tqdm import tqdm
 @contextmanager
 def rounds(total: int, desc: str) -> Iterator[tqdm]:
     """A bar over `total` rounds (warm-ups included). Print table rows meanwhile with `table_row`."""
-    bar = tqdm(total=total, unit="round", desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False)
+    bar = tqdm(total=total, unit="round", desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False,
+               disable=None)  # a terminal only: a log keeps the lines
     try:
         yield bar
     finally:
