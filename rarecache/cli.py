@@ -4,7 +4,8 @@ Each command lives in its own module under `rarecache.commands`, with its flags 
 handler; this module builds the parser from them and runs the chosen handler.
 
 User mistakes (unknown model, bad file, bad flag value) print one line and exit 2;
-anything else is a bug and keeps its traceback.
+anything else is a bug and keeps its traceback. A command's `--dtype` (auto by default) is settled here,
+once, before its handler runs (commands/common.py `settle_dtype`, the rule in dtypes.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 
 from .commands import REGISTER
+from .commands.common import settle_dtype
 from .errors import RarecacheError
 
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        settle_dtype(args)  # --dtype auto -> the dtype this machine runs fast, said once on stderr
         return args.func(args)
     except RarecacheError as e:
         print(f"rarecache: error: {e}", file=sys.stderr)

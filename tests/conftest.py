@@ -37,6 +37,13 @@ FAMILIES = {
 }
 
 
+def error_of(err: str) -> str:
+    """A command's stderr less the line `--dtype auto` prints first (which dtype runs and why, dtypes.py):
+    what a user mistake leaves, one line."""
+    first, sep, rest = err.partition("\n")
+    return rest if sep and first.startswith("dtype ") else err
+
+
 def make_tiny(family: str, path, seed: int = 0, **overrides):
     """Save a random `family` model under `path`; return the transformers model (fp32, eval)."""
     cfg_cls, model_cls, extra = FAMILIES[family]

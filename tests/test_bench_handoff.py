@@ -4,6 +4,7 @@ prepacked weights), the memory accounting of `bench handoff` and the summary fil
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -203,9 +204,14 @@ def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
     assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
                  str(tmp_path / "m.safetensors"), "--lengths", "32", "--rhos", "0.1", "0.3", "--batches", "1",
                  "--repeats", "1", "--dtype", "float32", "--map-dtype", "bfloat16", "--summary", str(out)]) == 0
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    seen = capsys.readouterr()
+    printed = json.loads(seen.out.strip().splitlines()[-1])
     got = json.loads(out.read_text())
     assert [(r["T"], r["rho"]) for r in got["rows"]] == [(32, 0.1), (32, 0.3)]
+    rounds = [line.strip() for line in seen.err.splitlines() if ", round " in line]  # progress: a line per round
+    assert [r.split(":")[0] for r in rounds] == [f"T 32 rho {rho} B 1, round {i}/1{' (warm-up)' if not i else ''}"
+                                                 for rho in (0.1, 0.3) for i in (0, 1)]
+    assert all(re.search(r"prefill \d+\.\d\d s \(\d+ tok/s\), handoff \d+\.\d\d s$", r) for r in rounds), rounds
     for row, full in zip(got["rows"], printed["rows"]):
         assert set(row) == set(SUMMARY_KEYS) and all(row[k] == full[k] for k in row)
         assert row["of_sparse_ceiling"] > 0 and 0 < row["map_score_share_of_prefill"]

@@ -14,7 +14,7 @@ from rarecache import LLM, SamplingConfig
 from rarecache.cli import build_parser, main
 from rarecache.eval.tasks import TASKS
 
-from .conftest import make_tiny
+from .conftest import error_of, make_tiny
 
 
 @pytest.fixture()
@@ -49,8 +49,8 @@ def test_generate_prints_what_the_api_returns(model_dir, capsys):
 def test_user_mistakes_are_one_line_errors(model_dir, capsys, argv, message):
     argv = [str(model_dir) if a == "MODEL" else a for a in argv]
     code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2 and err.startswith("rarecache: error:") and message in err
+    err = error_of(capsys.readouterr().err)
+    assert code == 2 and err.startswith("rarecache: error:") and message in err and len(err.strip().splitlines()) == 1
     assert "Traceback" not in err
 
 

@@ -228,3 +228,54 @@ def test_the_demo_hands_off_through_the_served_map_and_calibrates_nothing(fitted
     assert set(rows) == {"0", f"{SERVED.rho:g}*", "1"}
     assert rows["1"][-1] == "100%" and all(r[-2].endswith("x") for r in rows.values())
     assert f"handoff rho={SERVED.rho:g} (served)" in out
+
+
+def test_the_demo_decodes_its_arms_together_as_each_arm_alone_would(fitted, pair_dir, monkeypatch):
+    """The demo decodes every arm's rows in one batch (decoding is most of its time on a CPU): each row starts
+    from exactly the cache, logits and position that arm's own call makes (the target's prefill,
+    `Pipeline.hand_off`), so each arm answers as the public calls do for it alone (`LLM.generate`,
+    `Pipeline.generate`), with the same positions recomputed."""
+    import torch
+
+    from rarecache import LLM, HandoffConfig, SamplingConfig, demo
+    from rarecache.engine.generate import decode
+    from rarecache.transfer.pipeline import Pipeline
+
+    _, _, mapper, _ = fitted
+    pipe = Pipeline(LLM(pair_dir / "src"), LLM(pair_dir / "tgt"), mapper)
+    texts = ("the quick brown fox", "def add return tokens", "the lazy dog jumps over the quick brown fox " * 3)
+    prompts = [[{"role": "user", "content": t}] for t in texts]
+    ids = [pipe.target.encode(p) for p in prompts]
+    cfg = demo.DemoConfig(dtype="float32", max_new_tokens=6)
+    seen = {}
+
+    def decode_seen(runner, cache, logits, pos, *args, **kw):  # what the one decode starts from
+        seen.update(cache=cache, logits=logits.clone(), pos=pos.clone())
+        return decode(runner, cache, logits, pos, *args, **kw)
+
+    monkeypatch.setattr(demo, "decode", decode_seen)
+    arms = demo.run_arms(cfg, pipe, ids, demo._Progress())
+    n, width = len(ids), max(map(len, ids))
+    assert seen["pos"].tolist() == [len(i) for i in ids] * (1 + len(cfg.rhos))
+    own, first = pipe.target.runner.prefill(ids)
+    want_logits = [first.logits]
+    for a, rho in enumerate(cfg.rhos, 1):
+        cache = pipe.target.runner.new_cache(n, width)
+        logits, _ = pipe.hand_off(ids, HandoffConfig.named(rho, cfg.selector), [cache.row(b) for b in range(n)])
+        want_logits.append(logits)
+        for b, T in enumerate(map(len, ids)):  # (the decode wrote its own rows after each prompt's T)
+            for side in ("k", "v"):
+                assert torch.equal(getattr(seen["cache"], side)[:, a * n + b, :, :T],
+                                   getattr(cache, side)[:, b, :, :T]), (rho, b, side)
+    for b, T in enumerate(map(len, ids)):
+        assert torch.equal(seen["cache"].k[:, b, :, :T], own.k[:, b, :, :T])
+    assert torch.equal(seen["logits"], torch.cat(want_logits))
+    sampling = SamplingConfig(max_new_tokens=6)
+    want = {"target alone": (pipe.target.generate(prompts, sampling), None)}
+    for rho in cfg.rhos:
+        want[f"handoff rho={rho:g}{' (served)' if rho == SERVED.rho else ''}"] = pipe.generate(
+            prompts, HandoffConfig.named(rho, cfg.selector), sampling)
+    assert list(arms.answers) == list(want)
+    for arm, (outs, _) in want.items():
+        assert [g.tokens for g in arms.answers[arm]] == [o.tokens for o in outs], arm
+    assert [r[1] for r in arms.rows] == [sum(map(len, res.positions)) for _, res in list(want.values())[1:]]

@@ -25,6 +25,8 @@ from rarecache.eval.tasks.choice import OlmesChoice
 from rarecache.eval.tasks.custom import HASH, FileTask, headline, prompt_sha256, read_task_file
 from rarecache.transfer.mapper import Mapper
 
+from .conftest import error_of
+
 WORDS = "the quick brown fox jumps over the lazy dog def add return tokens spaces".split()
 CHOICE = [{"id": f"q{i}", "context": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(6)),
            "choices": ["the quick fox", "lazy dog jumps over", "add"], "gold": i % 3} for i in range(4)]
@@ -287,7 +289,7 @@ def test_cli_calibrate_run_report_and_refusals(pair_dir, tmp_path, capsys):
 
     def refused(argv, message):
         assert main(argv) == 2
-        err = capsys.readouterr().err
+        err = error_of(capsys.readouterr().err)
         assert err.startswith("rarecache: error:") and message in err and "Traceback" not in err
         assert len(err.strip().splitlines()) == 1
 

@@ -25,7 +25,7 @@ MESSAGES = [{"role": "system", "content": "You are a terse assistant."},
 
 @pytest.fixture(scope="module")
 def ours():
-    return LLM(pull(NAME), dtype="float32")
+    return LLM(pull(NAME), dtype="float32")  # float32 on purpose: compared with transformers' float32 logits
 
 
 @pytest.fixture(scope="module")

@@ -975,7 +975,7 @@ def test_a_two_pass_selector_serves_a_switch_within_its_budget(chat):
     from rarecache.transfer.handoff import budget
 
     models, maps = chat
-    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, "query")))
+    svc = ChatService(models, maps, ServiceConfig(HandoffConfig(1.0, "query"), min_handoff_tokens=0))
     first = [{"role": "user", "content": TURNS[0]}]
     for salt, rho in (("a", 1.0), ("b", 0.5)):
         svc.complete("small", first, SAMPLING, salt=salt)

@@ -16,6 +16,8 @@ from rarecache import packages
 from rarecache.errors import RarecacheError
 from rarecache.models import convert, store
 
+from .conftest import error_of
+
 PARTS = [b"GGUF" + bytes(range(256)) * 40, b"\x00\x01middle" * 999, b"tail-bytes" * 333]
 BLOB = b"".join(PARTS)
 FAKE = store.ModelEntry(
@@ -443,7 +445,7 @@ def test_a_bad_gguf_is_a_one_line_error(tmp_path, name, capsys):
     with pytest.raises(RarecacheError, match="bad.gguf"):
         store.resolve_model(str(g), cache)
     assert main(["generate", "--model", str(g), "--cache-dir", str(cache), "hi"]) == 2
-    err = capsys.readouterr().err
+    err = error_of(capsys.readouterr().err)
     assert err.startswith("rarecache: error:") and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not list(cache.glob("models/.*"))
 

@@ -27,7 +27,7 @@ import torch
 from rarecache.engine.runner import Runner, pad_batch
 from rarecache.errors import RarecacheError
 
-from .conftest import build_tokenizer, make_tiny
+from .conftest import build_tokenizer, error_of, make_tiny
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (pip install 'rarecache[vllm]'; "
@@ -1324,7 +1324,7 @@ def test_serve_cli_gates_vllm_with_an_nll_policy(vpair, tmp_path, monkeypatch, c
     for bad in (GatePolicy("suffix", threshold=0.5, fitted=fitted), _nll_policy(selector="rank", fitted=fitted)):
         policy.write_text(bad.to_json())
         assert main(args) == 2
-        err = capsys.readouterr().err
+        err = error_of(capsys.readouterr().err)
         assert err.startswith("rarecache: error: --engine vllm serves a gate policy only as a policy on nll")
         assert len(err.strip().splitlines()) == 1 and not seen
     policy.write_text(_nll_policy(fitted=fitted).to_json())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -86,8 +87,9 @@ def _row(name: str, before: float, after: float) -> dict:
 
 @torch.inference_mode()
 def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int, repeats: int,
-           pack: bool = False) -> list[dict]:
-    """Every row, in the order printed. `pack`: also time float32 packing (packs `target` in place)."""
+           pack: bool = False, on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every row, in the order printed. `pack`: also time float32 packing (packs `target` in place).
+    `on_row(row)`, if given, hears each row as soon as it is measured (the whole takes minutes on a CPU)."""
     if mapper.needs_tokens:  # its row references (map_unshared, map_rows_flat) map source rows alone
         raise RarecacheError("bench ablate times a map that reads source rows alone; this one reads the tokens "
                              "(token inputs or exact layer 0): time it with `bench handoff`")
@@ -101,6 +103,12 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
     pos = torch.arange(T, device=target.device)[None]
     src_cache, _ = source.prefill(prompt.tolist())
     res = []
+
+    def add(*rows: dict) -> None:
+        for r in rows:
+            res.append({**r, "gain": r["before_ms"] / r["after_ms"]})
+            if on_row is not None:
+                on_row(res[-1])
 
     mapped = target.new_cache(1, T)
     chosen = [select_top(mapper.apply_scored(source, src_cache, target, mapped, pos)[0], budget(rho, T))]
@@ -129,7 +137,7 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
                 for (name, f), b in zip(cases, before)]
 
     if pack and not target.packed and pack_float32(target.dtype, target.device):  # before the rows below use it
-        res += packing_rows(target, None, "float32")
+        add(*packing_rows(target, None, "float32"))
 
     fast = _median(recompute, repeats)
     target.attention = attend_reference  # the dense mask: what the device's kernel (`attention.choose`) replaces
@@ -137,13 +145,13 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
         before = _median(recompute, repeats)
     finally:
         target.attention = attend
-    res.append(_row("sparse-causal recompute attention" if target.device.type == "cpu" else
+    add(_row("sparse-causal recompute attention" if target.device.type == "cpu" else
                     f"recompute attention: {target.kernel}, not the dense mask (GPU)", before, fast))
-    res.append(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
+    add(_row("logits at the last position only", _median(lambda: recompute("all"), repeats), fast))
 
     if target.packed and target.path is not None and target.dtype != torch.float32:  # a plain copy to compare
         plain = Runner.load(target.path, dtype=target.dtype, device=target.device, pack=False)
-        res += packing_rows(plain, target, "bf16")
+        add(*packing_rows(plain, target, "bf16"))
         del plain
 
     # the map: one pass per target layer vs the plain pipeline, and its parts
@@ -155,27 +163,27 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
 
     scored = _median(lambda: mapper.apply_scored(source, src_cache, target, fresh(), pos), repeats)
     centred = _median(lambda: rank_scores(mapper, mapper.apply(source, src_cache, target, fresh(), pos)), repeats)
-    res.append(_row("map + rank score in one pass per target layer", _median(reference, repeats), scored))
-    res.append(_row("rank score fused into the map vs from the kept centred rows", centred, scored))
-    res.append(_row("map for a selector reading no score: nothing kept vs centred rows",
+    add(_row("map + rank score in one pass per target layer", _median(reference, repeats), scored))
+    add(_row("rank score fused into the map vs from the kept centred rows", centred, scored))
+    add(_row("map for a selector reading no score: nothing kept vs centred rows",
                     _median(lambda: mapper.apply(source, src_cache, target, fresh(), pos), repeats),
                     _median(lambda: mapper.apply_scored(source, src_cache, target, fresh(), pos, rank=False),
                             repeats)))
-    res.append(_row("source keys de-rotated inside the layer-major copy",
+    add(_row("source keys de-rotated inside the layer-major copy",
                     _median(lambda: rows(source, src_cache, pos, "k").to(target.dtype), repeats),
                     _median(lambda: source_rows(source, src_cache, pos, "k", target.dtype, 0), repeats)))
 
     def mapping(dtype):
         return lambda: mapper.apply(source, src_cache, target, fresh(), pos, dtype=dtype)
 
-    res.append(_row("map matmuls in bf16", _median(mapping(torch.float32), repeats),
+    add(_row("map matmuls in bf16", _median(mapping(torch.float32), repeats),
                     _median(mapping(torch.bfloat16), repeats)))
-    res.append(_row("de-rotated source layers shared (plain pipeline)",
+    add(_row("de-rotated source layers shared (plain pipeline)",
                     _median(lambda: map_unshared(source, src_cache, target, fresh(), pos, mapper, target.dtype),
                             repeats),
                     _median(lambda: mapper.apply_reference(source, src_cache, target, fresh(), pos), repeats)))
     x = rows(source, src_cache, pos, "k").to(target.dtype)
-    res.append(_row("map gathers whole source-layer rows, bias fused", _median(lambda: map_rows_flat(mapper, "k", x),
+    add(_row("map gathers whole source-layer rows, bias fused", _median(lambda: map_rows_flat(mapper, "k", x),
                                                                                repeats),
                     _median(lambda: mapper.map_rows("k", x), repeats)))
 
@@ -189,8 +197,6 @@ def ablate(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, b
                                   for p, c in zip(prompts, caches)], repeats)
     together = _median(lambda: handoff(source, target, mapper, prompts, cfg, source_cache=batched_src,
                                        source_kept=lengths), repeats)
-    res.append(_row(f"batched handoff of {batch} requests ({min(lengths)}-{max(lengths)} tokens)", one_by_one,
+    add(_row(f"batched handoff of {batch} requests ({min(lengths)}-{max(lengths)} tokens)", one_by_one,
                     together))
-    for r in res:
-        r["gain"] = r["before_ms"] / r["after_ms"]
     return res

@@ -23,6 +23,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -83,7 +84,9 @@ class Cell:
 
 @torch.inference_mode()
 def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,
-              repeats: int, seed: int = 0, selector: str = SERVED.selector) -> Cell:
+              repeats: int, seed: int = 0, selector: str = SERVED.selector,
+              on_round: Callable[[int, float, float], None] | None = None) -> Cell:
+    """`on_round(i, prefill_s, handoff_s)`, if given, hears each round (0: the warm-up), as it ends."""
     g = torch.Generator().manual_seed(seed)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     prompts = torch.randint(0, vocab, (batch, T), generator=g).tolist()
@@ -106,6 +109,8 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
             _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache,
                                 source_kept=[T] * batch)
             synchronize(target.device)
+        if on_round is not None:
+            on_round(i, prefill, sum(res.timings[k] for k in ("map", "score", "recompute")))
         if not i:
             sizes = footprint(source, target, mapper, T, batch)
             held = sizes["source_cache_mib"] + sizes["map_mib"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,7 +41,8 @@ def _timed(fn) -> float:
 
 @torch.inference_mode()
 def time_map(source: Runner, target: Runner, mapper: Mapper, length: int, repeats: int = 3,
-             seed: int = 0) -> MapTiming:
+             seed: int = 0, on_round: Callable[[int, float, float], None] | None = None) -> MapTiming:
+    """`on_round(i, prefill_s, map_s)`, if given, hears each round (0: the warm-up), as it ends."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, min(source.config.vocab_size, 150000), (1, length), generator=g)
     pos = torch.arange(length)[None]
@@ -53,6 +55,8 @@ def time_map(source: Runner, target: Runner, mapper: Mapper, length: int, repeat
         z = {}
         mapping = _timed(lambda: z.update(mapper.apply(source, src_cache, target, cache, pos, tokens=tokens)))
         scoring = _timed(lambda: rank_scores(mapper, z))
+        if on_round is not None:
+            on_round(i, prefill, mapping)
         if i:
             res.prefill_s.append(prefill)
             res.map_s.append(mapping)

@@ -12,7 +12,8 @@ from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
 from ..packages import results_path
 from .bench_gpu import add_gpu
-from .common import add_model_options, add_pair_options, load_pair, print_json, with_map_dtype, write_out
+from .common import (add_model_options, add_pair_options, engine_device, load_pair, print_json, ran_in,
+                     with_map_dtype, write_out)
 
 SUMMARY = "bench-handoff-summary.json"  # under $RARECACHE_HOME/results unless --summary names a file
 
@@ -43,18 +44,21 @@ def _add_map(bench) -> None:
 
 def cmd_bench_map(args) -> int:
     from ..bench.mapbench import time_map
+    from ..bench.progress import round_lines, rounds, table_row
 
     source, target, mapper, _ = load_pair(args)
     rows = []
     print(f"map vs target prefill, {source.path.name} -> {target.path.name}, {args.dtype}, batch 1, "
           f"median of {args.repeats} after a warm-up")
     print(f"{'T':>6} {'prefill ms':>11} {'map ms':>9} {'score ms':>9} {'map/prefill':>12} {'(map+score)/prefill':>20}")
-    for length in args.lengths:
-        r = time_map(source, target, mapper, length, args.repeats).row()
-        rows.append(r)
-        print(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
-              f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
-    print_json({"bench": "map", "source": source.path.name, "target": target.path.name, "dtype": args.dtype,
+    with rounds(len(args.lengths) * (args.repeats + 1), "bench map") as bar:
+        for length in args.lengths:
+            r = time_map(source, target, mapper, length, args.repeats,
+                         on_round=round_lines(bar, f"T {length}", args.repeats, length, "map")).row()
+            rows.append(r)
+            table_row(f"{r['T']:>6} {r['prefill_ms']:>11.1f} {r['map_ms']:>9.1f} {r['score_ms']:>9.1f} "
+                      f"{r['map_over_prefill']:>12.3f} {r['map_score_over_prefill']:>20.3f}")
+    print_json({"bench": "map", "source": source.path.name, "target": target.path.name, **ran_in(args),
                 "rows": rows})
     return 0
 
@@ -125,6 +129,7 @@ def cmd_bench_handoff(args) -> int:
     import torch
 
     from ..bench.handoff import read_summary, summary, time_cell
+    from ..bench.progress import round_lines, rounds, table_row
     from ..bench.memory import formula, memory_kind
     from ..transfer.selectors import SELECTORS
 
@@ -146,22 +151,21 @@ def cmd_bench_handoff(args) -> int:
             f"{'handoff':>8} {'speedup':>7} {'ceil dense':>10} {'ceil sparse':>11} {'of sparse':>9} {'map+score':>9} "
             f"{'mem pre':>8} {'mem hand':>8} {'(src':>6} {'tgt':>6} {'map)':>5}")
     print(head)
-    rows = []
-    for T in args.lengths:
-        for batch in args.batches:
-            for rho in args.rhos:
-                r = time_cell(source, target, mapper, T, rho, batch, args.repeats,
-                              selector=args.selector).row(target, mapper)
-                rows.append(r)
-                print(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
+    rows, cells = [], [(T, b, rho) for T in args.lengths for b in args.batches for rho in args.rhos]
+    with rounds(len(cells) * (args.repeats + 1), "bench handoff") as bar:
+        for T, batch, rho in cells:
+            report = round_lines(bar, f"T {T} rho {rho} B {batch}", args.repeats, T * batch, "handoff")
+            r = time_cell(source, target, mapper, T, rho, batch, args.repeats, selector=args.selector,
+                          on_round=report).row(target, mapper)
+            rows.append(r)
+            table_row(f"{T:>5} {rho:>4} {batch:>3} {r['prefill_ms']:>10.1f} {r['map_ms']:>7.1f} {r['score_ms']:>6.1f} "
                       f"{r['recompute_ms']:>8.1f} {r['handoff_ms']:>8.1f} {r['speedup']:>6.2f}x "
                       f"{r['ceiling_dense']:>9.2f}x {r['ceiling_sparse']:>10.2f}x {r['of_sparse_ceiling']:>9.2f} "
                       f"{r['map_score_share_of_prefill']:>8.1%} {_mib(r['peak_mem_prefill_mib']):>8} "
                       f"{_mib(r['peak_mem_handoff_mib']):>8} {r['source_cache_mib']:>6.0f} {r['target_cache_mib']:>6.0f} "
-                      f"{r['map_mib']:>5.0f}", flush=True)
-                if "pass1_ms" in r:  # a two-pass selector: its recompute is both passes
-                    print(f"{'':>14} recompute = pass 1 {r['pass1_ms']:.1f} ms + pass 2 {r['pass2_ms']:.1f} ms",
-                          flush=True)
+                      f"{r['map_mib']:>5.0f}")
+            if "pass1_ms" in r:  # a two-pass selector: its recompute is both passes
+                table_row(f"{'':>14} recompute = pass 1 {r['pass1_ms']:.1f} ms + pass 2 {r['pass2_ms']:.1f} ms")
     header = {"bench": "handoff", "pair": pair, "selector": args.selector, "dtype": args.dtype, "map_dtype": map_dtype,
               "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
               "memory": memory_kind(args.device)}
@@ -216,7 +220,7 @@ def _add_serve(bench) -> None:
                    help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
                         "bench-vllm-switch.json)")
     add_serve_options(b)
-    add_model_options(b)
+    add_model_options(b, device=engine_device)
     b.set_defaults(func=cmd_bench_serve)
 
 
@@ -241,7 +245,7 @@ def cmd_bench_serve(args) -> int:
     backward = Mapper.load(args.reverse_map) if args.reverse_map else None
     source = LLM(args.source, dtype=args.dtype, cache_dir=args.cache_dir)
     target = LLM(args.target, dtype=args.dtype, cache_dir=args.cache_dir)
-    print_json(run_switch_bench(source, target, forward, backward, cfg, args.cache_dir), args.out)
+    print_json({**run_switch_bench(source, target, forward, backward, cfg, args.cache_dir), **ran_in(args)}, args.out)
     return 0
 
 
@@ -278,7 +282,7 @@ def _add_load(bench) -> None:
                    help="also write the JSON here (--engine vllm: default $RARECACHE_HOME/results/"
                         "bench-vllm-load.json)")
     add_load_options(b)
-    add_model_options(b)
+    add_model_options(b, device=engine_device)
     b.set_defaults(func=cmd_bench_load)
 
 
@@ -298,7 +302,7 @@ def cmd_bench_load(args) -> int:
     cfg = LoadBenchConfig(clients=args.clients, requests=args.requests, prompt_tokens=args.prompt_tokens,
                           max_new_tokens=args.max_new_tokens, corpus=args.corpus)
     llm = LLM(args.model, dtype=args.dtype, cache_dir=args.cache_dir)
-    print_json(run_load_bench(llm, cfg, args.cache_dir), args.out)
+    print_json({**run_load_bench(llm, cfg, args.cache_dir), **ran_in(args)}, args.out)
     return 0
 
 
@@ -325,12 +329,12 @@ def cmd_bench_ablate(args) -> int:
             _pack(target)  # refused with the reason (the float32 rows pack it in place after timing it plain)
     print(f"optimisations vs their references: {pair}, T={args.length}, rho={args.rho}, {args.dtype}, "
           f"{args.device}, median of {args.repeats} after a warm-up")
-    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack)
-    print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}")
-    for r in rows:
-        print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} {r['gain']:>5.2f}x")
+    print(f"{'optimisation':66s} {'before ms':>10} {'after ms':>10} {'gain':>6}", flush=True)
+    rows = ablate(source, target, mapper, args.length, args.rho, args.batch, args.repeats, pack=args.pack,
+                  on_row=lambda r: print(f"{r['optimisation']:66s} {r['before_ms']:>10.1f} {r['after_ms']:>10.1f} "
+                                         f"{r['gain']:>5.2f}x", flush=True))  # each row as it is measured
     print_json({"bench": "ablate", "pair": pair, "device": args.device, "T": args.length, "rho": args.rho,
-                "dtype": args.dtype, "packed": target.packed,
+                **ran_in(args), "packed": target.packed,
                 "rows": rows})
     return 0
 

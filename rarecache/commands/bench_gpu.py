@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import RarecacheError
-from .common import write_out
+from .common import add_dtype_option, write_out
 
 
 def add_gpu(bench) -> None:
@@ -22,7 +22,7 @@ def add_gpu(bench) -> None:
     b.add_argument("--out", type=Path, required=True, help="folder for the summary and the detail")
     b.add_argument("--smoke", action="store_true", help="toy shapes and a tiny grid on the CPU (checks the bench)")
     b.add_argument("--device", default=None, help="default: cuda (cpu with --smoke)")
-    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_dtype_option(b, device=gpu_device)
     b.add_argument("--lengths", type=int, nargs="+", default=None, help="default: 149 512 2048 8192")
     b.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 4 16")
     b.add_argument("--rhos", type=float, nargs="+", default=None, help="default: 0.2 0.3 0.5")
@@ -34,6 +34,10 @@ def add_gpu(bench) -> None:
                                                               "--smoke)")
     b.add_argument("--compile", action="store_true", help="the target's layers through torch.compile")
     b.set_defaults(func=cmd_bench_gpu)
+
+
+def gpu_device(args) -> str:
+    return args.device or ("cpu" if args.smoke else "cuda")
 
 
 def cmd_bench_gpu(args) -> int:
@@ -55,7 +59,7 @@ def cmd_bench_gpu(args) -> int:
         raise RarecacheError(f"unknown selector {bad[0]!r}; known: {', '.join(SELECTORS)}")
     if any(n < 1 for n in (*grid.lengths, *grid.batches, repeats)):
         raise RarecacheError("--lengths, --batches and --repeats must be at least 1")
-    device = args.device or ("cpu" if args.smoke else "cuda")
+    device = gpu_device(args)
     if device.split(":")[0] == "cuda" and not torch.cuda.is_available():
         raise RarecacheError(f"--device {device}: this machine has no CUDA GPU (--smoke runs on the CPU)")
     print(f"bench gpu: {':'.join(grid.shapes)}, {args.dtype}, {device}, median of {repeats} after a warm-up; "

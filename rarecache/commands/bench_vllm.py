@@ -18,7 +18,7 @@ from pathlib import Path
 from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
 from ..packages import results_path
-from .common import print_json
+from .common import print_json, ran_in
 
 # what the benches write when no --out/--summary names a file: under $RARECACHE_HOME/results (packages.results_path)
 SWITCH_OUT = "bench-vllm-switch.json"
@@ -181,7 +181,7 @@ def cmd_bench_load_poisson(args) -> int:
     cfg = ServiceConfig(handoff, max_batch=args.max_batch, max_new_tokens=max(args.max_new_tokens, args.answer_tokens),
                         min_handoff_tokens=0)  # (it times every handoff, whatever its length)
     svc = ChatService(models, {names: mapper}, cfg)
-    settings = {"engine": "rarecache", "dtype": args.dtype, "torch": torch.__version__,
+    settings = {"engine": "rarecache", **ran_in(args), "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "selector": args.selector, "scheduling_policy": "fcfs"}
     try:
         result = run_poisson_bench(ServiceArms(svc), *names, cfg, [mapper], settings, args.cache_dir,
@@ -215,7 +215,7 @@ def cmd_bench_load_vllm(args) -> int:
 
 
 def add_store_soak(bench) -> None:
-    from .common import add_model_options
+    from .common import add_model_options, vllm_device
 
     b = bench.add_parser("store-soak", help="the vLLM row store capped small under switching traffic (counts)",
                          description="Start both models in vLLM engines on a small row store (--store-gib, or a Redis "
@@ -239,7 +239,7 @@ def add_store_soak(bench) -> None:
     b.add_argument("--store-gib", type=float, default=0.05, help="cap of a directory store (default: 0.05)")
     b.add_argument("--store-ttl", type=float, default=None, help="seconds a stored entry lives")
     b.add_argument("--out", type=Path, default=None, help="write the JSON here")
-    add_model_options(b)
+    add_model_options(b, device=vllm_device)
     b.set_defaults(func=cmd_bench_store_soak)
 
 

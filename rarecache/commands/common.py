@@ -12,12 +12,46 @@ import json
 import sys
 from pathlib import Path
 
+from ..dtypes import DTYPE_CHOICES, DTYPE_HELP, announce, cpu_capability, gpu_or_cpu, resolve_dtype
 from ..errors import RarecacheError
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="compute dtype (default: bfloat16, about twice as fast as float32 on AVX-512 BF16 CPUs)")
+def add_dtype_option(p: argparse.ArgumentParser, device=None) -> None:
+    """`--dtype` (default auto: dtypes.py's rule), resolved once by `settle_dtype` before the command runs.
+    `device`: where the command computes, from its parsed flags (default: its --device, else the CPU)."""
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    p.set_defaults(dtype_device=device or (lambda args: getattr(args, "device", None) or "cpu"))
+
+
+def vllm_device(args) -> str:
+    """Where vLLM engines compute: the GPU where there is one (vLLM takes it), else the CPU."""
+    return gpu_or_cpu()
+
+
+def engine_device(args) -> str:
+    """Where a command with --engine computes: vLLM's device, or our own engine's CPU."""
+    return vllm_device(args) if getattr(args, "engine", None) == "vllm" else "cpu"
+
+
+def settle_dtype(args):
+    """Turn a command's --dtype (auto by default) into the dtype that runs, saying which and why on stderr.
+    Commands without --dtype: None."""
+    if getattr(args, "dtype_device", None) is None:
+        return None
+    choice = resolve_dtype(args.dtype, args.dtype_device(args))
+    args.dtype = choice.dtype
+    announce(choice)
+    return choice
+
+
+def ran_in(args) -> dict:
+    """What a command's record says about how it computed: the dtype that ran and the CPU's capability
+    (which kernels ran: figures and rounding depend on both)."""
+    return {"dtype": args.dtype, "cpu": cpu_capability()}
+
+
+def add_model_options(p: argparse.ArgumentParser, device=None) -> None:
+    add_dtype_option(p, device)
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="model cache directory (default: $RARECACHE_HOME or ~/.cache/rarecache)")
 
@@ -27,8 +61,9 @@ def add_pair_options(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--target", required=required, help="model that receives the mapped cache")
     p.add_argument("--map", type=Path, required=required, help="map file fitted for source -> target")
     p.add_argument("--map-dtype", choices=["bfloat16", "float32"], default=None,
-                   help="dtype of the map's products (default: --dtype). bfloat16 with --dtype float32 makes the "
-                        "map ~4x cheaper on AVX-512 BF16 CPUs; mapped rows round to bf16, recomputed rows stay exact")
+                   help="dtype of the map's products (default: the compute dtype; a map stored in bf16 is widened "
+                        "on load). bfloat16 with --dtype float32 makes the map ~4x cheaper on AVX-512 BF16 CPUs "
+                        "(not on AVX2); mapped rows round to bf16, recomputed rows stay exact")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_model_options, add_pair_options, load_pair, write_out
+from .common import add_model_options, add_pair_options, load_pair, ran_in, write_out
 
 
 def register(sub) -> None:
@@ -48,7 +48,7 @@ def cmd_ppl(args) -> int:
     if args.out:
         write_out(args.out, json.dumps({"map": str(args.map), "corpus": corpus.describe(), "first_document": first,
                                         "prefix": res.prefix, "continuation": res.continuation,
-                                        "dtype": args.dtype, "map_dtype": args.map_dtype or args.dtype,
+                                        **ran_in(args), "map_dtype": args.map_dtype or args.dtype,
                                         "ppl": {a: res.ppl(a) for a in ARMS},
                                         "nll_per_passage": res.nll}, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..defaults import MIN_HANDOFF_TOKENS, SERVED, selector_help
 from ..errors import RarecacheError
-from .common import add_model_options, fill_served_defaults
+from .common import add_model_options, engine_device, fill_served_defaults
 
 
 def register_demo(sub) -> None:
@@ -119,7 +119,7 @@ def register(sub) -> None:
                         "recompute runs on every rank over its shards (on a CPU the cores are split between them)")
     v.add_argument("--compile", action="store_true",
                    help="let vLLM compile the model (torch.compile, CUDA graphs); default eager, the tested path")
-    add_model_options(p)
+    add_model_options(p, device=engine_device)
     p.set_defaults(func=cmd_serve)
 
 

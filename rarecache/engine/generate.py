@@ -125,12 +125,13 @@ class Row:
 @torch.inference_mode()
 def decode(
     runner: Runner, cache: KVCache, logits: torch.Tensor, next_pos: torch.Tensor, cfg: SamplingConfig,
-    stop_check: Callable[[list[int]], bool] | None = None,
+    stop_check: Callable[[list[int]], bool] | None = None, on_step: Callable[[], None] | None = None,
 ) -> list[Generation]:
     """Decode from `cache`, given last-prompt logits (B, V) and each row's next position (B,).
 
     `stop_check(tokens)`, if given, ends a row (reason "stop") once it returns True for the
-    tokens generated so far (e.g. a task's final-answer pattern).
+    tokens generated so far (e.g. a task's final-answer pattern). `on_step()`, if given, is called
+    after each step's forward pass (a progress bar's tick).
     """
     gen = torch.Generator().manual_seed(cfg.seed)
     rows = [Row(cfg, stop_check) for _ in range(logits.shape[0])]
@@ -146,6 +147,8 @@ def decode(
         pos = torch.where(alive, next_pos, -1)[:, None]  # finished rows become padding
         logits = runner.forward(tok[:, None], pos, cache).logits
         next_pos += 1
+        if on_step is not None:
+            on_step()
     return [r.generation() for r in rows]
 
 

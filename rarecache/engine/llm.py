@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import dtype_name
 from ..errors import RarecacheError
 from ..models.store import resolve_model
 from ..models.tokenizer import Tokenizer
@@ -53,10 +54,8 @@ class Completion:
 class LLM:
     def __init__(self, model: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  cache_dir: Path | None = None):
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise RarecacheError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-            dtype = DTYPES[dtype]
+        if isinstance(dtype, str):  # a name, or "auto": what this machine runs fast (dtypes.py)
+            dtype = DTYPES[dtype_name(dtype, device)]
         self.path = resolve_model(str(model), cache_dir=cache_dir)
         self.runner = Runner.load(self.path, dtype=dtype, device=device)
         self.config = self.runner.config

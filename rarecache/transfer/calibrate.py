@@ -248,14 +248,19 @@ class Calibration:
                        f"(asked {cfg.tokens} + {cfg.heldout_tokens})")
         self._save_state()
         if progress:
-            tqdm.write(f"accumulated {fit.n + held.n} tokens in {time.monotonic() - t0:.0f} s; fitting")
-        return self.fit()
+            tqdm.write(f"accumulated {fit.n + held.n} tokens in {time.monotonic() - t0:.0f} s; fitting ...")
+        t1 = time.monotonic()
+        mapper = self.fit()
+        if progress:
+            tqdm.write(f"fitted in {time.monotonic() - t1:.0f} s")
+        return mapper
 
     def fit(self) -> Mapper:
         cfg = self.cfg
         sides, r2_held = fit_sides(self.stats, self.src, self.tgt, self.heads, cfg.k, cfg.lam, self.rank, cfg.sharpen)
         calib = {"seq_len": cfg.seq_len, "stride": cfg.stride, "skip_first": cfg.skip_first,
                  "dtype": str(self.source.dtype).replace("torch.", ""), "documents_used": self.documents_used,
+                 "cpu": torch.backends.cpu.get_cpu_capability(),  # which kernels accumulated the statistics
                  "sequences": self.sequences_done, "heldout_tokens": self._counter("heldout").n,
                  "document_ids": list(self.corpus.ids[: self.documents_used])}
         if cfg.attention_weights:

@@ -75,7 +75,7 @@ def train_side(fit: SideFit, x_train: torch.Tensor, y_train: torch.Tensor, x_hel
     g = torch.Generator().manual_seed(cfg.seed)
     layers = []
     r2 = {"ridge": [], "mlp": []}
-    for l in tqdm(range(tgt.layers), desc="mlp", disable=not progress, leave=False):
+    for l in tqdm(range(tgt.layers), desc="mlp", unit="layer", disable=not progress, leave=False):
         xt, rt = ridge_rows(fit, l, x_train, src)
         xh, rh = ridge_rows(fit, l, x_held, src)
         yt, yh = y_train[:, tgt.block(l)], y_held[:, tgt.block(l)]

@@ -1,6 +1,7 @@
 """Source model, target model and map as one object that hands prompts off and decodes.
 
 `Pipeline("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "map.safetensors")`
+(models named by a string load in `dtype`; auto: what this machine runs fast, dtypes.py)
 checks the map belongs to this pair and direction, then `generate` runs the source
 prefill, the map, the selection and the target's recompute for each request, and
 decodes the batch with the target. The source's prefill of a prompt is kept for a
@@ -26,7 +27,7 @@ _KEEP = 8  # source prefills remembered
 
 class Pipeline:
     def __init__(self, source: str | Path | LLM, target: str | Path | LLM, mapper: str | Path | Mapper,
-                 dtype: str = "bfloat16", cache_dir: Path | None = None):
+                 dtype: str = "auto", cache_dir: Path | None = None):
         self.source = source if isinstance(source, LLM) else LLM(source, dtype=dtype, cache_dir=cache_dir)
         self.target = target if isinstance(target, LLM) else LLM(target, dtype=dtype, cache_dir=cache_dir)
         self.mapper = mapper if isinstance(mapper, Mapper) else Mapper.load(mapper)
@@ -46,20 +47,18 @@ class Pipeline:
             self._prefills[key] = (cache, time.perf_counter() - t)
         return self._prefills[key]
 
-    def generate(self, prompts: list[Prompt], cfg: HandoffConfig = HandoffConfig(),
-                 sampling: SamplingConfig = SamplingConfig()) -> tuple[list[Completion], HandoffResult]:
-        ids = [self.source.encode(p) for p in prompts]
-        self.target.check_fits(max(len(i) for i in ids), sampling.max_new_tokens, "the target")
-        longest = max(len(i) for i in ids) + sampling.max_new_tokens
-        sampling = self.target.with_eos(sampling)
+    def hand_off(self, ids: list[list[int]], cfg: HandoffConfig, rows: list[KVCache]
+                 ) -> tuple[torch.Tensor, HandoffResult]:
+        """Hand each prompt (token ids) off into its own cache row (`rows`, batch-one caches: e.g. a batch
+        cache's `row(b)`), one request at a time (no work on padding). Returns the target's logits at each
+        prompt's last position (B, V) and the batch's record (timings summed over the prompts)."""
         sel = cfg.scorer
         reads_source_attention = sel is not None and sel.needs_source_attention
-        cache = self.target.runner.new_cache(len(ids), longest)
         logits, results = [], []
-        for b, p in enumerate(ids):  # one request at a time into its row: no work on padding
+        for p, row in zip(ids, rows, strict=True):
             src, src_s = (None, 0.0) if reads_source_attention else self.source_prefill(p)
             _, lg, res = handoff(self.source.runner, self.target.runner, self.mapper, [p], cfg, source_cache=src,
-                                 source_kept=None if src is None else [len(p)], target_cache=cache.row(b))
+                                 source_kept=None if src is None else [len(p)], target_cache=row)
             if src is not None:
                 res.timings["source_prefill"] = src_s
             logits.append(lg)
@@ -69,8 +68,18 @@ class Pipeline:
                                [r.handed_off[0] for r in results], results[0].prefix_layers,
                                {k: sum(r.timings[k] for r in results) for k in results[0].timings},
                                [r.first_pass[0] for r in results] if results[0].first_pass else None)
+        return torch.cat(logits), result
+
+    def generate(self, prompts: list[Prompt], cfg: HandoffConfig = HandoffConfig(),
+                 sampling: SamplingConfig = SamplingConfig()) -> tuple[list[Completion], HandoffResult]:
+        ids = [self.source.encode(p) for p in prompts]
+        self.target.check_fits(max(len(i) for i in ids), sampling.max_new_tokens, "the target")
+        longest = max(len(i) for i in ids) + sampling.max_new_tokens
+        sampling = self.target.with_eos(sampling)
+        cache = self.target.runner.new_cache(len(ids), longest)
+        logits, result = self.hand_off(ids, cfg, [cache.row(b) for b in range(len(ids))])
         t = time.perf_counter()
-        gens = decode(self.target.runner, cache, torch.cat(logits), torch.tensor([len(i) for i in ids]), sampling)
+        gens = decode(self.target.runner, cache, logits, torch.tensor([len(i) for i in ids]), sampling)
         result.timings["decode"] = time.perf_counter() - t
         outs = [Completion(self.target.tokenizer.decode(g.tokens), g.tokens, len(i), g.finish_reason)
                 for g, i in zip(gens, ids)]

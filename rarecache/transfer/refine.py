@@ -332,7 +332,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         task_held, read = prompt_cuts(prompts, tokenizer, cfg, n_held, read, rng)
         train, held_cuts = interleave(train, task_train), held_cuts + task_held
     held = [Example(c, source, target, mapper, cfg.weighting, cfg.temperature)
-            for c in tqdm(held_cuts, desc="held-out", disable=not progress, leave=False)]
+            for c in tqdm(held_cuts, desc="held-out", unit="sequence", disable=not progress, leave=False)]
     delta = Delta(mapper, {s: [torch.cat(t) for t in zip(*(layer_inputs(mapper, e.x, e.own)[s] for e in held))]
                            for s in SIDES})
     opt = torch.optim.Adam(delta.parameters(), lr=cfg.lr)
@@ -346,7 +346,8 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
         best = (before, 0, {k: v.clone() for k, v in delta.state_dict().items()})
     log(f"held-out KL before: {checks[0]['heldout_kl']:.4f} nats ({len(held)} sequences)")
     losses: list[float] = []
-    bar = tqdm(train, desc="refine", disable=not progress, initial=done, total=len(train))
+    bar = tqdm(train, desc="refine", unit="step", disable=not progress, initial=done, total=len(train),
+               dynamic_ncols=True)
     for step, cut in enumerate(train[done:], done + 1):
         loss = Example(cut, source, target, mapper, cfg.weighting, cfg.temperature).loss(mapper, delta, target)
         if not math.isfinite(loss.item()):
@@ -380,6 +381,7 @@ def refine(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Co
                               "ids": list(prompts[n].ids[:read[n]])} for n in sorted(prompts)},
               "heldout_kl_before": before, "heldout_kl": best[0], "checks": checks}
     record["dtype"] = str(target.dtype).replace("torch.", "")  # what the models ran in (the map's products: float32)
+    record["cpu"] = torch.backends.cpu.get_cpu_capability()  # and on which kernels
     # the closed-form fit's held-out R² is not this map's: left out, as a resharpened map's is (its KL is above)
     info = replace(mapper.info, refined=record, r2_heldout={})
     return Mapper(info, delta.fitted(mapper)), record

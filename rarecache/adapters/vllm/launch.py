@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ...defaults import SERVED
+from ...dtypes import cpu_capability
 from ...errors import RarecacheError
 from .store import describe_store, is_url
 
@@ -171,5 +172,5 @@ def engine_settings(service, name: str) -> dict[str, Any]:
             "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
             "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", None)),
             "scheduling_policy": str(getattr(sched, "policy", "fcfs")), "enforce_eager": not service.cfg.compile,
-            "selector": service.cfg.selector, "cores": len(os.sched_getaffinity(0)),
+            "selector": service.cfg.selector, "cores": len(os.sched_getaffinity(0)), "cpu": cpu_capability(),
             "store": "redis" if is_url(service.cfg.store) else "directory"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...defaults import MIN_HANDOFF_TOKENS, SERVED
+from ...dtypes import dtype_name, gpu_or_cpu
 from ...errors import RarecacheError
 from ...serve.config import Budget, check_min_handoff
 from ...transfer.gate import GatePolicy, gate_decides
@@ -26,7 +27,7 @@ class VllmServeConfig:
     store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (store.py)
     rho: float = SERVED.rho  # the served default, as `rarecache serve`
     selector: str = SERVED.selector
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # auto: bfloat16 on a GPU or a CPU with native bf16, else float32 (dtypes.py); resolved here
     max_batch: int = 8  # vLLM's max_num_seqs, per engine
     max_new_tokens: int = 1024  # the most one request may ask for
     max_prompt_chars: int = 200_000
@@ -43,6 +44,7 @@ class VllmServeConfig:
     min_handoff_tokens: int = MIN_HANDOFF_TOKENS  # shorter prompts are read by the model itself (serve/config.py)
 
     def __post_init__(self):
+        object.__setattr__(self, "dtype", dtype_name(self.dtype, gpu_or_cpu()))
         check_rho(self.rho)
         check_selector(self.selector)
         check_min_handoff(self.min_handoff_tokens)
