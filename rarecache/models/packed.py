@@ -26,11 +26,11 @@ def packs_by_default(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether a `Runner` prepacks its weights when not told (`pack=None`): the one place that is decided,
     by dtype, device and what this CPU's oneDNN does. bfloat16: wherever oneDNN packs bf16 (`can_pack`;
     exact and faster: 1.2x on one decoder layer's products for a decoded token, 1.07-1.26x at 154-2048
-    rows, AVX-512 + AMX). float32: never by default; oneDNN's float32 product against MKL's `F.linear`
-    (research/scripts/time_packed_products.py, AVX-512, one thread) is 1.2x at 154 rows, even at 614,
-    0.94x at a 2048-row prefill and 0.63x for a decoded token, and it is float32-close, not bitwise
-    (`pack_float32`: opt-in, `Runner.pack`, `bench --pack`). Not measured on an AVX2-only CPU, where a
-    bfloat16 model does not pack (oneDNN refuses) and float32 is what runs."""
+    rows, AVX-512 + AMX). float32: never by default; oneDNN's float32 products against MKL's `F.linear`
+    over one decoder layer (research/scripts/time_packed_products.py, AVX-512, one thread) are 1.1-1.2x
+    at 52-154 rows, 0.94-1.02x at 614, 0.88-0.94x at a 2048-row prefill and 0.53-0.63x for a decoded
+    token, and float32-close, not bitwise (`pack_float32`: opt-in, `Runner.pack`, `bench --pack`). Not
+    measured on an AVX2-only CPU, where bfloat16 does not pack (oneDNN refuses) and float32 is what runs."""
     return can_pack(dtype, device)
 
 
