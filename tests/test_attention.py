@@ -70,6 +70,43 @@ def test_block_lengths_are_each_blocks_highest_position():
     assert attention.block_lengths(torch.full((2, 40), -1)) == (1, 1)
 
 
+def test_query_blocks_coalesce_blocks_with_close_key_ranges():
+    """Calls cover every query in order, each over keys past its queries' positions, computing at most
+    MERGE_SLACK more pairs than the 32-query blocks apart; a suffix over a long prefix is one call, queries
+    spread from position 0 are several."""
+    g = torch.Generator().manual_seed(2)
+    _, spread, *_ = scattered(g)
+    suffix = torch.arange(700, 1000).expand(2, 300)
+    for q_pos in (spread, suffix):
+        calls, start = attention.query_blocks(q_pos), 0
+        for end, length in calls:
+            assert end > start and length >= int(q_pos[:, start:end].max()) + 1
+            start = end
+        assert start == q_pos.shape[1]
+        B = attention.QUERY_BLOCK
+        apart = sum(min(B, q_pos.shape[1] - j * B) * n for j, n in enumerate(attention.block_lengths(q_pos)))
+        starts = [0] + [e for e, _ in calls[:-1]]
+        assert sum((e - s) * n for s, (e, n) in zip(starts, calls)) <= (1 + attention.MERGE_SLACK) * apart
+    assert len(attention.query_blocks(suffix)) == 1 < len(attention.query_blocks(spread))
+
+
+def test_a_prefix_query_set_over_a_longer_cache_takes_the_causal_kernel():
+    """Queries at 0..T-1 over a cache allocated longer (its later slots empty, or filled by someone else:
+    no query sees them) run the causal kernel, and equal the dense reference; a hole before T does not."""
+    g = torch.Generator().manual_seed(3)
+    T, S = 50, 80
+    q, k, v = torch.randn(1, 4, T, 16, generator=g), torch.randn(1, 2, S, 16, generator=g), torch.randn(1, 2, S, 16,
+                                                                                                       generator=g)
+    q_pos = torch.arange(T)[None]
+    for filled in (torch.arange(S)[None] < T, torch.arange(S)[None] < T + 10):
+        assert attention.prepare(attention.BLOCKS, q_pos, filled).kind == attention.CAUSAL
+        out, _ = attention.attend(q, q_pos, k, v, filled)
+        torch.testing.assert_close(out, attention.attend_dense(q, q_pos, k, v, filled), atol=1e-5, rtol=0)
+    holed = torch.arange(S)[None] < T
+    holed[0, 7] = False
+    assert attention.prepare(attention.BLOCKS, q_pos, holed).kind == attention.BLOCKS
+
+
 def test_a_flex_failure_falls_back_to_the_dense_mask_and_is_recorded(monkeypatch):
     import torch.nn.attention.flex_attention as flex
 

@@ -11,7 +11,8 @@ import torch
 
 from rarecache.bench.handoff import SUMMARY_KEYS
 from rarecache.bench.memory import MIB, footprint, formula, measure, memory_kind, nbytes
-from rarecache.engine.runner import Runner, pack_float32
+from rarecache.engine.runner import Runner
+from rarecache.models.packed import pack_float32
 from rarecache.transfer.handoff import HandoffConfig, handoff
 from rarecache.transfer.mapper import SIDES
 from rarecache.transfer.selectors import rank_scores

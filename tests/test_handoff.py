@@ -31,6 +31,34 @@ def test_rho_one_equals_target_prefill(fitted):
         torch.testing.assert_close(cache.v[:, b, :, :n], own.v[:, b, :, :n], atol=1e-5, rtol=0)
 
 
+def test_rho_one_maps_and_scores_nothing(fitted, monkeypatch):
+    """Every handed-off position is recomputed at rho 1 (and in a one-position span at any rho), so no mapped
+    row would be read: the map and the selector never run, and the result is still the target's own rows,
+    after kept rows too."""
+    source, target, mapper, prompts = fitted
+    ran, apply_scored = [], type(mapper).apply_scored
+    monkeypatch.setattr(type(mapper), "apply_scored", lambda *a, **k: ran.append("map") or apply_scored(*a, **k))
+    ids, n, k = prompts[0], len(prompts[0]), 20
+    own, out = target.prefill([ids], max_len=n + 5)
+    for selector in ("rank", "attn-source"):
+        cache, logits, res = handoff(source, target, mapper, [ids], HandoffConfig(1.0, selector), max_len=n + 5)
+        assert res.positions == [list(range(n))] and res.scores is None and res.timings["score"] < 1
+        torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.k[:, :, :, :n], own.k[:, :, :, :n], atol=1e-5, rtol=0)
+    held = target.new_cache(1, n)
+    held.copy_prefix(own, k)
+    cache, logits, res = handoff(source, target, mapper, [ids], HandoffConfig(1.0, "suffix"), target_cache=held,
+                                 target_kept=[k])
+    assert res.positions == [list(range(k, n))]
+    torch.testing.assert_close(logits, out.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(cache.v[:, :, :, :n], own.v[:, :, :, :n], atol=1e-5, rtol=0)
+    _, _, res = handoff(source, target, mapper, [ids], HandoffConfig(0.0, "rank"), target_cache=held,
+                        target_kept=[n - 1])
+    assert res.positions == [[n - 1]] and ran == []
+    handoff(source, target, mapper, [ids], HandoffConfig(0.9, "rank"))  # below 1: the map runs
+    assert ran == ["map"]
+
+
 def test_rho_zero_is_plain_transfer(fitted):
     """Only the last position is computed; every other row is the map's output."""
     source, target, mapper, prompts = fitted

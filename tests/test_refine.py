@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from rarecache.cli import main
-from rarecache.engine.runner import Runner, pack_float32, pad_batch
+from rarecache.engine.runner import Runner, pad_batch
+from rarecache.models.packed import pack_float32
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig

@@ -269,6 +269,19 @@ def test_float32_logits_keep_what_a_bf16_head_rounds(tiny, pack):
     assert not runner.float32_head  # nested uses restore what was there
 
 
+def test_packing_default_is_by_dtype_device_and_capability(tiny, monkeypatch):
+    """One rule (`packs_by_default`): bfloat16 packs on a CPU whose oneDNN packs it, float32 and other devices
+    never unless asked; a CPU that cannot pack bf16 (mocked) loads it unpacked."""
+    from rarecache.models import packed
+
+    _, path, _ = tiny
+    assert not packed.packs_by_default(torch.float32, "cpu") and not packed.packs_by_default(torch.bfloat16, "meta")
+    assert packed.packs_by_default(torch.bfloat16, "cpu") == can_pack(torch.bfloat16, "cpu")
+    assert Runner.load(path, dtype=torch.bfloat16).packed == can_pack(torch.bfloat16, "cpu")
+    monkeypatch.setattr(packed, "_cpu_packs_bf16", lambda: False)
+    assert not packed.packs_by_default(torch.bfloat16, "cpu") and not Runner.load(path, dtype=torch.bfloat16).packed
+
+
 def test_decode_step_over_separate_caches_equals_each_row_alone(tiny):
     """The scheduler's step: one token for each of three sequences held in their own caches, the
     linear layers batched, equals `forward` on each alone (logits and the rows written), and a

@@ -27,9 +27,10 @@ from typing import Callable
 import torch
 
 from ..engine.attention import attend, attend_reference
-from ..engine.runner import Runner, pack_float32
+from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..registry import RANK
+from ..models.packed import pack_float32
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset

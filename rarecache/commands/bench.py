@@ -323,7 +323,7 @@ def cmd_bench_ablate(args) -> int:
 
     source, target, mapper, pair = bench_pair(args)
     if args.pack and not target.packed:
-        from ..engine.runner import pack_float32
+        from ..models.packed import pack_float32
 
         if not pack_float32(target.dtype, target.device):
             _pack(target)  # refused with the reason (the float32 rows pack it in place after timing it plain)

@@ -144,7 +144,7 @@ def _strip(args, mapper) -> None:
         _, _, res = handoff(pipe.source.runner, pipe.target.runner, mapper, [ids],
                             HandoffConfig(rho=args.rho, selector=name))
         picks[sel.label] = res.positions[0]
-        if name == RANK:
+        if name == RANK and res.scores is not None:  # (rho 1 scores nothing: every position is recomputed)
             scores = res.scores[0].tolist()
     tokens = [pipe.source.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
     plot_strip(tokens, picks, scores, args.rho, args.strip)

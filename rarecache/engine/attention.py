@@ -9,7 +9,10 @@ scattered positions) goes through the kernel `choose` picks for the device, the 
 place that choice is made:
 - CPU: query blocks, each attending only to keys up to its highest position, so
   causally invalid pairs are mostly never computed (a dense ρT x T mask would
-  evaluate all of them).
+  evaluate all of them). Neighbouring blocks whose key ranges are close run as one
+  call (`query_blocks`): each call has a fixed cost (in bfloat16 the kernel repacks
+  the keys per call; 32-query blocks of a 614-query suffix took 2x one dense call),
+  so a suffix over a long prefix runs as one masked call.
 - CUDA: FlexAttention (torch.nn.attention.flex_attention, compiled) with a position
   mask, so the same skipping happens inside one fused kernel (the blocks were many
   small launches there, 3.4x slower than one dense-mask kernel on an H200,
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 QUERY_BLOCK = 32  # queries per block on the CPU's path (smaller blocks skip more invalid pairs)
+MERGE_SLACK = 0.25  # neighbouring blocks run as one call while it computes at most this share more pairs
 CAUSAL, BLOCKS, FLEX, DENSE = "causal", "blocks", "flex", "dense"  # the kernels a Plan names
 FAILURES: list[str] = []  # FlexAttention failures on this process (then the dense mask takes over)
 
@@ -54,11 +58,13 @@ def attend_reference(q, q_pos, k, v, filled, capture_rows=None, plain=None, plan
 
 
 def _is_plain_prefill(q_pos: torch.Tensor, filled: torch.Tensor) -> bool:
-    """Queries are exactly positions 0..T-1 in every row and those are the only keys."""
+    """Queries are exactly positions 0..T-1 in every row and their slots are filled. Slots past T (a cache
+    allocated longer than the prompt) do not matter: no query sees a key past its own position, so the
+    causal kernel over the first T keys is the position rule exactly."""
     T = q_pos.shape[1]
-    if filled.shape[1] != T:
+    if filled.shape[1] < T:
         return False
-    return bool((q_pos == torch.arange(T, device=q_pos.device)).all()) and bool(filled.all())
+    return bool((q_pos == torch.arange(T, device=q_pos.device)).all()) and bool(filled[:, :T].all())
 
 
 def flex_available() -> bool:
@@ -84,7 +90,7 @@ class Plan:
     """What one pass's attention needs about its positions, built once before its layers (`prepare`)."""
 
     kind: str  # CAUSAL, BLOCKS, FLEX or DENSE
-    lengths: tuple[int, ...] = ()  # BLOCKS: each query block's key length
+    blocks: tuple[tuple[int, int], ...] = ()  # BLOCKS: each query block's (end, key length), `query_blocks`
     mask: torch.Tensor | None = None  # DENSE: (B, 1, T, S)
     block_mask: object | None = None  # FLEX: its BlockMask
 
@@ -99,6 +105,24 @@ def block_lengths(host_pos: torch.Tensor) -> tuple[int, ...]:
     return tuple((top + 1).clamp(min=1).tolist())
 
 
+def query_blocks(host_pos: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """The BLOCKS kernel's calls for positions (B, T) on the host: (end of its queries, its key length) each,
+    consecutive, covering every query. QUERY_BLOCK blocks (`block_lengths`) are coalesced while one call over
+    the longest of their key ranges computes at most MERGE_SLACK more query-key pairs than they would apart."""
+    T = host_pos.shape[1]
+    calls: list[list[int]] = []  # [start, end, key length, pairs the blocks apart would compute]
+    for j, length in enumerate(block_lengths(host_pos)):
+        start, end = j * QUERY_BLOCK, min((j + 1) * QUERY_BLOCK, T)
+        pairs = (end - start) * length
+        if calls:
+            s0, _, n0, p0 = calls[-1]
+            if (end - s0) * max(n0, length) <= (1 + MERGE_SLACK) * (p0 + pairs):
+                calls[-1] = [s0, end, max(n0, length), p0 + pairs]
+                continue
+        calls.append([start, end, length, pairs])
+    return tuple((end, length) for _, end, length, _ in calls)
+
+
 def prepare(kind: str, q_pos: torch.Tensor, filled: torch.Tensor, host_pos: torch.Tensor | None = None,
             plain: bool | None = None) -> Plan:
     """The plan for queries at q_pos (B, T) over slots filled (B, S) through kernel `kind` (`choose`).
@@ -108,7 +132,7 @@ def prepare(kind: str, q_pos: torch.Tensor, filled: torch.Tensor, host_pos: torc
         return Plan(CAUSAL)
     if q_pos.shape[1] > QUERY_BLOCK:  # a few queries: one small dense kernel is cheapest anywhere
         if kind == BLOCKS:
-            return Plan(BLOCKS, block_lengths(q_pos.cpu() if host_pos is None else host_pos))
+            return Plan(BLOCKS, query_blocks(q_pos.cpu() if host_pos is None else host_pos))
         if kind == FLEX and not FAILURES:  # (once it failed, the dense mask: no block mask to build)
             block_mask = _flex_block_mask(q_pos, filled)
             if block_mask is not None:
@@ -133,10 +157,11 @@ def attend(
     here for the device's kernel, with `plain` as `prepare` takes it.
     """
     plan = plan or prepare(choose(q.device), q_pos, filled, plain=plain)
-    if plan.kind == CAUSAL:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if plan.kind == CAUSAL:  # queries 0..T-1: the first T keys (no query sees past its own position)
+        T = q.shape[2]
+        out = F.scaled_dot_product_attention(q, k[:, :, :T], v[:, :, :T], is_causal=True, enable_gqa=True)
     elif plan.kind == BLOCKS:
-        out = attend_blocks(q, q_pos, k, v, filled, plan.lengths)
+        out = attend_blocks(q, q_pos, k, v, filled, plan.blocks)
     elif plan.kind == FLEX:
         out = _flex(q, k, v, plan.block_mask)
         if out is None:  # it failed to compile (recorded): the dense mask, here and from now on
@@ -149,16 +174,16 @@ def attend(
     return out, probs
 
 
-def attend_blocks(q, q_pos, k, v, filled, lengths: tuple[int, ...] | None = None):
-    """Sparse-causal: blocks of QUERY_BLOCK queries, each over the keys up to its highest position
-    (`lengths`, from `block_lengths`; None: read from q_pos here). -> (B, H, T, D)."""
-    lengths = block_lengths(q_pos.cpu()) if lengths is None else lengths
-    blocks = []
-    for j, length in enumerate(lengths):  # keys past `length` are never visible to this block
-        s = slice(j * QUERY_BLOCK, (j + 1) * QUERY_BLOCK)
-        blocks.append(attend_dense(q[:, :, s], q_pos[:, s], k[:, :, :length], v[:, :, :length],
-                                   filled[:, :length]))
-    return torch.cat(blocks, dim=2)
+def attend_blocks(q, q_pos, k, v, filled, blocks: tuple[tuple[int, int], ...] | None = None):
+    """Sparse-causal: blocks of queries, each over the keys up to its highest position (`blocks`, from
+    `query_blocks`; None: read from q_pos here). -> (B, H, T, D)."""
+    blocks = query_blocks(q_pos.cpu()) if blocks is None else blocks
+    outs, start = [], 0
+    for end, length in blocks:  # keys past `length` are never visible to this block
+        s = slice(start, end)
+        outs.append(attend_dense(q[:, :, s], q_pos[:, s], k[:, :, :length], v[:, :, :length], filled[:, :length]))
+        start = end
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def attend_sparse(q, q_pos, k, v, filled, capture_rows=None, plain=None, plan=None):

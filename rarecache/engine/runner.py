@@ -18,7 +18,7 @@ import torch
 from ..models.config import ModelConfig
 from ..models.llama import CausalLM
 from ..models.loader import load_model
-from ..models.packed import can_pack, pack_model
+from ..models.packed import can_pack, pack_float32, pack_model, packs_by_default
 from ..models.rope import Rope
 from . import attention as kernels
 from .attention import Plan, attend
@@ -62,8 +62,8 @@ class Step:
 class Runner:
     def __init__(self, model: CausalLM, path: Path | None = None, pack: bool | None = None):
         """`pack`: prepack the decoder layers' linear weights and the LM head for oneDNN (in place; see
-        models.packed). None packs where it is exact and faster (bfloat16 on a CPU); True also packs
-        float32 on a CPU (`pack_float32`); False keeps plain `F.linear`."""
+        models.packed). None packs where `packs_by_default` says (bfloat16 on a CPU whose oneDNN packs
+        it); True also packs float32 on a CPU (`pack_float32`); False keeps plain `F.linear`."""
         self.model = model
         self.path = path  # checkpoint directory, when loaded from one
         self.attention = attend  # the kernel; benchmarks swap in the dense reference to measure the gain
@@ -73,7 +73,7 @@ class Runner:
         self.dtype, self.device = p.dtype, p.device
         self.kernel = kernels.choose(self.device)  # what `attend` runs for scattered queries here
         self.packed = False
-        if pack or (pack is None and can_pack(self.dtype, self.device)):
+        if pack or (pack is None and packs_by_default(self.dtype, self.device)):
             self.pack()
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
 
@@ -259,21 +259,6 @@ class Runner:
             return cache, ForwardOutput(torch.cat(outs))
         return cache, self.forward(*pad_batch(prompts, self.device), cache)
 
-
-@functools.cache
-def _onednn_float32() -> bool:
-    try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8))
-        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8), w, None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def pack_float32(dtype: torch.dtype, device) -> bool:
-    """Whether float32 weights can be prepacked here (a CPU build with oneDNN): opt-in, `Runner.pack`."""
-    return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
-            and _onednn_float32())
 
 
 def spans(prompts: list[list[int]], starts: list[int], device="cpu") -> tuple[torch.Tensor, torch.Tensor]:

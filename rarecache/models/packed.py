@@ -22,6 +22,18 @@ import torch
 from torch import nn
 
 
+def packs_by_default(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a `Runner` prepacks its weights when not told (`pack=None`): the one place that is decided,
+    by dtype, device and what this CPU's oneDNN does. bfloat16: wherever oneDNN packs bf16 (`can_pack`;
+    exact and faster: 1.2x on one decoder layer's products for a decoded token, 1.07-1.26x at 154-2048
+    rows, AVX-512 + AMX). float32: never by default; oneDNN's float32 products against MKL's `F.linear`
+    over one decoder layer (research/scripts/time_packed_products.py, AVX-512, one thread) are 1.1-1.2x
+    at 52-154 rows, 0.94-1.02x at 614, 0.88-0.94x at a 2048-row prefill and 0.53-0.63x for a decoded
+    token, and float32-close, not bitwise (`pack_float32`: opt-in, `Runner.pack`, `bench --pack`). Not
+    measured on an AVX2-only CPU, where bfloat16 does not pack (oneDNN refuses) and float32 is what runs."""
+    return can_pack(dtype, device)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether prepacking applies: bfloat16 on a CPU whose oneDNN build can pack bf16 weights."""
     return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
@@ -36,6 +48,22 @@ def _cpu_packs_bf16() -> bool:
     try:
         w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16))
         torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8, dtype=torch.bfloat16), w, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def pack_float32(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether float32 weights can be prepacked here (a CPU build with oneDNN): opt-in (`packs_by_default`)."""
+    return (dtype == torch.float32 and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available()
+            and _onednn_float32())
+
+
+@cache
+def _onednn_float32() -> bool:
+    try:
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8))
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, 8), w, None, "none", [], "")
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -5,7 +5,8 @@ target then runs its layers over the selected positions only, at their true
 positions: each layer overwrites those rows with its own k, v and attends over
 the whole mixed cache by the exact causal rule. The last prompt position is
 always selected (it yields the first token's logits) and counts inside the
-budget. ρ = 1 reproduces the target's own prefill; ρ = 0 is plain transfer.
+budget. ρ = 1 reproduces the target's own prefill (and maps and scores nothing: no mapped row
+would be read); ρ = 0 is plain transfer.
 
 A handoff can start mid-conversation: the source cache may already hold the
 first `source_kept` positions (only the rest is prefilled), and the target cache
@@ -106,6 +107,12 @@ def _now(runner: Runner) -> float:
     return now(runner.device)
 
 
+def recomputes_all(cfg: HandoffConfig, widths: list[int]) -> bool:
+    """Whether the budget recomputes every handed-off position of spans `widths` wide (ρ 1, or a
+    one-position span): then nothing the map writes is ever read, and `handoff` maps and scores nothing."""
+    return cfg.schedule == POSITIONS and all(budget(cfg.rho, w) >= w for w in widths)
+
+
 def prefix_layers(rho: float, length: int, layers: int) -> int:
     """Layers to run for every position so layer-prefix costs what ⌈ρT⌉ positions x all layers cost."""
     if length <= 1:
@@ -135,10 +142,11 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
                   max_len: int | None = None, source_cache: KVCache | None = None,
                   source_kept: list[int] | None = None, target_cache: KVCache | None = None,
                   target_kept: list[int] | None = None, source_attn: torch.Tensor | None = None,
-                  target_prefill: tuple[KVCache, torch.Tensor] | None = None) -> Mapped:
+                  target_prefill: tuple[KVCache, torch.Tensor] | None = None, mapped: bool = True) -> Mapped:
     """The source prefills what it has not seen, the map fills the target cache, the selector scores
     the handed-off positions (arguments as `handoff`). At rho 0 the map's plain-transfer view maps
-    (`Mapper.at_rho`)."""
+    (`Mapper.at_rho`). `mapped` False (every position is about to be recomputed): the source still
+    prefills, nothing is mapped or scored (scores None)."""
     mapper = mapper.at_rho(cfg.rho)
     B, lengths = len(prompts), [len(p) for p in prompts]
     source_kept = source_kept or [0] * B
@@ -146,7 +154,7 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     if (any(not 0 <= s < n for s, n in zip(target_kept, lengths))
             or any(not 0 <= s <= n for s, n in zip(source_kept, lengths))):
         raise RarecacheError("handoff spans must lie inside the prompts and leave at least one position")
-    selector = cfg.scorer
+    selector = cfg.scorer if mapped else None
     timings: dict[str, float] = {}
     device = target.device
 
@@ -168,7 +176,8 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     cache = target_cache or target.new_cache(B, max_len or max(lengths))
     toks, positions = spans(prompts, target_kept, device)
     needs_rank = selector is not None and selector.needs_rank  # rank disagreement is computed inside the map
-    rank = mapper.apply_scored(source, source_cache, target, cache, positions, rank=needs_rank, tokens=toks)
+    rank = mapper.apply_scored(source, source_cache, target, cache, positions, rank=needs_rank,
+                               tokens=toks) if mapped else None
     timings["map"] = _now(target) - t
 
     t = _now(target)
@@ -199,8 +208,9 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     (for attn-source), and `target_prefill`, the target's own prefill cache and
     attention received (for the oracles).
     """
+    everything = recomputes_all(cfg, [len(p) - s for p, s in zip(prompts, target_kept or [0] * len(prompts))])
     m = map_and_score(source, target, mapper, prompts, cfg, max_len, source_cache, source_kept, target_cache,
-                      target_kept, source_attn, target_prefill)
+                      target_kept, source_attn, target_prefill, mapped=not everything)
     cache, whole, positions, timings, lengths = m.cache, m.whole, m.positions, m.timings, m.lengths
     if cfg.schedule == LAYER_PREFIX:
         return _layer_prefix(target, prompts, cfg, cache, m.tokens, positions, m.target_kept, timings)
@@ -208,7 +218,8 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
         return _two_pass(target, m, cfg)
     t = _now(target)
     scores, target_kept = m.scores, m.target_kept
-    chosen = [s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
+    chosen = [torch.arange(s, n, device=whole.device) if everything else
+              s + select_top(scores[b, : n - s], budget(cfg.rho, n - s))
               for b, (s, n) in enumerate(zip(target_kept, lengths))]
     timings["score"] += _now(target) - t
 
@@ -216,7 +227,8 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
     sel_tokens, sel_pos = subset(whole, chosen)
     logits = target.forward(sel_tokens, sel_pos, cache).logits
     timings["recompute"] = _now(target) - t
-    per_request = [scores[b, : n - s].cpu() for b, (s, n) in enumerate(zip(target_kept, lengths))]
+    per_request = None if scores is None else [scores[b, : n - s].cpu() for b, (s, n) in
+                                               enumerate(zip(target_kept, lengths))]
     return cache, logits, HandoffResult([c.tolist() for c in chosen], per_request, list(zip(target_kept, lengths)),
                                         timings=timings)
 
