@@ -13,7 +13,8 @@ from .common import add_model_options, map_specs
 # The names in rarecache.eval.tasks.TASKS, in its order, for `eval run --help` alone: importing the tasks
 # (and the corpus and tokenizer code under them) just to print help is what this spares. A test holds the two equal.
 TASK_NAMES = ("gsm8k", "gsm8k_bpb", "arc_challenge", "arc_easy", "hellaswag", "winogrande", "mmlu", "coqa",
-              "coqa_bpb", "coqa_passage", "wiki_ppl")
+              "coqa_bpb", "coqa_passage", "wiki_ppl", "retrieval", "multidoc_qa", "code_qa", "multiturn",
+              "passage_qa_gen")
 
 
 def register(sub) -> None:
