@@ -32,6 +32,7 @@ class Task:
     metric = ""  # the headline field of a result row
     kind = "generate"  # or "likelihood"
     chance = 0.0  # accuracy of guessing (for floor-normalised retention)
+    max_new_tokens: int | None = None  # generation tasks with short answers: their own cap (below --max-new-tokens)
 
     def __init__(self, cache_dir: Path | None = None, tokenizer: Any = None):
         self.cache_dir = cache_dir

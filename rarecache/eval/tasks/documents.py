@@ -13,6 +13,7 @@ as CoQA's tasks split them), the question naming its story's number.
 
 from __future__ import annotations
 
+from ...errors import RarecacheError
 from .coqa import CALIBRATION_STORIES, _stories
 from .longctx import DEPTHS, LongContextTask, contains, qa_score, seeded
 from .longctx_data import hotpot_pool
@@ -38,7 +39,10 @@ class MultiDocQA(LongContextTask):
         return qs
 
     def build(self, split: str, T: int, k: int):
-        q = self.memo(("questions", split), lambda: self._questions(split))[k]
+        questions = self.memo(("questions", split), lambda: self._questions(split))
+        if k >= len(questions):
+            raise RarecacheError(f"{self.name}: the {split} pool has {len(questions)} questions; item {k} asks for more")
+        q = questions[k]
         paragraphs = hotpot_pool(self.name, split, self.cache_dir).paragraphs
         rng = seeded(self.name, split, T, k)
         depth = DEPTHS[k % len(DEPTHS)]

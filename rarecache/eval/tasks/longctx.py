@@ -48,7 +48,7 @@ def seeded(*key: Any) -> random.Random:
 
 def first_fit(budget: int, candidates: Iterable[Any], cost: Callable[[Any], int], misses: int = 64) -> list[Any]:
     """Candidates in their order, each taken while it still fits in `budget` tokens; stops after `misses`
-    candidates in a row did not fit."""
+    candidates in a row did not fit (`misses` 1: the longest run of the first candidates that fits)."""
     out, used, missed = [], 0, 0
     for c in candidates:
         n = cost(c)
@@ -157,12 +157,14 @@ class LongContextTask(Task):
         return len(self.tokenizer.encode_chat(messages))
 
     def fill(self, T: int, render: Callable[[list], list[dict]], candidates: Iterable[Any],
-             cost: Callable[[Any], int], cut: Callable[[Any, int], Any] | None = None) -> tuple[list[dict], list[Any]]:
+             cost: Callable[[Any], int], cut: Callable[[Any, int], Any] | None = None,
+             in_order: bool = False) -> tuple[list[dict], list[Any]]:
         """The prompt `render(units)` makes of filler units taken first-fit from `candidates`, of at most T tokens
         as the models encode it and at least T - slack(T), and the units. Unit costs are counted alone, so their
         sum misses what joining them adds or merges: the room is corrected by what the rendered prompt measures,
         and units come off the end while it is over T. `cut(unit, tokens)` (a unit shortened to about `tokens`,
-        or None) tops a prompt of large units up with the start of one more."""
+        or None) tops a prompt of large units up with the start of one more. `in_order`: units are a running text
+        (lines, blocks), taken as its first ones, none skipped but (where one will not cut to fit) the top-up's."""
         pool, total = [], 0
         for c in candidates:  # enough candidates to fill any room (a generator is read no further)
             pool.append(c)
@@ -171,7 +173,7 @@ class LongContextTask(Task):
                 break
         room, best = T - self.prompt_tokens(render([])), (-1, [])
         for _ in range(6):  # the room moves by what the last choice measured over or under T
-            chosen = first_fit(room, pool, cost)
+            chosen = first_fit(room, pool, cost, 1 if in_order else 64)
             got, used = self.prompt_tokens(render(chosen)), sum(map(cost, chosen))
             if got <= T and got > best[0]:
                 best = (got, chosen)
@@ -183,7 +185,8 @@ class LongContextTask(Task):
             chosen = chosen[:-1]
             got = self.prompt_tokens(render(chosen))
         if cut is not None and got <= T:
-            chosen, got = self._top_up(T, render, [c for c in pool if c not in chosen][:16], chosen, got, cut)
+            spare = pool[len(chosen):len(chosen) + 4] if in_order else [c for c in pool if c not in chosen][:16]
+            chosen, got = self._top_up(T, render, spare, chosen, got, cut)
         if got > T:
             raise RarecacheError(f"{self.name}: the question alone is longer than {T} tokens")
         if got < T - slack(T):

@@ -90,7 +90,7 @@ class Retrieval(LongContextTask):
             text = sep.join(place(units, needles, cost))
             return [{"role": "user", "content": f"{RETRIEVAL_ASK}\n\n{text}\n\n{question}"}]
 
-        messages, _ = self.fill(T, render, filler, cost)
+        messages, _ = self.fill(T, render, filler, cost, in_order=True)
         return self.item(split, T, k, messages, facts[0][1], sources + [f"fact:{key}={v}" for key, v in facts],
                          kind=kind, depth=depth, distractors=[v for _, v in facts[1:]])
 
