@@ -252,3 +252,22 @@ def test_sources_avoid_what_the_general_mix_reads(cache, small):
     blocks = data.code_blocks("eval", cache)
     assert blocks and {i for i, _ in blocks} == {0, 2, 4}
     assert all(files[i].index(b) >= 600 for i, b in blocks)
+
+
+@pytest.mark.real
+def test_real_items_fit_their_lengths_and_share_no_line_with_the_general_mix():
+    """On the pinned data and the bundled tokenizer: every task at every length within slack(T) under T, its
+    calibration pool disjoint, and no document of the served map's calibration mix (general-v3) sharing a line
+    with any of its items, so registering the tasks leaves the mix (and its recorded fingerprint) as it was."""
+    from rarecache.eval.mix import general_corpus
+    from rarecache.models.store import pull
+
+    tok = Tokenizer.from_dir(pull("qwen2.5-coder-0.5b-instruct"))
+    tasks = {name: TASKS[name](tokenizer=tok) for name in NAMES}
+    for name, task in tasks.items():
+        assert task.calibration_corpus().documents
+        for item in task.items():
+            L = item.extra["length"]
+            assert L - longctx.slack(L) <= len(tok.encode_chat(list(item.messages))) <= L, item.id
+    _, dropped = general_corpus(tasks, None, "general-v3")
+    assert dropped == 0

@@ -119,7 +119,7 @@ class CodeQA(LongContextTask):
             text = "\n".join([f"### settings.py\n{settings}\n", *files]).rstrip()
             return [{"role": "user", "content": f"{ASK}\n\n{text}\n\nQuestion: {question}"}]
 
-        messages, chosen = self.fill(T, render, body, lambda b: self.cost(b[1] + "\n\n"), self._lines, in_order=True)
+        messages, chosen = self.fill(T, render, body, lambda b: self.cost(b[1] + "\n\n"), self._lines)
         sources = [f"code:{i}" for i, _ in chosen] + [f"const:{n}={v}" for n, v in constants] + \
             [f"function:{n}" for n, _ in functions]
         return self.item(split, T, k, messages, [answer], sources, kind=kind, depth=0.0)

@@ -100,7 +100,6 @@ class LongContextTask(Task):
 
     lengths: tuple[int, ...] = LENGTHS
     max_new_tokens = 32
-    instruction = ""
 
     def __init__(self, cache_dir=None, tokenizer=None, length: int | None = None):
         super().__init__(cache_dir, tokenizer)

