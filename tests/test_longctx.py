@@ -57,7 +57,8 @@ def cache(tmp_path_factory):
               for i, month in enumerate(["March", "April", "May", "June", "July", "August"])]
     _write(root, f"{LONG_CONTEXT[0]}-{LONG_CONTEXT[1]}", json_dir + "PaulGrahamEssays.json",
            json.dumps({"text": "\n".join(essays)}))
-    files = ["\n".join(f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(120)) for i in range(6)]
+    files = ["\n".join(f"def f{i}_{j}(x):\n    # helper {j} of file {i}: x plus its own index\n    return x + {j}\n"
+                       for j in range(120)) for i in range(6)]
     _write(root, "exllamav2-0.3.2", "exllamav2/conversion/standard_cal_data/code.utf8", "\n\n\n\n".join(files))
     coqa = []
     for s in range(60):
@@ -79,6 +80,7 @@ def small(monkeypatch):
     monkeypatch.setattr(data, "PROSE_ESSAY_CHARS", 2000)
     monkeypatch.setattr(data, "CODE_FILE_CHARS", 600)
     monkeypatch.setattr(documents, "CALIBRATION_STORIES", 20)
+    monkeypatch.setattr(data, "mix_read", lambda cache_dir: frozenset())  # (the mix's other sources are not here)
     data._hotpot_pools.cache_clear()
 
 
@@ -252,6 +254,24 @@ def test_sources_avoid_what_the_general_mix_reads(cache, small):
     blocks = data.code_blocks("eval", cache)
     assert blocks and {i for i, _ in blocks} == {0, 2, 4}
     assert all(files[i].index(b) >= 600 for i, b in blocks)
+
+
+def test_lines_the_mix_reads_elsewhere_are_left_out(cache, small, monkeypatch):
+    """An essay line, a code line or a paragraph that repeats a line of the mix's documents is not used."""
+    from rarecache.eval.disjoint import lines
+
+    (_, essay), *_ = data.essay_tails("eval", cache)
+    block = data.code_blocks("eval", cache)[2][1]
+    question = data.hotpot_pool("multidoc_qa", "eval", cache).questions[3]
+    code_line = block.split("\n")[1]
+    read = frozenset(lines([essay[7], code_line, question.gold[1][1]]))
+    monkeypatch.setattr(data, "mix_read", lambda cache_dir: read)
+    data._hotpot_pools.cache_clear()
+    (_, kept), *_ = data.essay_tails("eval", cache)
+    assert kept == essay[:7] + essay[8:]
+    assert code_line not in "\n".join(b for _, b in data.code_blocks("eval", cache))
+    pool = data.hotpot_pool("multidoc_qa", "eval", cache)
+    assert question not in pool.questions and question.gold[1] not in pool.paragraphs and len(pool.questions) > 100
 
 
 @pytest.mark.real

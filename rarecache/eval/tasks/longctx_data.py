@@ -13,6 +13,10 @@ rest:
 - Paul Graham's essays: each essay's lines after the span the mix reads; even essays evaluate, odd ones calibrate.
 - exllamav2's code.utf8: each file's lines after the head the mix shows, in blocks split at blank lines; even files
   evaluate, odd ones calibrate.
+
+Text repeats within these files (an essay's closing "Want to start a startup?", a file copied into another), so
+beyond the spans, any essay or code line, and any question with a paragraph, that repeats a line of the mix's
+documents built from them (`mix_read`, by `disjoint.lines`' rule) is left out.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from pathlib import Path
 from ...packages import fetch_package_file
 from ...transfer.corpus import BUILTINS, exllama_docs
 from ..data import long_context_json
-from ..mix import CODE_FILE_CHARS, PROSE_ESSAY_CHARS, PROSE_HOTPOTQA_ITEMS, pg_essays
+from ..disjoint import doc_texts, lines
+from ..mix import CODE_FILE_CHARS, PROSE_ESSAY_CHARS, PROSE_HOTPOTQA_ITEMS, components, pg_essays
 
 SPLITS = ("eval", "calibration")
 # (task, split) -> [first, end) of HotpotQA question indices; a later pool never holds an earlier pool's paragraph
@@ -33,6 +38,18 @@ HOTPOT_POOLS = {("multidoc_qa", "eval"): (PROSE_HOTPOTQA_ITEMS, 4500), ("multido
                 ("multiturn", "eval"): (5500, 6700), ("multiturn", "calibration"): (6700, 10 ** 9)}
 BLOCK_CHARS = 1500  # a code block longer than this is cut at line ends (a table of numbers runs to 11k characters)
 LINE_CHARS = 400  # longer code lines (minified data) are left out
+MIX_READERS = ("prose", "code")  # the general mix's components that read these files
+
+
+@functools.lru_cache(maxsize=2)
+def mix_read(cache_dir: Path | None) -> frozenset[str]:
+    """The line hashes (`disjoint.lines`) of the served mix's documents made from these files."""
+    docs = [d for c in components() if c.name in MIX_READERS for _, d in c.build(cache_dir)]
+    return frozenset(lines(t for d in docs for t in doc_texts(d)))
+
+
+def _new(line: str, read: frozenset[str]) -> bool:
+    return not lines([line]) & read
 
 
 @dataclass(frozen=True)
@@ -63,7 +80,9 @@ def hotpot_pool(task: str, split: str, cache_dir: Path | None = None) -> HotpotP
 def _hotpot_pools(cache_dir: Path | None) -> dict[tuple[str, str], HotpotPool]:
     """Every pool of HOTPOT_POOLS, from one read of the 46 MB file (which is not kept)."""
     rows = long_context_json("hotpotqa.json", cache_dir)
-    mix = {t for r in rows[:PROSE_HOTPOTQA_ITEMS] for t, _ in r.get("context", [])}
+    read = mix_read(cache_dir)
+    mix = {t for r in rows[:PROSE_HOTPOTQA_ITEMS] for t, _ in r.get("context", [])} | {
+        t for r in rows[PROSE_HOTPOTQA_ITEMS:] for t, x in r.get("context", []) if not _new(_paragraph(x), read)}
     ranges = sorted(HOTPOT_POOLS.items(), key=lambda kv: kv[1][0])
     owner: dict[str, tuple[str, str] | None] = {}
     for k, r in enumerate(rows[PROSE_HOTPOTQA_ITEMS:], PROSE_HOTPOTQA_ITEMS):
@@ -102,12 +121,13 @@ def _tail_lines(text: str, skip: int) -> list[str]:
 
 
 def essay_tails(split: str, cache_dir: Path | None = None) -> list[tuple[int, list[str]]]:
-    """(essay index, its non-empty lines after the span the mix reads) of the split's essays (even: eval)."""
-    out = []
+    """(essay index, its non-empty lines after the span the mix reads, none repeating a mix line) of the split's
+    essays (even: eval)."""
+    out, read = [], mix_read(cache_dir)
     for i, essay in enumerate(pg_essays(cache_dir)):
-        lines = [ln.strip() for ln in _tail_lines(essay, PROSE_ESSAY_CHARS) if ln.strip()]
-        if lines and i % 2 == SPLITS.index(split):
-            out.append((i, lines))
+        kept = [ln.strip() for ln in _tail_lines(essay, PROSE_ESSAY_CHARS) if ln.strip() and _new(ln, read)]
+        if kept and i % 2 == SPLITS.index(split):
+            out.append((i, kept))
     return out
 
 
@@ -116,14 +136,14 @@ def code_blocks(split: str, cache_dir: Path | None = None) -> list[tuple[int, st
     blank lines, a long one cut at line ends into pieces of at most BLOCK_CHARS, lines over LINE_CHARS left out."""
     b = BUILTINS["code"]
     text = fetch_package_file(b.package, b.version, b.member, cache_dir).read_text(encoding="utf-8")
-    out = []
+    out, read = [], mix_read(cache_dir)
     for i, doc in enumerate(exllama_docs(text)):
         if i % 2 != SPLITS.index(split):
             continue
         tail = "\n".join(_tail_lines(doc, CODE_FILE_CHARS))
         for block in re.split(r"\n\s*\n", tail):
             piece: list[str] = []
-            for line in (x for x in block.rstrip().split("\n") if len(x) <= LINE_CHARS):
+            for line in (x for x in block.rstrip().split("\n") if len(x) <= LINE_CHARS and _new(x, read)):
                 if piece and sum(len(x) + 1 for x in piece) + len(line) > BLOCK_CHARS:
                     out.append((i, "\n".join(piece)))
                     piece = []
