@@ -153,6 +153,8 @@ def test_depth_index_by_hand():
     costs = [10] * 10
     assert [longctx.depth_index(costs, d) for d in (0.0, 0.32, 0.5, 0.97, 1.0)] == [0, 3, 5, 10, 10]
     assert longctx.depth_index([90, 10], 0.5) == 1 and longctx.depth_index([], 0.7) == 0
+    got = longctx.place(["a", "b", "c", "d"], [("Y", 0.5), ("Z", 1.0), ("X", 0.5)], lambda u: 1)
+    assert got == ["a", "b", "Y", "X", "c", "d", "Z"]  # (needles at one boundary in their order)
 
 
 def test_multiturn_states_the_fact_early_and_asks_last(cache, small):

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from ...errors import RarecacheError
 from .coqa import CALIBRATION_STORIES, _stories
-from .longctx import DEPTHS, LongContextTask, contains, qa_score, seeded
+from .longctx import DEPTHS, LongContextTask, contains, place, qa_score, seeded
 from .longctx_data import hotpot_pool
-from .retrieval import place
 
 MULTIDOC_ASK = ("Answer the question using the documents below. Give only the answer, in a few words, "
                 "with no explanation.")

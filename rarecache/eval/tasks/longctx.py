@@ -70,6 +70,17 @@ def depth_index(costs: list[int], depth: float) -> int:
     return best[1]
 
 
+def place(filler: list[str], needles: list[tuple[str, float]], cost: Callable[[str], int]) -> list[str]:
+    """`filler` with each needle inserted at its depth of the filler's tokens (later needles after earlier ones
+    at the same boundary)."""
+    costs = [cost(u) for u in filler]
+    at = sorted(((depth_index(costs, d), j) for j, (_, d) in enumerate(needles)), reverse=True)
+    out = list(filler)
+    for index, j in at:
+        out.insert(index, needles[j][0])
+    return out
+
+
 def answer_line(text: str) -> str:
     """The reply's first line: decoding stops at the end of the answer line."""
     return text.strip().split("\n")[0].strip()

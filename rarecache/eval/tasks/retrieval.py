@@ -17,7 +17,7 @@ rest, so no fact is in both.
 
 from __future__ import annotations
 
-from .longctx import DEPTHS, LongContextTask, depth_index, seeded, value_score
+from .longctx import DEPTHS, LongContextTask, place, seeded, value_score
 from .longctx_data import essay_tails, hotpot_pool
 
 ADJECTIVES = ("amber", "brisk", "calm", "dusty", "eager", "faint", "gentle", "hollow", "icy", "jolly", "keen",
@@ -45,17 +45,6 @@ def keys_and_values(split: str, rng, n: int, avoid: str = "") -> list[tuple[str,
         if all(key != k and value != v for k, v in facts) and value not in avoid:
             facts.append((key, value))
     return facts
-
-
-def place(filler: list[str], needles: list[tuple[str, float]], cost) -> list[str]:
-    """`filler` with each needle inserted at its depth of the filler's tokens (later needles after earlier ones
-    at the same boundary)."""
-    costs = [cost(u) for u in filler]
-    at = sorted(((depth_index(costs, d), j) for j, (_, d) in enumerate(needles)), reverse=True)
-    out = list(filler)
-    for index, j in at:
-        out.insert(index, needles[j][0])
-    return out
 
 
 class Retrieval(LongContextTask):
