@@ -19,6 +19,7 @@ from rarecache.eval.tasks import TASKS, open_task
 from rarecache.models.tokenizer import Tokenizer
 
 from .conftest import build_tokenizer
+from .test_cli_transfer import mapped  # noqa: F401  (the tiny pair with a fitted map)
 
 T = 1024
 WORDS = "red green blue small large quick slow north south river stone cloud paper glass metal".split()
@@ -274,6 +275,32 @@ def test_lines_the_mix_reads_elsewhere_are_left_out(cache, small, monkeypatch):
     assert code_line not in "\n".join(b for _, b in data.code_blocks("eval", cache))
     pool = data.hotpot_pool("multidoc_qa", "eval", cache)
     assert question not in pool.questions and question.gold[1] not in pool.paragraphs and len(pool.questions) > 100
+
+
+def test_eval_run_on_the_tiny_pair_records_what_the_summary_reads(cache, small, mapped, tmp_path, capsys):
+    """`eval run --task retrieval --length T` end to end: the task's answer cap, each row's length and normalised
+    prediction, the length and items' hash in the run record; no --length, or a --length for another task, is
+    refused before any model loads."""
+    from rarecache.cli import main
+    from rarecache.eval.results import load_results
+
+    out = tmp_path / "retrieval-1024.jsonl"
+    base = ["eval", "run", "--source", str(mapped / "src"), "--target", str(mapped / "tgt"), "--map",
+            f"srv={mapped / 'm.safetensors'}", "--dtype", "float32", "--cache-dir", str(cache), "--out", str(out)]
+    assert main(base + ["--task", "retrieval", "--length", "1024", "--arms", "target", "source", "0.3:suffix@srv",
+                        "--limit", "2"]) == 0
+    rows = load_results(out)
+    assert {r["arm"] for r in rows} == {"target", "source", "rho=0.3/suffix@srv"} and len(rows) == 6
+    assert all(r["length"] == 1024 and r["new_tokens"] <= 32 and isinstance(r["prediction"], str) for r in rows)
+    meta = json.loads(out.with_suffix(".meta.json").read_text())
+    assert meta["sampling"]["max_new_tokens"] == 32 and meta["task_file"]["length"] == 1024
+    assert meta["task_file"]["sha256"] == _task(cache, "retrieval").record()["sha256"]
+    for bad, msg in ((["--task", "retrieval"], "give --length 1024 or 2048 or 4096"),
+                     (["--task", "gsm8k", "--length", "1024"], "--length goes with"),
+                     (["--task", "code_qa", "--length", "512"], "not 512")):
+        capsys.readouterr()
+        assert main(base + bad) == 2, bad
+        assert msg in capsys.readouterr().err
 
 
 @pytest.mark.real
