@@ -103,6 +103,12 @@ TASKS = Names("task", {
     COQA_BPB: f"{_TASKS}.coqa:CoQABPB",
     COQA_PASSAGE: f"{_TASKS}.coqa:CoQAPassage",
     "wiki_ppl": f"{_TASKS}.wiki_ppl:WikiPerplexity",
+    # the long-context suite (eval/tasks/longctx.py): built at --length 1024, 2048 or 4096
+    "retrieval": f"{_TASKS}.retrieval:Retrieval",
+    "multidoc_qa": f"{_TASKS}.documents:MultiDocQA",
+    "code_qa": f"{_TASKS}.code_qa:CodeQA",
+    "multiturn": f"{_TASKS}.retrieval:MultiTurn",
+    "passage_qa_gen": f"{_TASKS}.documents:PassageQAGen",
 })
 
 PRESETS = Names("preset", {

@@ -37,7 +37,7 @@ find_map() {  # NAME [COMMIT:PATH]: the first copy found, else the one git histo
 }
 
 STEPS=(acc-mmlu acc-arc_challenge acc-hellaswag acc-coqa_passage acc-gsm8k drift-coqa probe summary reverse
-       ceiling bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
+       ceiling longctx bench-handoff bench-serve bench-load bench-vllm-switch bench-vllm-load)
 # The results table's steps run v4 (the served map, label v4b in the records) beside v3 (the map it replaced, put
 # back from git history) in the same files, as the adoption runs did (research/fidelity/ADOPTION.md).
 what() {  # the figure a step makes, and where the committed one is
@@ -56,6 +56,10 @@ what() {  # the figure a step makes, and where the committed one is
     ceiling) echo "README's budget line: MMLU agreement through v4's suffix at rho 0.2-0.7, the 1.5B in float32 against" \
                   "bf16, and the suffix handoff's speed at those budgets (research/fidelity/ceiling, research/fidelity/adopt/mmlu," \
                   "research/fidelity/bench/handoff-2048-suffix-v4b*.txt; bf16; about 30 minutes)";;
+    longctx) echo "the long-context suite (docs/artifacts/longctx-summary.json): retrieval, multidoc_qa, code_qa, multiturn," \
+                  "passage_qa_gen at T 1024 and 2048 (100 items each), retrieval and multidoc_qa at 4096 (30 items): target /" \
+                  "source / the served arm through the served map (labelled by its sha256 prefix), then the served handoff" \
+                  "timed against the 1.5B's prefill at T 2048; bf16; days on 2 cores: run it in the background, it resumes";;
     bench-handoff) echo "speed table: handoff vs the 1.5B's prefill, batch 1, T 512/2048 (docs/artifacts/bench-handoff-b1-packed.txt;" \
                         "bf16, rank; timed through the served map, of the same shapes as the record's)";;
     bench-serve) echo "speed table: a switched conversation's first token in rarecache serve (docs/artifacts/bench-serve-switch.txt)";;
@@ -93,6 +97,17 @@ cmds() {  # the commands of a step, one per line, as they run (variables expand 
       echo "\$RC eval run --task mmlu --source \$S --target \$T --map v4=\$SERVED --arms target --limit 300 --dtype float32 --out \$OUT/ceiling-mmlu-fp32.jsonl"
       echo "\${PYTHON:-python} research/scripts/agreement_ceiling.py \$OUT/ceiling-mmlu.jsonl \$OUT/ceiling-mmlu-fp32.jsonl:target:float32 \$OUT/ceiling-mmlu.jsonl:rho=0.2/suffix@v4:suffix-0.2 \$OUT/ceiling-mmlu.jsonl:rho=0.3/suffix@v4:suffix-0.3 \$OUT/ceiling-mmlu.jsonl:rho=0.5/suffix@v4:suffix-0.5 \$OUT/ceiling-mmlu.jsonl:rho=0.7/suffix@v4:suffix-0.7 | tee \$OUT/ceiling-mmlu.md"
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 2048 --rhos 0.2 0.3 0.5 0.7 --batches 1 --repeats 2 --selector suffix --dtype bfloat16 --out \$OUT/bench-handoff-suffix.json --no-summary | tee \$OUT/bench-handoff-suffix.txt";;
+    longctx)
+      local files="" tl t L n
+      echo "SL=\$(sha256sum \"\$SERVED\" | cut -c1-12)"  # the served map's label: its sha256 prefix
+      for tl in {retrieval,multidoc_qa,code_qa,multiturn,passage_qa_gen}@{1024,2048} {retrieval,multidoc_qa}@4096; do
+        t=${tl%@*} L=${tl#*@} n=100; [ "$L" = 4096 ] && n=30
+        echo "\$RC eval run --task $t --length $L --source \$S --target \$T --map \$SL=\$SERVED --arms target source \$ARM@\$SL --limit $n --dtype bfloat16 --out \$OUT/longctx-$t-$L.jsonl"
+        echo "\$RC eval report \$OUT/longctx-$t-$L.jsonl > \$OUT/longctx-$t-$L.report.md"
+        files="$files \$OUT/longctx-$t-$L.jsonl"
+      done
+      echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 2048 --rhos \${ARM%%:*} --batches 1 --repeats 5 --selector \${ARM#*:} --dtype bfloat16 --out \$OUT/bench-longctx.json --no-summary | tee \$OUT/bench-longctx.txt"
+      echo "\$RC eval longctx-summary$files --bench \$OUT/bench-longctx.json --arm \$ARM --map-label \$SL --out \$OUT/longctx-summary.json";;
     bench-handoff)
       echo "\$RC bench handoff --source \$S --target \$T --map \$SERVED --lengths 512 2048 --rhos 0.2 0.3 0.5 --batches 1 --repeats 5 --selector rank --dtype bfloat16 --out \$OUT/bench-handoff.json --no-summary | tee \$OUT/bench-handoff.txt";;
     bench-serve)

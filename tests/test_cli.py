@@ -135,7 +135,7 @@ def test_help_imports_no_model_code():
             "             or m.startswith(('rarecache.eval', 'rarecache.engine', 'rarecache.transfer'))))\n")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
                          check=True).stdout
-    assert len(commands) == 31 and out.splitlines()[-1] == "[]"
+    assert len(commands) == 32 and out.splitlines()[-1] == "[]"
 
 
 def test_served_model_names(tmp_path, monkeypatch):

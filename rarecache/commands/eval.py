@@ -19,11 +19,13 @@ def register(sub) -> None:
     _add_report(ev)
     from .drift import register as register_drift
     from .gate import register as register_gate
+    from .longctx import register as register_longctx
     from .probe import register as register_probe
 
     register_gate(ev)
     register_drift(ev)
     register_probe(ev)
+    register_longctx(ev)
 
 
 RUN_DESCRIPTION = """\
@@ -64,6 +66,9 @@ def _add_run(ev) -> None:
     e.add_argument("--selector-rho", type=float, default=0.3, help="budget of --selectors (default: 0.3)")
     e.add_argument("--arms", nargs="+", default=None,
                    help="explicit arms instead of the grid: target, source, RHO:SELECTOR[@LABEL]")
+    e.add_argument("--length", type=int, default=None, metavar="T",
+                   help="long-context tasks (retrieval, multidoc_qa, code_qa, multiturn, passage_qa_gen): the prompt "
+                        "length in tokens, 1024, 2048 or 4096 (100 items at each)")
     e.add_argument("--limit", type=int, default=30, help="items to evaluate (default: 30)")
     e.add_argument("--start", type=int, default=0, help="first item (default: 0)")
     e.add_argument("--max-new-tokens", type=int, default=None,
@@ -87,11 +92,16 @@ def cmd_eval_run(args) -> int:
     from ..eval.report import by_turn, markdown, summarise, template_prompt_share
     from ..eval.results import load_results, map_shas, run_meta
     from ..eval.run import run_task
-    from ..eval.tasks import TASKS, open_task
+    from ..eval.tasks import LONG_CONTEXT, TASKS, open_task
     from ..transfer.mapper import Mapper
 
     # a task file is read and checked before any model loads; a registered task needs the tokenizer
-    task = None if args.task in TASKS else open_task(args.task, args.cache_dir)
+    task = None if args.task in TASKS else open_task(args.task, args.cache_dir, length=args.length)
+    if args.task in LONG_CONTEXT and args.length is None:
+        raise RarecacheError(f"{args.task} is built at a length: give --length "
+                             f"{' or '.join(map(str, TASKS[args.task].lengths))}")
+    if args.task in TASKS and args.length is not None:
+        open_task(args.task, args.cache_dir, length=args.length)  # refuses a length the task is not built at
     if args.limit < 1 or args.start < 0:
         raise RarecacheError("--limit must be >= 1 and --start >= 0")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
@@ -105,7 +115,7 @@ def cmd_eval_run(args) -> int:
     map_paths = map_specs(args.map)
     arms = _eval_arms(args, tuple(map_paths))
     source, target = (LLM(m, dtype=args.dtype, cache_dir=args.cache_dir) for m in (args.source, args.target))
-    task = task or open_task(args.task, args.cache_dir, source.tokenizer)
+    task = task or open_task(args.task, args.cache_dir, source.tokenizer, length=args.length)
     all_items = task.items()
     items = all_items[args.start : args.start + args.limit]
     if not items:

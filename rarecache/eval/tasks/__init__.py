@@ -6,26 +6,39 @@ from pathlib import Path
 from ...errors import RarecacheError
 from .base import Item, Task
 from .choice import ARCChallenge, ARCEasy, HellaSwag, WinoGrande
+from .code_qa import CodeQA
 from .coqa import CoQA, CoQABPB, CoQAPassage
 from .custom import FileTask
+from .documents import MultiDocQA, PassageQAGen
 from .gsm8k import GSM8K, GSM8KBPB
+from .longctx import LongContextTask
 from .mmlu import MMLU
+from .retrieval import MultiTurn, Retrieval
 from .wiki_ppl import WikiPerplexity
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, WinoGrande,
                                                  MMLU, CoQA, CoQABPB, CoQAPassage,
-                                                 WikiPerplexity)}
+                                                 WikiPerplexity, Retrieval, MultiDocQA, CodeQA, MultiTurn,
+                                                 PassageQAGen)}
+
+LONG_CONTEXT = tuple(n for n, t in TASKS.items() if issubclass(t, LongContextTask))
 
 
-def open_task(spec: str, cache_dir: Path | None = None, tokenizer=None, calibration: Path | None = None) -> Task:
-    """A registered task by name, else the task file at path `spec` (with its --calibration file, if any)."""
+def open_task(spec: str, cache_dir: Path | None = None, tokenizer=None, calibration: Path | None = None,
+              length: int | None = None) -> Task:
+    """A registered task by name (a long-context one at `length` tokens, or at all its lengths), else the task
+    file at path `spec` (with its --calibration file, if any)."""
+    if length is not None and not issubclass(TASKS.get(spec, Task), LongContextTask):
+        raise RarecacheError(f"--length goes with the long-context tasks ({', '.join(LONG_CONTEXT)}), not {spec}")
     if spec in TASKS:
         if calibration is not None:
             raise RarecacheError(f"--calibration goes with a task file; {spec} has its own calibration pool")
+        if issubclass(TASKS[spec], LongContextTask):
+            return TASKS[spec](cache_dir, tokenizer=tokenizer, length=length)
         return TASKS[spec](cache_dir, tokenizer=tokenizer)
     if not Path(spec).is_file():
         raise RarecacheError(f"unknown task {spec!r}: not one of {', '.join(TASKS)}, and no such file")
     return FileTask(spec, calibration, cache_dir, tokenizer)
 
 
-__all__ = ["Item", "Task", "TASKS", "FileTask", "open_task"]
+__all__ = ["Item", "Task", "TASKS", "LONG_CONTEXT", "FileTask", "LongContextTask", "open_task"]

@@ -33,8 +33,11 @@ MAX_TURNS = 10  # turns evaluated per story (the closed-form KV mapping paper pl
 CALIBRATION_STORIES = 100  # the last stories of the file
 
 
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
 def normalise(text: str) -> str:
-    text = "".join(c for c in text.lower() if c not in set(string.punctuation))
+    text = text.lower().translate(_PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 
