@@ -226,6 +226,7 @@ def test_answers_stop_at_the_line_and_are_capped_per_task(cache):
     assert not task.answer_complete("  123") and task.answer_complete("123\n")
     assert {n: TASKS[n].max_new_tokens for n in NAMES} == {"retrieval": 32, "multidoc_qa": 48, "code_qa": 32,
                                                          "multiturn": 32, "passage_qa_gen": 48}
+    assert {n: TASKS[n].batch for n in NAMES} == dict.fromkeys(NAMES, 1) and TASKS["gsm8k"].batch == 8
     assert TASKS["gsm8k"].max_new_tokens == 1024  # (its own cap, from the measurement fixes)
 
 

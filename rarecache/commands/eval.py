@@ -75,8 +75,9 @@ def _add_run(ev) -> None:
                    help="generation tasks: answer length cap (default: the task's own, gsm8k 1024, others 256; "
                         "gsm8k stops at its exemplars' end, coqa at the end of the answer line; each record "
                         "says whether the cap cut it: truncated)")
-    e.add_argument("--batch", type=int, default=8,
-                   help="generation: items whose arms decode together (default: 8)")
+    e.add_argument("--batch", type=int, default=None,
+                   help="generation: items whose arms decode together (default: the task's, 8; 1 for the "
+                        "long-context tasks, whose rows are long)")
     e.add_argument("--out", type=Path, required=True, help="results JSONL (appended to; a summary .md beside it)")
     e.add_argument("--threads", type=int, default=None,
                    help="CPU threads for this run (torch.set_num_threads; default: torch's own, one per core). "
@@ -102,8 +103,8 @@ def cmd_eval_run(args) -> int:
                              f"{' or '.join(map(str, TASKS[args.task].lengths))}")
     if args.task in TASKS and args.length is not None:
         open_task(args.task, args.cache_dir, length=args.length)  # refuses a length the task is not built at
-    if args.limit < 1 or args.start < 0:
-        raise RarecacheError("--limit must be >= 1 and --start >= 0")
+    if args.limit < 1 or args.start < 0 or (args.batch is not None and args.batch < 1):
+        raise RarecacheError("--limit and --batch must be >= 1 and --start >= 0")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise RarecacheError(f"--max-new-tokens must be >= 1 (got {args.max_new_tokens})")
     if args.threads is not None:
@@ -126,7 +127,8 @@ def cmd_eval_run(args) -> int:
         maps[label].check_pair(source.runner, target.runner)
     sampling = SamplingConfig(max_new_tokens=args.max_new_tokens or task.max_new_tokens)
     meta = run_meta(task, source, target, map_paths, args.dtype, sampling)
-    out = run_task(task, items, source, target, maps, arms, args.out, sampling, batch=args.batch, meta=meta)
+    out = run_task(task, items, source, target, maps, arms, args.out, sampling, batch=args.batch or task.batch,
+                   meta=meta)
     rows = load_results(out)
     bpb = task.metric == "bpb"
     maps_text = ", ".join(f"{k + '=' if k else ''}{v.name}" for k, v in map_paths.items())

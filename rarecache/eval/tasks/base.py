@@ -34,6 +34,7 @@ class Task:
     kind = "generate"  # or "likelihood"
     chance = 0.0  # accuracy of guessing (for floor-normalised retention)
     max_new_tokens = 256  # generation tasks: the answer's token cap when `eval run` is given none
+    batch = 8  # generation tasks: items whose arms decode together when `eval run` is given no --batch
 
     def __init__(self, cache_dir: Path | None = None, tokenizer: Any = None):
         self.cache_dir = cache_dir

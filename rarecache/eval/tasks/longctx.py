@@ -111,6 +111,9 @@ class LongContextTask(Task):
 
     lengths: tuple[int, ...] = LENGTHS
     max_new_tokens = 32
+    # one item's arms decode together: a batch cache holds (items x arms) rows of T + answer tokens, and at 2048
+    # tokens eight items of eleven arms held over 10 GB (two such runs were killed out of memory on 24 GiB)
+    batch = 1
 
     def __init__(self, cache_dir=None, tokenizer=None, length: int | None = None):
         super().__init__(cache_dir, tokenizer)
