@@ -115,7 +115,7 @@ def test_fused_map_scattered_and_batched_positions(fitted):
 
 
 def test_fused_map_with_residual_mlp_equals_reference(fitted):
-    from rarecache.transfer.mlp import SideMLP
+    from rarecache.transfer.sidefit import SideMLP
 
     source, target, mapper, prompts = fitted
     g = torch.Generator().manual_seed(0)

@@ -14,9 +14,9 @@ from rarecache.models.rope import Rope
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig
 from rarecache.transfer.corpus import load_corpus
-from rarecache.transfer.fit import (Layout, fit_side, fit_side_heads, from_head_blocks, head_blocks, head_rows,
-                                   head_stats, heldout_r2, heldout_r2_heads, sharpen)
+from rarecache.transfer.fit import fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads
 from rarecache.transfer.mapper import Mapper
+from rarecache.transfer.sidefit import Layout, from_head_blocks, head_blocks, sharpen
 from rarecache.transfer.stats import RegressionStats
 
 
@@ -351,7 +351,7 @@ def test_bf16_weights_round_trip_head_matched_and_mlp_maps(fitted, tmp_path):
     """Head-matched blocks and an MLP's matrices are weights too: stored bf16, read back rounded once, the
     biases exact; a flipped byte is still caught by the checksum."""
     from rarecache.transfer import mapfile
-    from rarecache.transfer.mlp import SideMLP
+    from rarecache.transfer.sidefit import SideMLP
 
     _, _, mapper, _ = fitted
     info, k = mapper.info, mapper.info.k

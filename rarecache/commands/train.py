@@ -58,8 +58,7 @@ def _add_mlp(sub) -> None:
 
 def cmd_mlp(args) -> int:
     from ..transfer.mapper import Mapper
-    from ..transfer.mlp import MLPConfig
-    from ..transfer.mlp_train import fit_mlp
+    from ..transfer.mlp import MLPConfig, fit_mlp
 
     _check_corpus_flags(args)
     if args.tokens < 1 or args.heldout_tokens < 1:

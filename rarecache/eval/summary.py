@@ -237,7 +237,7 @@ def check_served(served: Path, results: Path, label: str, plain_label: str) -> d
     from ..packages import sha256_file
     from dataclasses import fields
 
-    from ..transfer.fit import SideFit
+    from ..transfer.sidefit import SideFit
     from ..transfer.mapper import SIDES, Mapper
 
     mine, (fit, fit_sha), (plain, plain_sha) = Mapper.load(served), _map_of(results, label), _map_of(results,

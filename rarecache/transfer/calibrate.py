@@ -33,10 +33,10 @@ from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
 from .corpus import Corpus, token_sequences
 from .features import SIDES, features, features_received, token_block, token_rows
-from .fit import (Layout, SideFit, fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads, matched_heads,
-                  sharpen)
+from .fit import fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads, matched_heads
 from .mapfile import MapInfo, partial_path
 from .mapper import Mapper, identity
+from .sidefit import Layout, SideFit, sharpen
 from .stats import RegressionStats
 
 

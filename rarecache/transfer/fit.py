@@ -22,45 +22,12 @@ sharpness; what it does downstream is measured in docs/RESULTS.md §8.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import RarecacheError
+from .sidefit import Layout, SideFit, from_head_blocks, head_blocks
 from .stats import RegressionStats
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a side's concatenated rows split into layers: (layers, width of one layer's row), and `extra`
-    input columns after them that every target layer reads beside its chosen layers (a token-input map's
-    block of the target's own layer-0 rows, `features.token_block`)."""
-
-    layers: int
-    width: int
-    extra: int = 0
-
-    def block(self, layer: int) -> slice:
-        return slice(layer * self.width, (layer + 1) * self.width)
-
-    def index(self, layers: list[int]) -> torch.Tensor:
-        """The columns a map reading `layers` takes: those layers' rows, then the extra columns."""
-        return torch.cat([torch.arange(self.width) + l * self.width for l in layers]
-                         + [torch.arange(self.extra) + self.layers * self.width])
-
-
-@dataclass
-class SideFit:
-    """The fitted map of one side for every target layer (float64)."""
-
-    sources: torch.Tensor  # (Lt, K) chosen source layers, ascending
-    weight: torch.Tensor  # (Lt, K·ds, dt)
-    bias: torch.Tensor  # (Lt, dt)
-    mean: torch.Tensor  # (Lt, dt) mean prediction on calibration data (= ȳ); z = ŷ − mean
-    basis: torch.Tensor  # (Lt, dt, r) top-r eigenvectors of Σ_ŷ, leading first
-    eigenvalues: torch.Tensor  # (Lt, dt) of Σ_ŷ, descending
-    r2: torch.Tensor  # (Lt,) in-sample R² of the top-K map
-    r2_single: torch.Tensor  # (Lt, Ls) single-source R²
 
 
 def _centred(s: RegressionStats):
@@ -134,32 +101,6 @@ def heldout_r2(fit: SideFit, s: RegressionStats, src: Layout, tgt: Layout) -> to
     return out
 
 
-R2_FLOOR = 0.05  # sharpening never scales a layer by more than R2_FLOOR ** -power
-
-
-def sharpen(fit: SideFit, power: float) -> SideFit:
-    """The fit with each target layer's centred prediction scaled by r2^-power: ŷ' = ȳ + s(ŷ − ȳ), folded
-    into the weight and bias (W' = sW, b' = sb + (1 − s)ȳ), so the map applies as before. The
-    prediction covariance scales by s² (eigenvalues; the basis is unchanged); `r2` stays the ridge's."""
-    if power == 0:
-        return fit
-    scale = fit.r2.clamp(min=R2_FLOOR) ** -power  # (Lt,)
-    return replace(fit, weight=fit.weight * scale[:, None, None],
-                   bias=scale[:, None] * fit.bias + (1 - scale[:, None]) * fit.mean,
-                   eigenvalues=fit.eigenvalues * scale[:, None] ** 2)
-
-
-def unsharpen(fit: SideFit, power: float) -> SideFit:
-    """The inverse of `sharpen(fit, power)`: the plain ridge fit back, exactly up to rounding (`r2` and
-    `mean` are the ridge's in both), so a map's sharpening can be changed without its statistics."""
-    if power == 0:
-        return fit
-    scale = fit.r2.clamp(min=R2_FLOOR) ** -power  # (Lt,)
-    return replace(fit, weight=fit.weight / scale[:, None, None],
-                   bias=(fit.bias - (1 - scale[:, None]) * fit.mean) / scale[:, None],
-                   eigenvalues=fit.eigenvalues / scale[:, None] ** 2)
-
-
 # -- head-matched maps -------------------------------------------------------------------------
 
 def matched_heads(source_heads: int, target_heads: int) -> int:
@@ -193,22 +134,6 @@ def head_rows(x: torch.Tensor, layout: Layout, heads: int, h: int) -> torch.Tens
 def head_stats(dense: RegressionStats, src: Layout, tgt: Layout, heads: int) -> list[RegressionStats]:
     """The per-head blocks of dense statistics: exactly what a head-matched run accumulates."""
     return [dense.block(head_columns(src, heads, h), head_columns(tgt, heads, h)) for h in range(heads)]
-
-
-def head_blocks(weight: torch.Tensor, k: int, heads: int) -> torch.Tensor:
-    """A head-matched weight (Lt, K·ds, dt) -> its head blocks (Lt, H, K·Ds, Dt) (what a file stores)."""
-    lt, kd, dt = weight.shape
-    w = weight.view(lt, k, heads, kd // (k * heads), heads, dt // heads)
-    return torch.stack([w[:, :, h, :, h].reshape(lt, -1, dt // heads) for h in range(heads)], dim=1)
-
-
-def from_head_blocks(blocks: torch.Tensor, k: int) -> torch.Tensor:
-    """Head blocks (Lt, H, K·Ds, Dt) -> the weight (Lt, K·H·Ds, H·Dt), zero off the blocks."""
-    lt, heads, kd_h, dt_h = blocks.shape
-    w = blocks.new_zeros(lt, k, heads, kd_h // k, heads, dt_h)
-    for h in range(heads):
-        w[:, :, h, :, h] = blocks[:, h].view(lt, k, kd_h // k, dt_h)
-    return w.view(lt, k * heads * (kd_h // k), heads * dt_h)
 
 
 def fit_side_heads(stats: list[RegressionStats], src: Layout, tgt: Layout, k: int, lam: float, rank: int

@@ -31,8 +31,7 @@ from safetensors.torch import save_file
 
 from ..errors import RarecacheError
 from .features import SIDES
-from .fit import SideFit, from_head_blocks, head_blocks
-from .mlp import SideMLP
+from .sidefit import SideFit, SideMLP, from_head_blocks, head_blocks
 
 FORMAT_VERSION = 1
 _META_KEY = "rarecache.map"

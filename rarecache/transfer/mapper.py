@@ -35,10 +35,9 @@ from ..errors import RarecacheError
 from ..models.loader import checkpoint_fingerprint
 from . import mapfile
 from .features import SIDES, rows, token_block, token_rows, write_rows
-from .fit import SideFit, sharpen, unsharpen
 from .fused import map_into
 from .mapfile import MapInfo
-from .mlp import SideMLP
+from .sidefit import SideFit, SideMLP, sharpen, unsharpen
 
 # A map fits badly (`fit_problems`) when, on either side, its mean held-out R² is below POOR_R2 (it predicts
 # little of the target's rows: a 2k-token calibration's values reach -0.006) or more than POOR_GAP below its
@@ -78,7 +77,7 @@ class Mapper:
     def plain(self) -> "Mapper":
         """The map as plain transfer applies it (a handoff that recomputes only the last position): the
         fit sharpened by `info.plain_sharpen` when the file records it, else this map. Exact from the
-        stored tensors (fit.sharpen / unsharpen in float64), made once."""
+        stored tensors (sidefit.sharpen / unsharpen in float64), made once."""
         if not self.has_plain_view:
             return self
         if None not in self._views:

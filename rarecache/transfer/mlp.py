@@ -11,7 +11,9 @@ is two matrix products per target layer. Rank disagreement keeps using ridge's
 basis (z = ŷ − ȳ as before).
 
 Training needs rows, not sufficient statistics: a second pass over calibration
-text collects them (`calibrate.collect_rows`), a few tens of thousands of positions.
+text collects them (`calibrate.collect_rows`), a few tens of thousands of positions. `rarecache mlp`
+runs `fit_mlp` on the map's own calibration text: rows of its fit documents train, the documents
+after them stop early and give the held-out R². The network a map applies is `sidefit.SideMLP`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from .fit import Layout, SideFit
+from ..engine.runner import Runner
+from ..errors import RarecacheError
+from .calibrate import collect_rows
+from .corpus import Corpus
+from .features import SIDES
+from .mapper import Mapper
+from .sidefit import Layout, SideFit, SideMLP
 
 
 @dataclass(frozen=True)
@@ -37,24 +45,6 @@ class MLPConfig:
     def __post_init__(self):
         if self.hidden < 1 or self.epochs < 1 or self.batch < 1 or not self.lr > 0:
             raise ValueError("MLP needs hidden >= 1, epochs >= 1, batch >= 1 and lr > 0")
-
-
-@dataclass
-class SideMLP:
-    """One side's residual MLPs, every target layer: out = relu(x W1 + b1) W2 + b2."""
-
-    w1: torch.Tensor  # (Lt, K·ds, h), the input standardisation folded in
-    b1: torch.Tensor  # (Lt, h)
-    w2: torch.Tensor  # (Lt, h, dt)
-    b2: torch.Tensor  # (Lt, dt)
-
-    def residual(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """x (N, K·ds) gathered source rows -> the MLP's correction (N, dt)."""
-        w1, b1, w2, b2 = (t[layer].to(x.device, x.dtype) for t in (self.w1, self.b1, self.w2, self.b2))
-        return torch.relu(torch.addmm(b1, x, w1)) @ w2 + b2
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {f"{prefix}.mlp.{n}": getattr(self, n) for n in ("w1", "b1", "w2", "b2")}
 
 
 def ridge_rows(fit: SideFit, layer: int, x_all: torch.Tensor, src: Layout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,3 +110,22 @@ def train_side(fit: SideFit, x_train: torch.Tensor, y_train: torch.Tensor, x_hel
             r2["mlp"].append(_r2(rh + torch.relu(xh @ w1f + b1f) @ (w2b * scale) + b2b * scale, yh))
     stack = [torch.stack([layer[i] for layer in layers]).detach() for i in range(4)]
     return SideMLP(*stack), r2
+
+
+def fit_mlp(mapper: Mapper, source: Runner, target: Runner, tokenizer, corpus: Corpus, cfg: MLPConfig,
+            tokens: int, heldout_tokens: int, seq_len: int, name: str = "the map") -> tuple[Mapper, dict]:
+    """The map with an MLP trained per target layer and side on ridge's residual, and the held-out R²
+    ({side: {"ridge": [...], "mlp": [...]}}). `corpus` must be the map's own calibration text; `name` says
+    which map in the error if it is not."""
+    if mapper.info.token_inputs:  # (before collecting rows: Mapper.with_mlp refuses it)
+        raise RarecacheError(f"{name} reads token inputs, which a residual MLP would not: no MLP for it")
+    mapper.check_corpus(corpus, name)
+    train = collect_rows(source, target, tokenizer, corpus, tokens, seq_len)
+    held = collect_rows(source, target, tokenizer, corpus, heldout_tokens, seq_len,
+                        first_document=mapper.info.calibration.get("documents_used", 0))
+    src = Layout(source.num_layers, source.config.kv_dim)
+    tgt = Layout(target.num_layers, target.config.kv_dim)
+    mlps, r2 = {}, {}
+    for s in SIDES:
+        mlps[s], r2[s] = train_side(mapper.sides[s], *train[s], *held[s], src, tgt, cfg)
+    return mapper.with_mlp(mlps, cfg.hidden), r2

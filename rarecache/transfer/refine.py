@@ -35,10 +35,10 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from .corpus import Corpus, token_sequences
 from .features import SIDES, rows, token_block, token_rows
-from .fit import SideFit
 from .handoff import budget
 from .mapper import Mapper
 from .refine_state import resume, save_state
+from .sidefit import SideFit
 
 
 WEIGHTINGS = ("uniform", "context")

@@ -10,8 +10,9 @@ from pathlib import Path
 from ..errors import RarecacheError
 from .calibrate import check_sharpen, fit_sides, read_state, sharpen_info, stat_names
 from .features import SIDES
-from .fit import Layout, head_stats, matched_heads, sharpen, unsharpen
+from .fit import head_stats, matched_heads
 from .mapper import Mapper
+from .sidefit import Layout, sharpen, unsharpen
 from .stats import RegressionStats
 
 
@@ -72,7 +73,7 @@ except by a head-matched refit, which has none. Seconds, not hours."""
 
 def resharpen(mapper: Mapper, powers: tuple[float, float]) -> Mapper:
     """The map with other sharpening powers, from the map alone (no statistics): sharpening scales each
-    layer's centred prediction by a known factor (fit.sharpen), so it is undone and redone exactly.
+    layer's centred prediction by a known factor (sidefit.sharpen), so it is undone and redone exactly.
     The recorded held-out R² belonged to the old predictions and is dropped (`calibrate --keep-state`
     and `refit` give it again). Dense linear maps only."""
     info = mapper.info
