@@ -14,7 +14,8 @@ from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.transfer.calibrate import Calibration, CalibrationConfig
 from rarecache.transfer.corpus import load_corpus
-from rarecache.transfer.mapper import POOR_GAP, POOR_R2, Mapper
+from rarecache.transfer.mapcheck import POOR_GAP, POOR_R2
+from rarecache.transfer.mapper import Mapper
 
 POOR = CalibrationConfig(tokens=40, heldout_tokens=100, seq_len=48, k=3, rank=4, lam=1e-6)
 

@@ -95,7 +95,7 @@ ID_B = {"name": "b", "config": "c" * 16, "weights": "x" * 16}
 
 def test_model_identity_is_the_maps(vpair):
     from rarecache.adapters.vllm.store import model_identity
-    from rarecache.transfer.mapper import identity
+    from rarecache.transfer.mapcheck import identity
 
     assert model_identity(vpair.root / "tgt") == identity(vpair.tgt) == vpair.map.info.target
 

@@ -35,7 +35,8 @@ from .corpus import Corpus, token_sequences
 from .features import SIDES, features, features_received, token_block, token_rows
 from .fit import fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads, matched_heads
 from .mapfile import MapInfo, partial_path
-from .mapper import Mapper, identity
+from .mapcheck import identity
+from .mapper import Mapper
 from .sidefit import Layout, SideFit, sharpen
 from .stats import RegressionStats
 

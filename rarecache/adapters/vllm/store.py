@@ -61,7 +61,7 @@ class StoreDown(RarecacheError):
 
 
 def model_identity(path: str | Path) -> dict[str, str]:
-    """Who the model in checkpoint directory `path` is, as `transfer.mapper.identity` says for a
+    """Who the model in checkpoint directory `path` is, as `transfer.mapcheck.identity` says for a
     Runner loaded from it: directory name, architecture fingerprint, weight fingerprint."""
     path = Path(path)
     return {"name": path.name, "config": ModelConfig.from_dir(path).fingerprint(),
