@@ -148,7 +148,7 @@ def test_f1_by_hand():
 
 def test_conversation_documents_calibrate_as_chat(tmp_path):
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.corpus import Corpus, token_sequences
+    from rarecache.transfer.fitting.corpus import Corpus, token_sequences
 
     from .conftest import build_tokenizer
 
@@ -168,7 +168,7 @@ def test_wiki_passages_are_token_cut_and_maps_that_read_them_are_refused(tmp_pat
     import rarecache.eval.tasks.wiki_ppl as wp
     from rarecache.errors import RarecacheError
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     from .conftest import build_tokenizer
 

@@ -12,8 +12,8 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.transfer.mapcheck import POOR_GAP, POOR_R2
 from rarecache.transfer.mapper import Mapper
 

@@ -715,7 +715,7 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
     """js_views, the long way: rung k's logits against the last position run over a cache whose rows still
     mapped come from the map's plain-transfer view and whose recomputed rows are rung k's (suffix: rung k
     recomputes the newest budget(ρ, n) positions). Rung 0 compares plain transfer through the two fits."""
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper, prompts = fitted
     two = with_plain(mapper, (1.0, 0.5))
@@ -746,7 +746,7 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
 
 
 def test_a_policy_on_js_views_decides_as_the_recorded_ladder_says(fitted):
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper, prompts = fitted
     two = with_plain(mapper, (1.0, 0.5))
@@ -848,7 +848,7 @@ def test_gate_fit_and_report_on_js_views(models, tmp_path):
     from rarecache.cli import main
     from rarecache.eval.gate import evaluate, read_ladders
     from rarecache.eval.results import load_results
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper = models
     two = (source, target, with_plain(mapper, (1.0, 0.5)))
@@ -884,7 +884,7 @@ def test_answer_views_scores_the_answer_under_both_views(models, tmp_path):
     from rarecache.eval.results import load_results
     from rarecache.eval.run import answer_shift
     from rarecache.eval.scoring import continuation_logprobs
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     from .test_eval import ToyChoice
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rarecache.transfer.fit import fit_side
+from rarecache.transfer.fitting.fit import fit_side
 from rarecache.transfer.sidefit import Layout
-from rarecache.transfer.mlp import MLPConfig, ridge_rows, train_side
-from rarecache.transfer.stats import RegressionStats
+from rarecache.transfer.fitting.mlp import MLPConfig, ridge_rows, train_side
+from rarecache.transfer.fitting.stats import RegressionStats
 
 SRC, TGT = Layout(3, 8), Layout(2, 6)
 

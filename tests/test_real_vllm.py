@@ -35,8 +35,8 @@ def served(tmp_path_factory):
     from rarecache.engine.runner import Runner
     from rarecache.models.store import pull
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     root = tmp_path_factory.mktemp("real-vllm")
     dirs = {"src": pull(SOURCE), "tgt": pull(TARGET)}

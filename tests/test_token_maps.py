@@ -15,9 +15,9 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner, pad_batch
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.refit import refit
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.refit import refit
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.transfer.features import token_rows
 from rarecache.transfer.handoff import HandoffConfig, handoff, handoff_variants
 from rarecache.transfer.mapper import SIDES, Mapper
@@ -398,7 +398,7 @@ def test_vllm_row_handoff_with_a_token_map_under_tensor_parallelism(pair_dir, to
 def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
     """A general map records plain transfer's sharpening: its rho-0 view (`at_rho`) still reads the tokens,
     and a rho-0 handoff maps through that view (the reference of the view, layer 0 exact)."""
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, _, _, maps, _, prompts = tok_pair
     combined = with_plain(maps["both"], (1.0, 0.5))

@@ -55,8 +55,8 @@ def vpair(tmp_path_factory):
     """Tiny Qwen2 source (2 layers, 1 KV head) and target (3 layers, 2 KV heads), head_dim 64, a map
     fitted source -> target, one fitted target -> source, random prompts and a chat turn."""
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     root = tmp_path_factory.mktemp("vpair")
     for seed, (name, kw) in enumerate(SIZES.items(), 1):  # initializer_range 0.1: outputs that vary
@@ -407,7 +407,7 @@ def test_hand_rows_is_the_transfer(vpair):
     assert len(some.recomputed) == 20 and some.recomputed == sorted(some.recomputed)
     # a map recording plain transfer's sharpening: its plain view at rho 0 only (suffix at 0.2 recomputes
     # nothing here, vLLM does the tail, and maps with the stored fit)
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     combined = with_plain(mapper, (1.0, 0.5))
     view = tgt.new_cache(1, n)

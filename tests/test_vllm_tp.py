@@ -67,8 +67,8 @@ def tp_served(vpair, tmp_path_factory):
 def tok_map(vpair):
     """A map src -> tgt that reads the tokens: token inputs and exact layer 0 (tests/test_token_maps.py)."""
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     tok, corpus = Tokenizer.from_dir(vpair.root / "src"), load_corpus(str(vpair.root / "corpus.txt"))
     cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5, token_inputs=True,

@@ -31,7 +31,7 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..serve.service import ChatService, Reply, ServiceConfig
 from ..transfer.conversation import common_prefix
-from ..transfer.corpus import load_corpus
+from ..transfer.fitting.corpus import load_corpus
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 

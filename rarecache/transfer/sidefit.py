@@ -2,7 +2,7 @@
 
 `SideFit` is one side's ridge map for every target layer, `SideMLP` its optional residual MLP, and
 `Layout` how the rows they read split into layers. Sharpening (`sharpen` / `unsharpen`: scaling each
-layer's centred prediction by R²⁻ᵖ, folded into the weight and bias, fit.py says why) and a head-matched
+layer's centred prediction by R²⁻ᵖ, folded into the weight and bias, fitting/fit.py says why) and a head-matched
 weight's blocks (`head_blocks` / `from_head_blocks`: what a file stores) are exact changes of form. They
 live here, apart from the fitting (transfer/fitting/), because applying a map and reading its file need
 them and nothing that fits one.

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import RarecacheError
-from ...transfer.corpus import Corpus
+from ...transfer.fitting.corpus import Corpus
 from ..answers import top_choices
 
 

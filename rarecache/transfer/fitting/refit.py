@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from ..errors import RarecacheError
+from ...errors import RarecacheError
+from ..features import SIDES
+from ..mapper import Mapper
+from ..sidefit import Layout, sharpen, unsharpen
 from .calibrate import check_sharpen, fit_sides, read_state, sharpen_info, stat_names
-from .features import SIDES
 from .fit import head_stats, matched_heads
-from .mapper import Mapper
-from .sidefit import Layout, sharpen, unsharpen
 from .stats import RegressionStats
 
 

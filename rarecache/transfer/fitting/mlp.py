@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..engine.runner import Runner
-from ..errors import RarecacheError
+from ...engine.runner import Runner
+from ...errors import RarecacheError
+from ..features import SIDES
+from ..mapper import Mapper
+from ..sidefit import Layout, SideFit, SideMLP
 from .calibrate import collect_rows
 from .corpus import Corpus
-from .features import SIDES
-from .mapper import Mapper
-from .sidefit import Layout, SideFit, SideMLP
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import RarecacheError
-from .sidefit import Layout, SideFit, from_head_blocks, head_blocks
+from ...errors import RarecacheError
+from ..sidefit import Layout, SideFit, from_head_blocks, head_blocks
 from .stats import RegressionStats
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import RarecacheError
-from ..models.tokenizer import Tokenizer
-from ..packages import fetch_package_file
+from ...errors import RarecacheError
+from ...models.tokenizer import Tokenizer
+from ...packages import fetch_package_file
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..engine.runner import Runner
-from ..errors import RarecacheError
+from ...engine.runner import Runner
+from ...errors import RarecacheError
+from ..features import SIDES, rows, token_block, token_rows
+from ..handoff import budget
+from ..mapper import Mapper
+from ..sidefit import SideFit
 from .corpus import Corpus, token_sequences
-from .features import SIDES, rows, token_block, token_rows
-from .handoff import budget
-from .mapper import Mapper
 from .refine_state import resume, save_state
-from .sidefit import SideFit
 
 
 WEIGHTINGS = ("uniform", "context")

@@ -28,16 +28,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..engine.runner import Runner
-from ..errors import RarecacheError
-from ..models.tokenizer import Tokenizer
+from ...engine.runner import Runner
+from ...errors import RarecacheError
+from ...models.tokenizer import Tokenizer
+from ..features import SIDES, features, features_received, token_block, token_rows
+from ..mapcheck import identity
+from ..mapfile import MapInfo, partial_path
+from ..mapper import Mapper
+from ..sidefit import Layout, SideFit, sharpen
 from .corpus import Corpus, token_sequences
-from .features import SIDES, features, features_received, token_block, token_rows
 from .fit import fit_side, fit_side_heads, head_rows, heldout_r2, heldout_r2_heads, matched_heads
-from .mapfile import MapInfo, partial_path
-from .mapcheck import identity
-from .mapper import Mapper
-from .sidefit import Layout, SideFit, sharpen
 from .stats import RegressionStats
 
 

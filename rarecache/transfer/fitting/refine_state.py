@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RarecacheError
-from .mapfile import partial_path, tensors_sha256
-from .mapper import SIDES, Mapper
+from ...errors import RarecacheError
+from ..mapfile import partial_path, tensors_sha256
+from ..mapper import SIDES, Mapper
 
 
 def identity(cfg, mapper: Mapper) -> dict:
