@@ -169,7 +169,7 @@ def test_the_package_exports_the_public_objects_lazily():
 
     import rarecache
     from rarecache.transfer.conversation import Conversation
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
     from rarecache.transfer.handoff import HandoffConfig
     from rarecache.transfer.mapper import Mapper
     from rarecache.transfer.pipeline import Pipeline

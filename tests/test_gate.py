@@ -11,8 +11,8 @@ import torch
 
 from rarecache.errors import RarecacheError
 from rarecache.eval.gate_fit import fit_threshold
-from rarecache.transfer.gate import GatePolicy, decide, js_bits
-from rarecache.transfer.gate_pass import gated_handoff
+from rarecache.transfer.gate.policy import GatePolicy, decide, js_bits
+from rarecache.transfer.gate.ladder import gated_handoff
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 
 ALWAYS = math.inf  # accept the first rung
@@ -799,24 +799,24 @@ def test_a_policy_on_nll_measures_it_alone_and_decides_as_the_recorded_ladder_sa
 
 def test_a_served_nll_counts_its_cost_once(fitted, monkeypatch):
     """Each rung's nll seconds are the surprisal read's (a fake clock: every read costs 1 s)."""
-    from rarecache.transfer import gate_pass
+    from rarecache.transfer.gate import ladder
 
     source, target, mapper, prompts = fitted
-    clock, real = [0.0], gate_pass._surprisal
+    clock, real = [0.0], ladder._surprisal
 
     def slow(*a, **k):
         clock[0] += 1.0
         return real(*a, **k)
 
-    monkeypatch.setattr(gate_pass, "_surprisal", slow)
-    monkeypatch.setattr(gate_pass, "_now", lambda runner: clock[0])
+    monkeypatch.setattr(ladder, "_surprisal", slow)
+    monkeypatch.setattr(ladder, "_now", lambda runner: clock[0])
     _, _, res = gated_handoff(source, target, mapper, prompts[0], GatePolicy("suffix", (0.3,), 1e9, signal="nll"))
     assert [r.signal_seconds["nll"] for r in res.rungs] == [1.0, 1.0]
 
 
 def test_policy_signal_round_trip():
     from rarecache.commands.gate import SIGNALS as CLI_SIGNALS
-    from rarecache.transfer.gate import SIGNALS, gate_rule
+    from rarecache.transfer.gate.policy import SIGNALS, gate_rule
 
     assert CLI_SIGNALS == SIGNALS
     pol = GatePolicy("suffix", (0.1, 0.3), 0.02, signal="js_views")

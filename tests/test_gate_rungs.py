@@ -14,8 +14,8 @@ import torch
 
 from rarecache.errors import RarecacheError
 from rarecache.eval.gate_fit import Item, fit_threshold
-from rarecache.transfer.gate import RUNGS, GatePolicy, climbed_signals, decide
-from rarecache.transfer.gate_pass import PROBES, gated_handoff, rung_run
+from rarecache.transfer.gate.policy import RUNGS, GatePolicy, climbed_signals, decide
+from rarecache.transfer.gate.ladder import PROBES, gated_handoff, rung_run
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff, subset
 from rarecache.transfer.selectors import SELECTORS
 

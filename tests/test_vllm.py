@@ -927,7 +927,7 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
 
 
 def _nll_policy(threshold=0.5, **kw):
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     return GatePolicy(**{"selector": "suffix", "rungs": (0.1, 0.2, 0.3, 0.5), "threshold": threshold, "signal": "nll",
                          "first_rung": 1, "max_rungs": 1, **kw})
@@ -937,7 +937,7 @@ def test_vllm_gate_serves_nll_at_one_suffix_rung(tmp_path):
     """The policies one vLLM pass can decide are served; every other is refused in one line saying why."""
     from rarecache.adapters.vllm.gate import check_vllm_gate, gate_rho
     from rarecache.adapters.vllm.serving import VllmServeConfig
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     for good in (_nll_policy(), _nll_policy(rungs=(0.3,), first_rung=0, max_rungs=None),
                  GatePolicy("rank", threshold=-1.0), _nll_policy(max_rungs=0, signal="js", selector="rank")):
@@ -988,7 +988,7 @@ def test_prompt_nll_reads_only_the_last_k_minus_1_entries():
     short = [None] + [{ids[j]: _logprob(-2.0)} for j in range(P - k - 2, P - k + 1)] + full[P - k + 1:]
     assert math.isclose(prompt_nll(short, ids, k), want, rel_tol=1e-12)
     assert math.isclose(prompt_nll(full[P - k + 1:], ids, k), want, rel_tol=1e-12)  # exactly the k - 1 read
-    assert prompt_nll(full, ids, 1) == 0.0  # as gate_pass: the last position only, nothing to score
+    assert prompt_nll(full, ids, 1) == 0.0  # as the ladder: the last position only, nothing to score
     for broken in ([*full[:-1], None], [*full[:-2], {ids[-1]: _logprob(-1.0)}, full[-1]],  # token P-2's entry
                    [*full[:-1], {ids[-1] + 1: _logprob(-1.0)}], [*full[:-1], {ids[-1]: _logprob(float("nan"))}],
                    [*full[:-1], {ids[-1]: None}], full[P - k + 2:], full + [full[-1]], None):
@@ -1096,7 +1096,7 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     from rarecache.models.tokenizer import Tokenizer
     from rarecache.serve import outcome as served
     from rarecache.serve.app import _budget_info, _info
-    from rarecache.transfer.gate import ALWAYS_FALLS_BACK, GatePolicy
+    from rarecache.transfer.gate.policy import ALWAYS_FALLS_BACK, GatePolicy
 
     ids = list(range(3, 110))  # P = 107; rung 0.1: K = 11, the claim 96 (= P - K)
     plp = [None] + [{ids[j]: _logprob(-math.log(2) * 2)} for j in range(1, len(ids))]  # 2 bits per token
@@ -1188,7 +1188,7 @@ def test_a_gated_vllm_servers_request_budget():
 
     from rarecache.adapters.vllm.serve_config import VllmServeConfig, request_budget, rung
     from rarecache.serve.config import Budget
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
     from rarecache.transfer.handoff import HandoffConfig
 
     def budget(rho, selector, gate=None):  # our own engine's budget type, the one every engine uses
@@ -1312,7 +1312,7 @@ def test_serve_cli_gates_vllm_with_an_nll_policy(vpair, tmp_path, monkeypatch, c
 
     from rarecache.cli import main
     from rarecache.packages import sha256_file
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     fwd = vpair.root / "src-tgt.map"
     fitted = {"tasks": {"t": {"map_sha256": sha256_file(fwd)}}}
@@ -1489,7 +1489,7 @@ def _gated(served, monkeypatch, threshold: float, rung: float = 0.1):
     request names its rho and selector)."""
     from dataclasses import replace
 
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     policy = GatePolicy("suffix", (rung,), threshold, signal="nll")
     monkeypatch.setattr(served, "cfg", replace(served.cfg, gate=policy, selector="suffix"))
@@ -1523,10 +1523,10 @@ GATE_SAMPLING = dict(max_new_tokens=NEW, ignore_eos=True)
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_gate_reads_the_nll_our_gate_measures(vpair, served, monkeypatch):
-    """(a) the nll the vLLM path reads from vLLM's prompt log-probabilities is gate_pass's at the same rung
+    """(a) the nll the vLLM path reads from vLLM's prompt log-probabilities is the ladder's at the same rung
     (float32, a block-aligned claim: vLLM recomputes exactly the rung's positions)."""
     from rarecache.engine.generate import SamplingConfig
-    from rarecache.transfer.gate_pass import gated_handoff
+    from rarecache.transfer.gate.ladder import gated_handoff
 
     ids = _gate_prompt(vpair, served, "gate-a")
     policy = _gated(served, monkeypatch, 1e9)
@@ -1601,7 +1601,7 @@ def test_vllm_gate_that_always_falls_back_never_hands_off(vpair, served, monkeyp
     """(d) threshold -1: decided before the handoff, so the model reads the prompt itself (nothing claimed,
     nothing mapped), with the gate's record."""
     from rarecache.engine.generate import SamplingConfig
-    from rarecache.transfer.gate import ALWAYS_FALLS_BACK
+    from rarecache.transfer.gate.policy import ALWAYS_FALLS_BACK
 
     ids = _gate_prompt(vpair, served, "gate-d")
     alone = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), reread=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from ..registry import COQA_BPB
 
-SIGNALS = ("js", "js_views", "nll")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
+SIGNALS = ("js", "js_views", "nll")  # gate.policy.SIGNALS (tested equal), named here so --help imports no torch
 
 
 def register(ev) -> None:
@@ -107,7 +107,7 @@ def cmd_gate_fit(args) -> int:
 
 def cmd_gate_report(args) -> int:
     from ..eval.gate import evaluate, markdown
-    from ..transfer.gate import GatePolicy, gate_rule
+    from ..transfer.gate.policy import GatePolicy, gate_rule
 
     if not args.policy.is_file():
         raise RarecacheError(f"no policy file {args.policy}")

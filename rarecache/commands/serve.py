@@ -222,7 +222,7 @@ def _our_service(args, names: tuple[str, str], rho: float | None, gate):
 def _rho(args):
     """--rho NUMBER, or auto with --gate-policy: (rho, None) or (None, the policy), checked before models load.
     A policy is tied to the map it was fitted through (its threshold is in the handed-off model's output)."""
-    from ..transfer.gate import GatePolicy
+    from ..transfer.gate.policy import GatePolicy
 
     if args.rho != "auto":
         if args.gate_policy is not None or args.max_loss is not None:

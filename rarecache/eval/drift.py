@@ -32,7 +32,7 @@ from ..engine.runner import spans
 from ..errors import RarecacheError
 from ..registry import RANK
 from ..transfer.conversation import Conversation, kept
-from ..transfer.gate import GatePolicy, gate_rule
+from ..transfer.gate.policy import GatePolicy, gate_rule
 from ..transfer.handoff import HandoffConfig, _now
 from ..transfer.mapper import Mapper
 from .results import check_meta, load_results, read_done, sibling

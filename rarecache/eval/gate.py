@@ -2,7 +2,7 @@
 the policy does on evaluated items (accuracy against the target, fallbacks, recomputed share,
 expected speed-up), and how well its signal predicts a changed answer.
 
-An evaluation's ladder arm (`arms.py`) records every rung of `transfer/gate.py`'s ladder with its
+An evaluation's ladder arm (`arms.py`) records every rung of `transfer/gate/policy.py`'s ladder with its
 signal and its answer; the online gate stops at the rung the policy accepts, and a test holds the
 two equal, so a policy's outcome is read off the record without rerunning the models. A fallback
 answers with the target's own prefill: the item's target arm.
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import RarecacheError
-from ..transfer.gate import SIGNALS, GatePolicy, climbed_signals, decide, rungs_climbed
+from ..transfer.gate.policy import SIGNALS, GatePolicy, climbed_signals, decide, rungs_climbed
 from .answers import same_answer
 from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
 from .gate_fit import Item, fit_thresholds
@@ -51,7 +51,7 @@ class Ladders:
     rungs: list[float]
     items: list[str]
     map_sha256: str | None
-    signal: str = "js"  # which recorded signal `js` holds (transfer.gate.SIGNALS)
+    signal: str = "js"  # which recorded signal `js` holds (transfer.gate.policy.SIGNALS)
     js: list[list[float]] = field(default_factory=list)  # per item, per rung: the signal
     margin: list[list[float]] | None = field(default_factory=list)  # per item, per rung: top-2 margin (None: the
     # records predate it)

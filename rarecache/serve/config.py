@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from ..defaults import MIN_HANDOFF_TOKENS
 from ..errors import RarecacheError
-from ..transfer.gate import GatePolicy, gate_decides
+from ..transfer.gate.policy import GatePolicy, gate_decides
 from ..transfer.handoff import HandoffConfig, check_rho
 from ..transfer.selectors import SELECTORS
 

@@ -1,15 +1,16 @@
 """The quality gate in the vLLM path (`serve --engine vllm --rho auto`): accept a handed-off answer on
 what vLLM itself computed for the prompt, or answer again from the model's own prefill.
 
-Our engine climbs the gate's ladder inside one handoff (transfer/gate_pass.py). A vLLM request is one
+Our engine climbs the gate's ladder inside one handoff (transfer/gate/ladder.py). A vLLM request is one
 pass over the prompt, so this path serves the policies one such pass can decide (`check_vllm_gate`): a
 policy on `nll` that climbs one rung ρ_f with the `suffix` selector and no margin floor, or one that
 always falls back (it never hands off). At ρ_f the suffix claim leaves at least the last K = ⌈ρ_f·P⌉
 positions of a P-token prompt to vLLM (core.claim: whole blocks below P − K), and vLLM's prompt
 log-probabilities there (asked for with prompt_logprobs=0) are the target's surprisal at the prompt's own
-next tokens: the `nll` gate_pass measures at that rung, from the last K − 1 entries (`prompt_nll`). The
-other signals compare two next-token distributions (a second handoff per request), and the scored
-selectors recompute positions inside the claim, where vLLM returns no log-probabilities.
+next tokens: the `nll` the ladder (transfer/gate/ladder.py) measures at that rung, from the last K − 1
+entries (`prompt_nll`). The other signals compare two next-token distributions (a second handoff per
+request), and the scored selectors recompute positions inside the claim, where vLLM returns no
+log-probabilities.
 
 vLLM skips reading its prefix cache for a request that asks for prompt log-probabilities, which would
 drop the connector's claim; the gated request says skip_reading_prefix_cache=False (its salt is its own,
@@ -30,7 +31,7 @@ from typing import Any
 
 from ...errors import RarecacheError
 from ...registry import SUFFIX
-from ...transfer.gate import ALWAYS_FALLS_BACK, GatePolicy, accept_reason, fallback_reason, gate_summary
+from ...transfer.gate.policy import ALWAYS_FALLS_BACK, GatePolicy, accept_reason, fallback_reason, gate_summary
 from ...transfer.handoff import budget
 
 SERVED_SHAPE = ("a policy on nll that climbs one rung with the suffix selector and no min_margin, or one that "
@@ -69,7 +70,7 @@ def prompt_nll(prompt_logprobs: Any, ids: list[int], k: int) -> float | None:
     {token id: Logprob}, scores token j). None (unmeasured) when one is missing or lacks its token. Read
     from the end, so a list of every position (the first None) and one of the computed ones both work."""
     if k < 2:
-        return 0.0  # as gate_pass: no recomputed position has a next token in the prompt
+        return 0.0  # as the ladder: no recomputed position has a next token in the prompt
     P = len(ids)
     if prompt_logprobs is None or not k - 1 <= len(prompt_logprobs) <= P or k > P:
         return None

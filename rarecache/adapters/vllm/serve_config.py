@@ -15,7 +15,7 @@ from ...defaults import MIN_HANDOFF_TOKENS, SERVED
 from ...dtypes import dtype_name, gpu_or_cpu
 from ...errors import RarecacheError
 from ...serve.config import Budget, check_min_handoff
-from ...transfer.gate import GatePolicy, gate_decides
+from ...transfer.gate.policy import GatePolicy, gate_decides
 from ...transfer.handoff import HandoffConfig, check_rho
 from .core import check_selector
 from .gate import check_vllm_gate, gate_rho

@@ -12,12 +12,12 @@ computes the hidden states of anyway (an LM-head product per recomputed position
 accepts the first rung whose signal is at most its threshold; past the last rung it climbs, the target
 prefills the handed-off span itself
 (exact: every row is rewritten), reusing the rows it held before the handoff. The ladder runs in
-`gate_pass.py`; the threshold is fitted offline on held-apart items (`eval/gate_fit.py`).
+`ladder.py`; the threshold is fitted offline on held-apart items (`eval/gate_fit.py`).
 
 **Every rung is a direct handoff at its ρ** (tested for every selector). A row the target recomputes
 attends to the rows before it, so a row recomputed at a lower rung is stale as soon as a higher rung
 recomputes a position before it. Climbing therefore reruns, at each rung, every chosen position from
-the first one the rung adds (`gate_pass.rung_run`); rows before it are exactly what a direct handoff
+the first one the rung adds (`ladder.rung_run`); rows before it are exactly what a direct handoff
 computes and stay. The cost is measured, not assumed: each rung records the positions it ran (`run`),
 and the fit below minimises their sum. With `suffix` every rung adds positions before all the others,
 so it reruns its whole set and climbing to the top costs Σρ = 0.1 + 0.2 + 0.3 + 0.5 = 1.1 prefills
@@ -53,9 +53,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import RarecacheError
-from ..registry import RANK
-from .handoff import HandoffConfig, HandoffResult
+from ...errors import RarecacheError
+from ...registry import RANK
+from ..handoff import HandoffConfig, HandoffResult
 
 RUNGS = (0.1, 0.2, 0.3, 0.5)
 POLICY_FORMAT = "rarecache-gate-policy/1"

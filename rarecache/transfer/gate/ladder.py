@@ -16,13 +16,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..engine.cache import KVCache
-from ..engine.runner import Runner, Step, spans
-from ..errors import RarecacheError
-from .gate import (ALWAYS_FALLS_BACK, GatePolicy, GateResult, Rung, _accepts, accept_reason, fallback_reason,
-                   js_bits)
-from .handoff import HandoffConfig, HandoffResult, _now, budget, map_and_score, select_top, subset
-from .mapper import Mapper
+from ...engine.cache import KVCache
+from ...engine.runner import Runner, Step, spans
+from ...errors import RarecacheError
+from ..handoff import HandoffConfig, HandoffResult, _now, budget, map_and_score, select_top, subset
+from ..mapper import Mapper
+from .policy import ALWAYS_FALLS_BACK, GatePolicy, GateResult, Rung, _accepts, accept_reason, fallback_reason, js_bits
 
 PROBES = 4  # probe queries per rung: the newest positions it runs (the last among them)
 CHUNK = 256  # positions per LM-head product when reading surprisals
