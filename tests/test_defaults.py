@@ -107,9 +107,9 @@ def test_the_librarys_config_dataclasses_default_to_the_served_budget():
 def test_the_vllm_adapters_defaults_are_the_served_ones():
     import inspect
 
-    from rarecache.adapters.vllm.core import Settings
-    from rarecache.adapters.vllm.launch import bench_service
-    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.adapters.vllm.connector.core import Settings
+    from rarecache.adapters.vllm.server.launch import bench_service
+    from rarecache.adapters.vllm.server.serving import VllmServeConfig
 
     cfg = VllmServeConfig(store="/nowhere")
     assert (cfg.rho, cfg.selector) == (SERVED.rho, SERVED.selector)

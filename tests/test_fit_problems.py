@@ -97,8 +97,8 @@ def test_serve_refuses_a_poor_map_unless_accepted(pair_dir, maps, tmp_path, monk
 
 
 def test_the_vllm_connector_refuses_a_poor_map_unless_accepted(pair_dir, maps, tmp_path):
-    from rarecache.adapters.vllm.core import read_settings
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.connector.core import read_settings
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
 
     poor = str(maps["root"] / "poor.safetensors")
     extra = {"store": str(tmp_path), "selector": "rank", "maps": {"src": poor}}

@@ -544,7 +544,7 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
                        (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
         assert main([*args, *extra]) == 2
         assert msg in capsys.readouterr().err
-    # a ladder on js: the vLLM path serves nll at one rung with suffix only (adapters/vllm/gate.py)
+    # a ladder on js: the vLLM path serves nll at one rung with suffix only (adapters/vllm/server/vllm_gate.py)
     policy.write_text(GatePolicy("rank", (0.1, 0.3), 0.5, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
     assert "--engine vllm serves a gate policy only as a policy on nll" in capsys.readouterr().err

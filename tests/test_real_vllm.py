@@ -30,8 +30,8 @@ PASSAGE = ("The Amazon River in South America is the largest river by discharge 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from rarecache.adapters.vllm.engines import engine_environment
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.server.engines import engine_environment
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
     from rarecache.engine.runner import Runner
     from rarecache.models.store import pull
     from rarecache.models.tokenizer import Tokenizer

@@ -303,7 +303,7 @@ def test_calibrate_cli_writes_a_token_map_that_hands_off(pair_dir, tmp_path, cap
 def test_vllm_row_handoff_with_a_token_map(tok_pair):
     """The adapter's row handoff (no vLLM needed) maps as `Mapper.apply` does, layer 0 from the target's
     weights; without the target's Runner it refuses."""
-    from rarecache.adapters.vllm.core import hand_rows, target_namespace
+    from rarecache.adapters.vllm.connector.core import hand_rows, target_namespace
 
     source, target, _, _, maps, _, prompts = tok_pair
     mapper, prompt = maps["both"], prompts[0]
@@ -326,8 +326,8 @@ def test_vllm_row_handoff_with_a_token_map(tok_pair):
 def _rank_runner(path, tp: int, rank: int) -> Runner:
     """The target as tensor-parallel rank `rank` of `tp` holds it, without vLLM: q, k and v projections cut to
     the rank's heads (weights.rank_config, sharding.kv_head_range); enough for its layer-0 rows."""
-    from rarecache.adapters.vllm.sharding import kv_head_range
-    from rarecache.adapters.vllm.weights import rank_config
+    from rarecache.adapters.vllm.connector.sharding import kv_head_range
+    from rarecache.adapters.vllm.connector.weights import rank_config
     from rarecache.models.loader import load_model
 
     model = load_model(path)
@@ -361,8 +361,8 @@ def test_vllm_row_handoff_with_a_token_map_under_tensor_parallelism(pair_dir, to
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.sharding import join_gathered, kv_head_range
+    from rarecache.adapters.vllm.connector.core import hand_rows
+    from rarecache.adapters.vllm.connector.sharding import join_gathered, kv_head_range
 
     source, target, _, _, maps, _, prompts = tok_pair
     mapper, prompt = maps[kind], prompts[0]

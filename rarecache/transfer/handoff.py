@@ -124,7 +124,7 @@ def prefix_layers(rho: float, length: int, layers: int) -> int:
 @dataclass
 class Mapped:
     """A batch after the map and the selector's scores, before any recompute: what `handoff` and the
-    gated ladder (`gate.py`) both start from."""
+    gated ladder (`gate/ladder.py`) both start from."""
 
     cache: KVCache  # target cache: mapped rows at the handed-off positions
     whole: torch.Tensor  # (B, n) whole prompts

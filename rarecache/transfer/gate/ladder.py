@@ -1,5 +1,5 @@
 """The gate's ladder for one prompt: map once, then climb rungs that are each a direct handoff at their
-ρ, accept one or fall back to the target's own prefill (the policy and why the rungs rerun: gate.py).
+ρ, accept one or fall back to the target's own prefill (the policy and why the rungs rerun: policy.py).
 
 Serving runs each rung as one `Runner.forward` over the positions it reruns (`rung_run`). An evaluation
 (`climb_all`) climbs every rung and measures the candidate signals on the way (`Rung`: nll, nll_shift,

@@ -188,7 +188,7 @@ def gate_decides(gate: GatePolicy | None, rho, selector) -> bool:
     """Whether a request's own budget (`rarecache.rho`, `rarecache.selector` in its body) leaves the budget to
     the server's gate policy `gate`: `rho` "auto" does (refused without a gate, or with another selector than
     the policy's); on a gated server a request naming a selector must name its rho too. The rule every
-    engine's server applies (serve/config.py, adapters/vllm/serve_config.py)."""
+    engine's server applies (serve/config.py, adapters/vllm/server/serve_config.py)."""
     if rho == "auto":
         if gate is None:
             raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ...engine.runner import Runner
-from ...errors import RarecacheError
-from ...models.config import ModelConfig
-from ...models.rope import rotate_half
+from ....engine.runner import Runner
+from ....errors import RarecacheError
+from ....models.config import ModelConfig
+from ....models.rope import rotate_half
 from .sharding import kv_head_range
 
 

@@ -25,7 +25,7 @@ even if it is aborted (a stop string, a client that left) and vLLM returns no ou
 The service reads the record back and checks it before it goes into the response.
 
 With the quality gate (`--rho auto`), a handed-off request is judged at its first token, on what vLLM
-computed of the prompt, and a rejected one is answered again from the model's own prefill (gate.py).
+computed of the prompt, and a rejected one is answered again from the model's own prefill (vllm_gate.py).
 
 Each engine runs in a thread of ours that adds requests, steps the engine and aborts what a
 stop string or a departed client ended, all between steps. vLLM spawns its engine processes:
@@ -41,24 +41,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ...engine.generate import SamplingConfig
-from ...engine.llm import generation_eos
-from ...errors import RarecacheError
-from ...models.config import ModelConfig
-from ...models.tokenizer import Tokenizer
-from ...packages import sha256_file
-from ...serve.config import Budget, too_short
-from ...serve.job import Reply
-from ...serve.outcome import IDENTITY_MISMATCH, SHORT_PROMPT
-from ...serve.request import Continued, check_request
-from ...transfer.mapper import Mapper
-from .core import check_map, check_peer_fits, claim
+from ....engine.generate import SamplingConfig
+from ....engine.llm import generation_eos
+from ....errors import RarecacheError
+from ....models.config import ModelConfig
+from ....models.tokenizer import Tokenizer
+from ....packages import sha256_file
+from ....serve.config import Budget, too_short
+from ....serve.job import Reply
+from ....serve.outcome import IDENTITY_MISMATCH, SHORT_PROMPT
+from ....serve.request import Continued, check_request
+from ....transfer.mapper import Mapper
+from ..connector.core import check_map, check_peer_fits, claim
+from ..rowstore.interface import CHUNK, Hit, Miss, model_identity, same_model
+from ..rowstore.store_open import open_store
 from .engines import Engine, EngineJob, start_engine
-from .gate import Judge, always_fallback_record
 from .records import account, outcome, settle
 from .serve_config import VllmServeConfig, request_budget, rung
-from .store import CHUNK, Hit, Miss, model_identity, same_model
-from .store_open import open_store
+from .vllm_gate import Judge, always_fallback_record
 
 CAPTURE_WAIT = 2.0  # seconds a request waits at most for rows an answer it follows is still filing
 NO_FINAL_MESSAGE = "not supported by this server's engine (vllm): continue_final_message"
@@ -246,7 +246,7 @@ class VllmChatService:
         """Answer a prompt `prepare` checked: hand it off if the peer holds more of it, else let the
         model's vLLM engine prefill it (reusing its own cached blocks), and say which it was.
 
-        `rho`, `selector`: this request's budget instead of the service's ("auto": the gate's, gate.py);
+        `rho`, `selector`: this request's budget instead of the service's ("auto": the gate's, vllm_gate.py);
         `mapper`: through the map of that id only. `on_start` is never called (`streams_outcome` False).
         `reread`: vLLM reads the whole prompt itself: no handoff, a salt of its own (its prefix cache
         holds nothing of the prompt) and nothing filed; the benches' baseline (bench/serve.py, bench/load.py)."""
@@ -294,13 +294,13 @@ class VllmChatService:
     def _run(self, model: str, rid: str, ids: list[int], sampling: SamplingConfig, stop: tuple[str, ...],
              on_text: Callable[[str], None] | None, cancelled: Callable[[], bool] | None, arrived: float,
              salt: str | None, vsalt: str | None, rc: dict[str, Any], judge: Judge | None = None) -> EngineJob:
-        """One request to the model's engine, run to its end; `judge` (gate.py) asks for the prompt
+        """One request to the model's engine, run to its end; `judge` (vllm_gate.py) asks for the prompt
         log-probabilities it reads."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         m = self.models[model]
-        read = {} if judge is None else {"prompt_logprobs": 0, "skip_reading_prefix_cache": False}  # (gate.py)
+        read = {} if judge is None else {"prompt_logprobs": 0, "skip_reading_prefix_cache": False}  # (vllm_gate.py)
         params = SamplingParams(
             max_tokens=sampling.max_new_tokens, temperature=0.0 if sampling.greedy else sampling.temperature,
             top_p=sampling.top_p, seed=sampling.seed, ignore_eos=sampling.ignore_eos, detokenize=False,

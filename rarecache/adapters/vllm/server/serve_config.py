@@ -3,7 +3,7 @@
 Apart from the service (serving.py) because both are checked before an engine starts, and a
 request's budget before it is queued: the same rules and the same `Budget` as our own engine's
 (serve/config.py), with the engine's selectors, and the quality gate in the shape this path serves
-(gate.py), whose one rung is the budget's ρ (`rung`).
+(vllm_gate.py), whose one rung is the budget's ρ (`rung`).
 """
 
 from __future__ import annotations
@@ -11,20 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...defaults import MIN_HANDOFF_TOKENS, SERVED
-from ...dtypes import dtype_name, gpu_or_cpu
-from ...errors import RarecacheError
-from ...serve.config import Budget, check_min_handoff
-from ...transfer.gate.policy import GatePolicy, gate_decides
-from ...transfer.handoff import HandoffConfig, check_rho
-from .core import check_selector
-from .gate import check_vllm_gate, gate_rho
-from .store import CHUNK
+from ....defaults import MIN_HANDOFF_TOKENS, SERVED
+from ....dtypes import dtype_name, gpu_or_cpu
+from ....errors import RarecacheError
+from ....serve.config import Budget, check_min_handoff
+from ....transfer.gate.policy import GatePolicy, gate_decides
+from ....transfer.handoff import HandoffConfig, check_rho
+from ..connector.core import check_selector
+from ..rowstore.interface import CHUNK
+from .vllm_gate import check_vllm_gate, gate_rho
 
 
 @dataclass(frozen=True)
 class VllmServeConfig:
-    store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (store.py)
+    store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (rowstore/interface.py)
     rho: float = SERVED.rho  # the served default, as `rarecache serve`
     selector: str = SERVED.selector
     dtype: str = "auto"  # auto: bfloat16 on a GPU or a CPU with native bf16, else float32 (dtypes.py); resolved here
@@ -40,7 +40,7 @@ class VllmServeConfig:
     store_bytes: int | None = None  # a directory store's capacity, LRU beyond it (None: unbounded)
     store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
     accept_poor_map: bool = False  # serve maps that fit badly (Mapper.fit_problems), refused otherwise
-    gate: GatePolicy | None = None  # the quality gate decides each request's handoff (gate.py); selector: its own
+    gate: GatePolicy | None = None  # the quality gate decides each request's handoff (vllm_gate.py); selector: its own
     min_handoff_tokens: int = MIN_HANDOFF_TOKENS  # shorter prompts are read by the model itself (serve/config.py)
 
     def __post_init__(self):

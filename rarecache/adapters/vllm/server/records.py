@@ -1,7 +1,7 @@
 """The worker's record of a handoff, as a reader must check it before believing it, and the
 outcome of a request's handoff that the service makes of it (`account`, `outcome`).
 
-The worker half files a record of each load a request asked about (worker.py `_record`), in
+The worker half files a record of each load a request asked about (connector/worker_side.py `_record`), in
 the row store, which any process with access to the directory could have written. What the
 record says goes into an API response (handed off or not, from which model, how many
 positions recomputed), so it is read as untrusted input: the right request, this engine's
@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ...errors import RarecacheError
-from ...serve.outcome import REASONS as SERVED_REASONS
-from .core import ENGINE_SELECTORS
-from .store import REASONS, RECORD_VERSION, RowStore, same_model
+from ....errors import RarecacheError
+from ....serve.outcome import REASONS as SERVED_REASONS
+from ..connector.core import ENGINE_SELECTORS
+from ..rowstore.interface import REASONS, RECORD_VERSION, RowStore, same_model
 
 
 def _whole(x: Any, low: int, high: int) -> bool:
@@ -25,7 +25,7 @@ def _whole(x: Any, low: int, high: int) -> bool:
 
 def check_record(rec: Any, name: str, model: dict[str, str], peers: dict[str, dict[str, str]], prompt_len: int,
                  block_size: int) -> dict[str, Any]:
-    """A worker's record of one handoff (worker.py `_record`), checked against what the service asked:
+    """A worker's record of one handoff (connector/worker_side.py `_record`), checked against what the service asked:
     the record it named, this engine's model, one of its peers, the prompt it sent. Returns it."""
     def bad(why: str):
         raise RarecacheError(f"the engine's record of the handoff {why}")

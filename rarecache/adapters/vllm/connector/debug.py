@@ -1,6 +1,6 @@
 """Inspection calls into a running vLLM worker, for tests and diagnostics.
 
-Start the engine with `worker_extension_cls="rarecache.adapters.vllm.debug.WorkerExtension"`
+Start the engine with `worker_extension_cls="rarecache.adapters.vllm.connector.debug.WorkerExtension"`
 and call `llm.collective_rpc("rarecache_...", args=(...))`. Results are plain values, and
 tensors go through safetensors files at paths the caller names: no pickle crosses the
 process boundary (vLLM would otherwise need VLLM_ALLOW_INSECURE_SERIALIZATION).
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ...engine.runner import Runner, pad_batch
+from ....engine.runner import Runner, pad_batch
 from .weights import runner_over, shared_tensors
 
 

@@ -6,7 +6,7 @@ cover a block-aligned prefix worth claiming (`get_num_new_matched_tokens`), unpu
 claimed blocks from the prefix cache as soon as vLLM allocates them and every step after
 (`update_state_after_alloc`, `build_connector_meta`), and on finish either queues the
 request's rows for capture or, for a handed-off request, reports what was done and files
-nothing (`request_finished`). The worker half (worker.py) does what the metadata built here
+nothing (`request_finished`). The worker half (worker_side.py) does what the metadata built here
 tells it. The rules and why they are enough: connector.py.
 """
 
@@ -16,17 +16,18 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import RarecacheError
-from . import INSTALL_HINT
+from ....errors import RarecacheError
+from .. import INSTALL_HINT
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.logger import init_logger
 except ImportError as _e:
-    raise RarecacheError(f"rarecache.adapters.vllm.scheduler needs vllm ({_e}); {INSTALL_HINT}") from None
+    raise RarecacheError(f"rarecache.adapters.vllm.connector.scheduler_side needs vllm ({_e}); "
+                         f"{INSTALL_HINT}") from None
 
+from ..rowstore.interface import CHUNK, Hit, Miss, StoreDown
 from .core import QUERY_SELECTORS, RequestParams, check_peer_fits, check_peer_layout, claim, request_params
-from .store import CHUNK, Hit, Miss, StoreDown
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
 

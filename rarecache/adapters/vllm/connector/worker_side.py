@@ -20,19 +20,20 @@ from typing import Any
 
 import torch
 
-from ...errors import RarecacheError
-from . import INSTALL_HINT
+from ....errors import RarecacheError
+from .. import INSTALL_HINT
 
 try:
     from vllm.logger import init_logger
 except ImportError as _e:
-    raise RarecacheError(f"rarecache.adapters.vllm.worker needs vllm ({_e}); {INSTALL_HINT}") from None
+    raise RarecacheError(f"rarecache.adapters.vllm.connector.worker_side needs vllm ({_e}); "
+                         f"{INSTALL_HINT}") from None
 
+from ..rowstore.interface import RECORD_VERSION, Hit, StoreDown
 from .core import hand_rows, target_namespace
 from .paged import Layout, slots
+from .scheduler_side import SEEN_SALTS, LoadSpec, RarecacheMetadata
 from .sharding import HeadRange, join_gathered, kv_head_range
-from .scheduler import SEEN_SALTS, LoadSpec, RarecacheMetadata
-from .store import RECORD_VERSION, Hit, StoreDown
 
 logger = init_logger("vllm.rarecache")
 

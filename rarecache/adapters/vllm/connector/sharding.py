@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ...errors import RarecacheError
+from ....errors import RarecacheError
 
 
 @dataclass(frozen=True)

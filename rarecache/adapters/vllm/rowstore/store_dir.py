@@ -1,9 +1,9 @@
-"""The row store in a directory (store.py's interface): the embedded default, one host.
+"""The row store in a directory (the interface in interface.py): the embedded default, one host.
 
 Layout, under the root (every file 0600):
 
     models/<model key>.json            identity + ModelConfig
-    rows/<bucket>/<entry>              one sequence (store.py's entry format)
+    rows/<bucket>/<entry>              one sequence (entry.py's format)
     rows/<bucket>/prefix/<chain>       the entry holding the sequence's first 16·i tokens
     leases/<bucket>-<entry>.<token>    a handoff is reading the entry (the file holds its end time)
     records/<name>.json                what one handoff did (`put_record`)
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...errors import RarecacheError
-from .store import LEASE_SECONDS, MAX_RECORD, Hit, RowStore, decode_meta, header_length
+from ....errors import RarecacheError
+from .interface import LEASE_SECONDS, MAX_RECORD, Hit, RowStore, decode_meta, header_length
 
 DANGLING = 600.0  # seconds the prefix files of an evicted entry are kept to report `evicted`
 HEAD = 64 << 10  # bytes read for an entry's header (more when it is longer)

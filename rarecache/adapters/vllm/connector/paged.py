@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...errors import RarecacheError
+from ....errors import RarecacheError
 
 BASE = 16
 

@@ -8,7 +8,7 @@ such as `collective_rpc`, and aborts the requests that a stop string or a depart
 ended; then it steps the engine, whose scheduler batches everything running. Text is decoded
 with our tokenizer and streamed by the one rule both engines' requests share (serve/job.py `Job.show`),
 so stop strings and streaming behave the same as in ChatService. A request
-of the quality gate (gate.py) carries a judge, which decides at its first token, before any text is
+of the quality gate (vllm_gate.py) carries a judge, which decides at its first token, before any text is
 shown, whether it goes on.
 """
 
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ...errors import RarecacheError
-from . import INSTALL_HINT
-from ...models.tokenizer import Tokenizer
-from ...serve.job import Job
+from ....errors import RarecacheError
+from ....models.tokenizer import Tokenizer
+from ....serve.job import Job
+from .. import INSTALL_HINT
 
 
-CONNECTOR = "rarecache.adapters.vllm.connector"
+CONNECTOR = "rarecache.adapters.vllm.connector.connector"
 
 
 def start_engine(path: Path, cfg: Any, maps: dict[str, str], engine_kwargs: dict[str, Any]):
@@ -99,7 +99,7 @@ class EngineJob(Job):
     ended: float | None = None
     output: Any = None  # the latest RequestOutput
     stopped: bool = False  # a stop string ended it
-    judge: Callable[[Any], bool] | None = None  # the quality gate (gate.py): whether the request goes on
+    judge: Callable[[Any], bool] | None = None  # the quality gate (vllm_gate.py): whether the request goes on
     rejected: bool = False  # the judge stopped it: nothing was given to on_text
 
     def take(self, out) -> bool:

@@ -1,12 +1,12 @@
 """Opening a row store by its name: the one place that knows every backend (`store_dir.py`, `store_redis.py`),
-apart from `store.py`, which the backends build on."""
+apart from `interface.py`, which the backends build on."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...errors import RarecacheError
-from .store import RowStore, is_url
+from ....errors import RarecacheError
+from .interface import RowStore, is_url
 
 
 def open_store(spec: str | Path, cap_bytes: int | None = None, ttl: float | None = None) -> RowStore:

@@ -21,26 +21,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from ...defaults import SERVED
-from ...dtypes import cpu_capability
-from ...errors import RarecacheError
-from .store import describe_store, is_url
+from ....defaults import SERVED
+from ....dtypes import cpu_capability
+from ....errors import RarecacheError
+from ..rowstore.interface import describe_store, is_url
 
 
 def serve_vllm(args, names: tuple[str, str], api_key: str | None, gate=None) -> int:
-    """`gate`: the quality gate's policy (--rho auto; `args.rho` is then None), checked here (gate.py)."""
+    """`gate`: the quality gate's policy (--rho auto; `args.rho` is then None), checked here (vllm_gate.py)."""
     try:
         import uvicorn
 
-        from ...serve.app import create_app
+        from ....serve.app import create_app
     except ImportError as e:
         raise RarecacheError(f"rarecache serve needs FastAPI and uvicorn ({e.name} is missing): "
                              "pip install 'rarecache[serve]'") from None
     import torch
 
-    from ...models.store import resolve_model
+    from ....models.store import resolve_model
     from .engines import engine_environment
-    from .gate import gate_rho
+    from .vllm_gate import gate_rho
     from .serving import VllmChatService, VllmServeConfig
 
     check_store_flags(args.store, args.store_gib, args.store_ttl)
@@ -128,8 +128,8 @@ def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache
     scheduler's limits, versions), for the benches' JSON."""
     import torch
 
-    from ...models.store import resolve_model
-    from ...serve.names import model_id
+    from ....models.store import resolve_model
+    from ....serve.names import model_id
     from .engines import engine_environment
     from .serving import VllmChatService, VllmServeConfig
 

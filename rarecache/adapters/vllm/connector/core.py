@@ -33,20 +33,20 @@ from typing import Any, Callable
 
 import torch
 
-from ...defaults import SERVED, default_selector
-from ...engine.cache import KVCache
-from ...engine.runner import Runner
-from ...errors import RarecacheError
-from ...models.config import ModelConfig
-from ...models.rope import Rope
-from ...registry import LAYER_PREFIX, RANDOM, RANK, SUFFIX, SUFFIX_RANK
-from ...transfer.features import rows, write_rows
-from ...transfer.handoff import budget
-from ...transfer.mapper import Mapper
-from ...transfer.query import before_tail
-from ...transfer.selectors import SELECTORS, SelectionContext
+from ....defaults import SERVED, default_selector
+from ....engine.cache import KVCache
+from ....engine.runner import Runner
+from ....errors import RarecacheError
+from ....models.config import ModelConfig
+from ....models.rope import Rope
+from ....registry import LAYER_PREFIX, RANDOM, RANK, SUFFIX, SUFFIX_RANK
+from ....transfer.features import rows, write_rows
+from ....transfer.handoff import budget
+from ....transfer.mapper import Mapper
+from ....transfer.query import before_tail
+from ....transfer.selectors import SELECTORS, SelectionContext
+from ..rowstore.interface import RECORD_NAME, model_identity, same_model
 from .sharding import HeadRange
-from .store import RECORD_NAME, model_identity, same_model
 
 
 RECOMPUTE_SELECTORS = (RANK, RANDOM, SUFFIX_RANK)  # scored positions, recomputed by our Runner
@@ -208,7 +208,7 @@ def pin_manifest(manifest: str | Path, map_path: str | Path, mapper: Mapper, mod
                  where: str) -> dict[str, Any]:
     """Refuse the map unless it and this engine's model are what the pinned manifest says; returns the
     manifest (the peer's KV layout is checked once its config is known: `check_peer_layout`)."""
-    from ...transfer.manifest import check_manifest, manifest_of, read_manifest
+    from ....transfer.manifest import check_manifest, manifest_of, read_manifest
 
     pinned = read_manifest(manifest)
     check_manifest(pinned, manifest_of(mapper, map_path, target_dir=model, tensor_parallel=tensor_parallel),
@@ -219,7 +219,7 @@ def pin_manifest(manifest: str | Path, map_path: str | Path, mapper: Mapper, mod
 def check_peer_layout(peer: Peer, cfg: ModelConfig) -> None:
     """The peer's KV layout, as its config in the store gives it, is the one its pinned manifest names."""
     if peer.manifest is not None:
-        from ...transfer.manifest import check_manifest, kv_layout
+        from ....transfer.manifest import check_manifest, kv_layout
 
         check_manifest(peer.manifest, {"kv_layout": {"source": kv_layout(cfg)}}, where=f"the map from {peer.name}")
 

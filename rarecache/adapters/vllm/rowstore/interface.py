@@ -42,16 +42,16 @@ from typing import Any
 
 import torch
 
-from ...errors import RarecacheError
-from ...models.config import ModelConfig, RopeConfig
-from ...models.loader import checkpoint_fingerprint
-from ...transfer.conversation import common_prefix
+from ....errors import RarecacheError
+from ....models.config import ModelConfig, RopeConfig
+from ....models.loader import checkpoint_fingerprint
+from ....transfer.conversation import common_prefix
 from .entry import FORMAT_VERSION, REASONS, EntryGone, decode_meta, decode_rows, encode_entry, header_length
 
 CHUNK = 16  # tokens per prefix-index step; vLLM block sizes are multiples of it
 RECORD_NAME = re.compile(r"[0-9a-f]{32}")  # a record's file name: nothing a path could be made of
 MAX_RECORD = 64 << 10  # bytes; a record is a few hundred
-RECORD_VERSION = 1  # of the records the worker files (worker.py); whoever reads one checks it
+RECORD_VERSION = 1  # of the records the worker files (connector/worker_side.py); whoever reads one checks it
 RECORD_TTL = 600  # seconds a record waits for its reader
 LEASE_SECONDS = 120.0  # a lease a handoff never released ends by itself
 
