@@ -197,7 +197,7 @@ def test_bench_handoff_table_and_ceilings(mapped, capsys):
 
 
 def test_eq11_ceilings_limits(mapped):
-    from rarecache.bench.handoff import ceilings
+    from rarecache.bench.handoffbench import ceilings
     from rarecache.engine.runner import Runner
     from rarecache.transfer.mapper import Mapper
 

@@ -81,7 +81,7 @@ def test_both_engines_have_every_member_of_the_contract():
             for p in sig.parameters.values():
                 assert p.name in have and have[p.name].kind == p.kind, (cls.__name__, name, p.name)
     from rarecache.adapters.vllm.server.serve_config import VllmServeConfig
-    from rarecache.serve.config import ServiceConfig
+    from rarecache.serve.settings import ServiceConfig
     from rarecache.serve.contract import Settings
 
     for cfg in (ServiceConfig, VllmServeConfig):  # the settings the front reads

@@ -85,10 +85,10 @@ def test_the_librarys_config_dataclasses_default_to_the_served_budget():
     only the commands (HandoffConfig once defaulted to rank at 0, ServiceConfig and Conversation to 0.3)."""
     import inspect
 
-    from rarecache.bench.handoff import time_cell
+    from rarecache.bench.handoffbench import time_cell
     from rarecache.bench.load import PoissonConfig
     from rarecache.bench.serve import SwitchBenchConfig
-    from rarecache.serve.config import ServiceConfig
+    from rarecache.serve.settings import ServiceConfig
     from rarecache.transfer.conversation import Conversation
     from rarecache.transfer.diagnostics import diagnose
     from rarecache.transfer.handoff import HandoffConfig, handoff

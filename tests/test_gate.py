@@ -130,7 +130,7 @@ def test_fit_recovers_the_planted_threshold():
 
 def _planted_ladders(metric: str, target: list[float], value: list[list[float]], changed: list[list[bool]],
                      prompt: int = 100) -> "Ladders":
-    from rarecache.eval.gate import Ladders
+    from rarecache.eval.gate_report import Ladders
 
     rungs = [0.1, 0.2, 0.3, 0.5]
     n = len(target)
@@ -145,7 +145,7 @@ def test_oracle_is_the_cheapest_choice_that_keeps_every_answer():
     change no answer, none costs less than the oracle's, and the oracle's changes none."""
     import itertools
 
-    from rarecache.eval.gate import oracle
+    from rarecache.eval.gate_report import oracle
 
     g = torch.Generator().manual_seed(1)
     n = 7
@@ -296,7 +296,7 @@ def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(model
 
 def test_gate_fit_and_report_on_held_apart_items(models, tmp_path, capsys):
     from rarecache.cli import main
-    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.gate_report import evaluate, read_ladders
     from rarecache.eval.results import load_results
 
     held = _ladder_run(models, tmp_path, slice(0, 3), "held.jsonl")
@@ -395,7 +395,7 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path, capsys):
 
 
 def test_auc_by_hand():
-    from rarecache.eval.gate import auc
+    from rarecache.eval.gate_report import auc
 
     assert auc([0.1, 0.2, 0.9, 0.8], [False, False, True, True]) == 1.0
     assert auc([0.9, 0.8, 0.1, 0.2], [False, False, True, True]) == 0.0
@@ -406,7 +406,7 @@ def test_auc_by_hand():
 def test_pooled_auc_resamples_within_each_task():
     """A pooled AUC is the AUC of every task's pairs together; its bootstrap keeps each task's item
     count, so no draw is one task alone (whose signal may run the other way)."""
-    from rarecache.eval.gate import auc, auc_ci
+    from rarecache.eval.gate_report import auc, auc_ci
 
     a = [([0.5], [True]), ([0.6], [False])]  # task 0: the signal inverted within it
     b = [([0.9], [True]), ([0.1], [False]), ([0.95], [True]), ([0.05], [False])]  # task 1: it separates
@@ -846,7 +846,7 @@ def test_gate_fit_and_report_on_js_views(models, tmp_path):
     """Ladders through a map with two views record js_views and what it cost; `eval gate fit --signal js_views`
     thresholds it, the report reads it and counts its cost; ladders without it are refused clearly."""
     from rarecache.cli import main
-    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.gate_report import evaluate, read_ladders
     from rarecache.eval.results import load_results
     from rarecache.transfer.fitting.calibrate import with_plain
 

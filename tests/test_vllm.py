@@ -1189,11 +1189,11 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
 
 
 def test_a_gated_vllm_servers_request_budget():
-    """A request's budget on a gated vLLM server: our own engine's rules (serve/config.py), the engine's selectors."""
+    """A request's budget on a gated vLLM server: our own engine's rules (serve/settings.py), the engine's selectors."""
     from dataclasses import replace
 
     from rarecache.adapters.vllm.server.serve_config import VllmServeConfig, request_budget, rung
-    from rarecache.serve.config import Budget
+    from rarecache.serve.settings import Budget
     from rarecache.transfer.gate.policy import GatePolicy
     from rarecache.transfer.handoff import HandoffConfig
 

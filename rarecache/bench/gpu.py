@@ -25,7 +25,7 @@ from ..registry import RANK, SUFFIX
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
 from .ablate import median_time
-from .handoff import ceilings, synchronize
+from .handoffbench import ceilings, synchronize
 from .shapes import CONFIGS, random_mapper, random_model
 
 ROW_KEYS = ("T", "batch", "rho", "selector", "speedup_vs_best_prefill", "of_sparse_ceiling",

@@ -125,7 +125,7 @@ def _load_map(path: Path):
 
 
 def cmd_bench_serve_vllm(args) -> int:
-    from ..bench.handoff import read_summary
+    from ..bench.handoffbench import read_summary
     from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, summary_group, switch_summary, update_summary
 
     cfg = VllmSwitchConfig(lengths=tuple(args.lengths), rhos=tuple(args.rhos), repeats=args.repeats,

@@ -201,7 +201,7 @@ def report(path: Path) -> tuple[str, dict]:
     seen, map, selection, recompute, and any fallback prefill); None for rows without the baseline."""
     import numpy as np
 
-    from .metrics import mean_ci
+    from .significance import mean_ci
 
     if not path.is_file():
         raise RarecacheError(f"no drift results file {path}")

@@ -1,5 +1,5 @@
 """The gate policy's fit on held-apart ladders: the cheapest (first rung, rungs climbed, threshold, margin
-floor) that keeps every task within its loss bound. Only `eval/gate.py` calls it; serving reads the
+floor) that keeps every task within its loss bound. Only `eval/gate_report.py` calls it; serving reads the
 policy file it writes (`transfer/gate/policy.py`).
 
 Work is what is minimised, in prefill-equivalents as measured: the first rung climbed reruns its whole

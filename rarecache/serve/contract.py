@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
 from ..engine.generate import SamplingConfig
-from .config import Budget
 from .job import Reply
 from .request import Continued
+from .settings import Budget
 
 
 class Settings(Protocol):

@@ -17,8 +17,8 @@ from typing import Callable
 
 from ..engine.generate import Row, SamplingConfig
 from ..transfer.conversation import Started
-from .config import Budget
-from .store import Entry
+from .prefix_store import Entry
+from .settings import Budget
 
 
 @dataclass

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from rarecache.eval.answers import same_answer
-from rarecache.eval.gate import CHANGED_BPB, auc, auc_ci
+from rarecache.eval.gate_report import CHANGED_BPB, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
 FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views", "answer_views"]

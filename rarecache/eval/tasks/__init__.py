@@ -5,11 +5,11 @@ from pathlib import Path
 
 from ...errors import RarecacheError
 from .base import Item, Task
-from .choice import ARCChallenge, ARCEasy, HellaSwag, WinoGrande
 from .coqa import CoQA, CoQABPB, CoQAPassage
 from .custom import FileTask
 from .gsm8k import GSM8K, GSM8KBPB
 from .mmlu import MMLU
+from .multiple_choice import ARCChallenge, ARCEasy, HellaSwag, WinoGrande
 from .wiki_ppl import WikiPerplexity
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, WinoGrande,

@@ -66,7 +66,7 @@ SIGNALS = ("js", "js_views", "nll")  # what a policy thresholds (GatePolicy.sign
 class GatePolicy:
     # rank, not the served default (suffix): every suffix rung adds positions before all the others and
     # reruns its whole set, so its ladder costs about twice rank's (module docstring); a served policy names
-    # its selector anyway (fitted on recorded ladders, eval/gate.py)
+    # its selector anyway (fitted on recorded ladders, eval/gate_report.py)
     selector: str = RANK
     rungs: tuple[float, ...] = RUNGS
     threshold: float = 0.0  # accept rung k when js(rung k, rung k-1) <= threshold (bits); < 0: always fall back
@@ -188,7 +188,7 @@ def gate_decides(gate: GatePolicy | None, rho, selector) -> bool:
     """Whether a request's own budget (`rarecache.rho`, `rarecache.selector` in its body) leaves the budget to
     the server's gate policy `gate`: `rho` "auto" does (refused without a gate, or with another selector than
     the policy's); on a gated server a request naming a selector must name its rho too. The rule every
-    engine's server applies (serve/config.py, adapters/vllm/server/serve_config.py)."""
+    engine's server applies (serve/settings.py, adapters/vllm/server/serve_config.py)."""
     if rho == "auto":
         if gate is None:
             raise RarecacheError("rarecache.rho auto needs a server started with --rho auto --gate-policy FILE")

@@ -2,7 +2,7 @@
 
 Apart from the service (serving.py) because both are checked before an engine starts, and a
 request's budget before it is queued: the same rules and the same `Budget` as our own engine's
-(serve/config.py), with the engine's selectors, and the quality gate in the shape this path serves
+(serve/settings.py), with the engine's selectors, and the quality gate in the shape this path serves
 (vllm_gate.py), whose one rung is the budget's ρ (`rung`).
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from ....defaults import MIN_HANDOFF_TOKENS, SERVED
 from ....dtypes import dtype_name, gpu_or_cpu
 from ....errors import RarecacheError
-from ....serve.config import Budget, check_min_handoff
+from ....serve.settings import Budget, check_min_handoff
 from ....transfer.gate.policy import GatePolicy, gate_decides
 from ....transfer.handoff import HandoffConfig, check_rho
 from ..connector.core import check_selector
@@ -41,7 +41,7 @@ class VllmServeConfig:
     store_ttl: float | None = None  # seconds a stored entry lives (None: until evicted)
     accept_poor_map: bool = False  # serve maps that fit badly (Mapper.fit_problems), refused otherwise
     gate: GatePolicy | None = None  # the quality gate decides each request's handoff (vllm_gate.py); selector: its own
-    min_handoff_tokens: int = MIN_HANDOFF_TOKENS  # shorter prompts are read by the model itself (serve/config.py)
+    min_handoff_tokens: int = MIN_HANDOFF_TOKENS  # shorter prompts are read by the model itself (serve/settings.py)
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, gpu_or_cpu()))
@@ -77,7 +77,7 @@ def rung(budget: Budget) -> float:
 
 
 def request_budget(cfg: VllmServeConfig, rho: float | str | None = None, selector: str | None = None) -> Budget:
-    """A request's own budget instead of the server's, checked as our own engine checks it (serve/config.py
+    """A request's own budget instead of the server's, checked as our own engine checks it (serve/settings.py
     `request_budget`), with the engine's selectors; the gate policy's when the gate decides (`rho` "auto",
     or nothing named on a gated server)."""
     gate = cfg.gate

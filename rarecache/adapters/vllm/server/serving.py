@@ -15,7 +15,7 @@ more whole blocks of the prompt than the model's own do; then it is sent with a 
 own (the request-only rule, docs/VLLM.md) and the connector hands it off. Handed-off rows are
 never filed or reused, so a later turn on that model is handed off again from the peer's
 rows, never from approximate ones. Rows are only ever found under the tenant's scope. A prompt
-shorter than the server's `min_handoff_tokens` is never handed off (serve/config.py `too_short`), and
+shorter than the server's `min_handoff_tokens` is never handed off (serve/settings.py `too_short`), and
 a request naming a map (`mapper`, a router's `x-vsr-kv-mapper-id`) is handed off through that map only.
 
 What happened to a request is said by the process that did it: the worker files a record of
@@ -47,10 +47,10 @@ from ....errors import RarecacheError
 from ....models.config import ModelConfig
 from ....models.tokenizer import Tokenizer
 from ....packages import sha256_file
-from ....serve.config import Budget, too_short
 from ....serve.job import Reply
 from ....serve.outcome import IDENTITY_MISMATCH, SHORT_PROMPT
 from ....serve.request import Continued, check_request
+from ....serve.settings import Budget, too_short
 from ....transfer.mapper import Mapper
 from ..connector.core import check_map, check_peer_fits, claim
 from ..rowstore.interface import CHUNK, Hit, Miss, model_identity, same_model

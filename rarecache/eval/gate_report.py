@@ -31,9 +31,9 @@ from ..transfer.gate.policy import SIGNALS, GatePolicy, climbed_signals, decide,
 from .answers import same_answer
 from .gate_auc import auc, auc_ci, signal_aucs  # noqa: F401  (auc: scripts/gate_signals.py reads it here)
 from .gate_fit import Item, fit_thresholds
-from .metrics import mcnemar, paired_diff_ci
 from .report import format_p
 from .results import load_results, map_sha256, sibling
+from .significance import mcnemar, paired_diff_ci
 
 CHANGED_BPB = 0.01  # bits per byte: a bpb item's "answer changed" (for the signal's AUC) past this
 LOSSES = ("changed", "accuracy")  # what a multiple-choice rung's loss counts (module docstring)
