@@ -1,20 +1,15 @@
-"""Evaluation tasks. Each task is one small module registered in TASKS; a user's own task is a
-JSONL file (`custom.py`), named where a task name goes."""
+"""Evaluation tasks. Each task is one small module, registered by its line in registry.py's TASKS (the
+name and the class), from which `TASKS` here is built; a user's own task is a JSONL file (`custom.py`),
+named where a task name goes."""
 
 from pathlib import Path
 
 from ...errors import RarecacheError
+from ...registry import TASKS as TASK_NAMES
 from .base import Item, Task
-from .coqa import CoQA, CoQABPB, CoQAPassage
 from .custom import FileTask
-from .gsm8k import GSM8K, GSM8KBPB
-from .mmlu import MMLU
-from .multiple_choice import ARCChallenge, ARCEasy, HellaSwag, WinoGrande
-from .wiki_ppl import WikiPerplexity
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, WinoGrande,
-                                                 MMLU, CoQA, CoQABPB, CoQAPassage,
-                                                 WikiPerplexity)}
+TASKS: dict[str, type[Task]] = {name: TASK_NAMES.load(name) for name in TASK_NAMES}
 
 
 def open_task(spec: str, cache_dir: Path | None = None, tokenizer=None, calibration: Path | None = None) -> Task:

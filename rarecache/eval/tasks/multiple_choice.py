@@ -25,7 +25,9 @@ from ...errors import RarecacheError
 from ..data import POSITION, document_ids, olmo_documents
 from .base import Item, Task, choice_scores, minus_evaluated
 
-QUESTION = "query"  # item.extra's field for the question alone, without exemplars (eval/probe.py reads it)
+# OLMES's documents' field for the question alone, without exemplars, and item.extra's (eval/probe.py reads it);
+# the same text as a selector's name, meaning this (tests/test_registry.py, NOT_A_NAME)
+QUESTION = "query"
 
 INSTRUCTION = "Answer the last question like the examples, with the text of the correct answer.\n\n"
 
@@ -48,7 +50,7 @@ class OlmesChoice(Task):
         for key, r in zip(ids, rows):
             doc, context = r["doc"], r["request"]["context"]
             items.append(Item(f"{self.name}-{key}", ({"role": "user", "content": self.instruction + context},),
-                              int(doc["gold"]), {QUESTION: doc["query"]}, tuple(c.strip() for c in doc["choices"])))
+                              int(doc["gold"]), {QUESTION: doc[QUESTION]}, tuple(c.strip() for c in doc["choices"])))
         return field, items
 
     def items(self) -> list[Item]:
@@ -75,18 +77,18 @@ class OlmesChoice(Task):
 
 
 class ARCChallenge(OlmesChoice):
-    name, eval_dir, calib_dir, chance = "arc_challenge", "arc_challenge/test_rc_5shot", "arc_challenge/val_rc_5shot", 0.25
+    eval_dir, calib_dir, chance = "arc_challenge/test_rc_5shot", "arc_challenge/val_rc_5shot", 0.25
 
 
 class ARCEasy(OlmesChoice):
-    name, eval_dir, calib_dir, chance = "arc_easy", "arc_easy/test_rc_5shot", "arc_easy/val_rc_5shot", 0.25
+    eval_dir, calib_dir, chance = "arc_easy/test_rc_5shot", "arc_easy/val_rc_5shot", 0.25
 
 
 class HellaSwag(OlmesChoice):
     """OLMES ships 1,000 HellaSwag validation items as requests (test labels are not public):
     the first 600 are evaluated, the other 400 are the calibration pool."""
 
-    name, eval_dir, chance = "hellaswag", "hellaswag/rc_5shot", 0.25
+    eval_dir, chance = "hellaswag/rc_5shot", 0.25
     split = 600
 
 
@@ -95,6 +97,6 @@ class WinoGrande(OlmesChoice):
     likelihood: acc; acc_norm is the same for one-letter answers). Only the validation split
     (1,267 items) ships: the first 967 are evaluated, the last 300 are the calibration pool."""
 
-    name, eval_dir, chance, metric = "winogrande", "winogrande/mc_5shot", 0.5, "correct"
+    eval_dir, chance, metric = "winogrande/mc_5shot", 0.5, "correct"
     instruction = "Answer the last question like the examples, with the letter of the correct option.\n\n"
     split = 967

@@ -20,7 +20,6 @@ CONTINUATION = 512
 
 
 class WikiPerplexity(Task):
-    name = "wiki_ppl"
     metric = "bpb"
     kind = "likelihood"
     corpus = "wiki"
