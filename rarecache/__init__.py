@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .engine.generate import SamplingConfig
     from .engine.llm import LLM
     from .transfer.conversation import Conversation
-    from .transfer.gate import GatePolicy
+    from .transfer.gate.policy import GatePolicy
     from .transfer.handoff import HandoffConfig
     from .transfer.mapper import Mapper
     from .transfer.pipeline import Pipeline
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["LLM", "SamplingConfig", "Pipeline", "HandoffConfig", "Mapper", "Conversation", "GatePolicy", "SERVED"]
 _HOMES = {"LLM": ".engine.llm", "SamplingConfig": ".engine.generate", "Pipeline": ".transfer.pipeline",
           "HandoffConfig": ".transfer.handoff", "Mapper": ".transfer.mapper", "Conversation": ".transfer.conversation",
-          "GatePolicy": ".transfer.gate", "SERVED": ".defaults"}
+          "GatePolicy": ".transfer.gate.policy", "SERVED": ".defaults"}
 
 
 def __getattr__(name: str):

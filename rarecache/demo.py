@@ -29,8 +29,8 @@ from .engine.llm import LLM
 from .engine.runner import pad_batch
 from .errors import RarecacheError
 from .models.store import default_cache_dir, pull
-from .transfer.calibrate import Calibration, CalibrationConfig
-from .transfer.corpus import load_corpus
+from .transfer.fitting.calibrate import Calibration, CalibrationConfig
+from .transfer.fitting.corpus import load_corpus
 from .transfer.handoff import HandoffConfig
 from .transfer.mapper import Mapper
 from .transfer.pipeline import Pipeline

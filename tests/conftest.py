@@ -14,8 +14,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from rarecache import LLM
 from rarecache.engine.runner import Runner
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.corpus import load_corpus
 
 transformers = pytest.importorskip("transformers")
 

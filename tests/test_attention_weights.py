@@ -13,12 +13,12 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig, attention_weights, run_config
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig, attention_weights, run_config
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.transfer.features import SIDES, features, features_received
 from rarecache.transfer.mapper import Mapper
-from rarecache.transfer.refit import refit
-from rarecache.transfer.stats import RegressionStats
+from rarecache.transfer.fitting.refit import refit
+from rarecache.transfer.fitting.stats import RegressionStats
 
 BASE = CalibrationConfig(tokens=400, heldout_tokens=100, seq_len=48, k=2, rank=4, checkpoint_every=1)
 

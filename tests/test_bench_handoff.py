@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from rarecache.bench.handoff import SUMMARY_KEYS
+from rarecache.bench.handoffbench import SUMMARY_KEYS
 from rarecache.bench.memory import MIB, footprint, formula, measure, memory_kind, nbytes
 from rarecache.engine.runner import Runner
 from rarecache.models.packed import pack_float32
@@ -115,7 +115,7 @@ def test_fused_map_scattered_and_batched_positions(fitted):
 
 
 def test_fused_map_with_residual_mlp_equals_reference(fitted):
-    from rarecache.transfer.mlp import SideMLP
+    from rarecache.transfer.sidefit import SideMLP
 
     source, target, mapper, prompts = fitted
     g = torch.Generator().manual_seed(0)
@@ -224,7 +224,7 @@ def test_bench_handoff_writes_its_summary(fitted, pair_dir, tmp_path, capsys):
 def test_summary_keeps_earlier_cells_of_the_same_setup():
     """A table run in parts: cells another run of the same setup measured stay, this run's replace theirs,
     another setup's file is replaced whole."""
-    from rarecache.bench.handoff import summary
+    from rarecache.bench.handoffbench import summary
 
     def cell(T, rho, share):
         return {"T": T, "rho": rho, "batch": 1, "of_sparse_ceiling": share, "map_score_share_of_prefill": 0.01,
@@ -245,7 +245,7 @@ def test_bench_handoff_times_the_selector_it_names_and_refuses_bad_ones(fitted, 
                                                                           monkeypatch):
     """--selector reaches the handoff it times (the recorded header says which), and a wrong selector or a GPU
     this machine lacks is a clear error, not a traceback."""
-    import rarecache.bench.handoff as bench_handoff
+    import rarecache.bench.handoffbench as bench_handoff
     from rarecache.cli import main
 
     _, _, mapper, _ = fitted

@@ -197,7 +197,7 @@ def test_bench_handoff_table_and_ceilings(mapped, capsys):
 
 
 def test_eq11_ceilings_limits(mapped):
-    from rarecache.bench.handoff import ceilings
+    from rarecache.bench.handoffbench import ceilings
     from rarecache.engine.runner import Runner
     from rarecache.transfer.mapper import Mapper
 
@@ -385,8 +385,8 @@ def test_a_rerun_removes_what_a_killed_calibration_left(mapped, tmp_path, capsys
     or refused."""
     from rarecache.engine.runner import Runner
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     out = tmp_path / "m.safetensors"
     left = [tmp_path / "m.safetensors.partial", tmp_path / "m.safetensors.state.partial"]

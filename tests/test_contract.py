@@ -63,7 +63,7 @@ def _members(cls) -> dict[str, inspect.Signature | None]:
 def test_both_engines_have_every_member_of_the_contract():
     """Each member of ChatBackend exists on both services (an attribute may be set in __init__), and each
     method takes the contract's parameters by the contract's names (more may follow, with defaults)."""
-    from rarecache.adapters.vllm.serving import VllmChatService
+    from rarecache.adapters.vllm.server.serving import VllmChatService
     from rarecache.serve.service import ChatService
 
     wanted = _members(ChatBackend)
@@ -80,8 +80,8 @@ def test_both_engines_have_every_member_of_the_contract():
                 continue
             for p in sig.parameters.values():
                 assert p.name in have and have[p.name].kind == p.kind, (cls.__name__, name, p.name)
-    from rarecache.adapters.vllm.serve_config import VllmServeConfig
-    from rarecache.serve.config import ServiceConfig
+    from rarecache.adapters.vllm.server.serve_config import VllmServeConfig
+    from rarecache.serve.settings import ServiceConfig
     from rarecache.serve.contract import Settings
 
     for cfg in (ServiceConfig, VllmServeConfig):  # the settings the front reads
@@ -112,8 +112,8 @@ def backend(request, vpair, tmp_path_factory):  # noqa: F811
         if importlib.util.find_spec("vllm") is None:
             pytest.skip("vLLM is not installed (pip install 'rarecache[vllm]'; see docs/VLLM.md): only our own "
                         "engine was held to the contract")
-        from rarecache.adapters.vllm.engines import engine_environment
-        from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+        from rarecache.adapters.vllm.server.engines import engine_environment
+        from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
 
         engine_environment()
         cfg = VllmServeConfig(store=tmp_path_factory.mktemp("rows"), rho=1.0, selector="rank", dtype="float32",
@@ -200,7 +200,7 @@ def _sampling():
 def test_an_engine_says_what_it_cannot_do():
     """The vLLM engine cannot read a final message: the contract's call refuses it in one line (a 400 at the
     front), before any engine is asked."""
-    from rarecache.adapters.vllm.serving import VllmChatService
+    from rarecache.adapters.vllm.server.serving import VllmChatService
     from rarecache.errors import RarecacheError
 
     svc = object.__new__(VllmChatService)  # no engine starts

@@ -83,9 +83,9 @@ def test_heal_makes_every_row_the_models_own_prefill(chat, how, monkeypatch):
     starts at the handed-off span, not at the first mapped row."""
     import torch
 
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
-    from rarecache.transfer import gate_pass as gate_mod  # (the ladder reads _accepts there)
+    from rarecache.transfer.gate import ladder as gate_mod  # (the ladder reads _accepts there)
 
     models, maps = chat
     gate = None
@@ -153,8 +153,8 @@ def test_a_gate_rung_that_recomputes_every_position_is_the_models_own_prefill(ch
     model's own prefill and nothing is marked approximate or inexact."""
     import torch
 
-    from rarecache.transfer import gate_pass as gate_mod  # (the ladder reads _accepts there)
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate import ladder as gate_mod  # (the ladder reads _accepts there)
+    from rarecache.transfer.gate.policy import GatePolicy
 
     models, maps = chat
     seen = []

@@ -85,10 +85,10 @@ def test_the_librarys_config_dataclasses_default_to_the_served_budget():
     only the commands (HandoffConfig once defaulted to rank at 0, ServiceConfig and Conversation to 0.3)."""
     import inspect
 
-    from rarecache.bench.handoff import time_cell
+    from rarecache.bench.handoffbench import time_cell
     from rarecache.bench.load import PoissonConfig
     from rarecache.bench.serve import SwitchBenchConfig
-    from rarecache.serve.config import ServiceConfig
+    from rarecache.serve.settings import ServiceConfig
     from rarecache.transfer.conversation import Conversation
     from rarecache.transfer.diagnostics import diagnose
     from rarecache.transfer.handoff import HandoffConfig, handoff
@@ -107,9 +107,9 @@ def test_the_librarys_config_dataclasses_default_to_the_served_budget():
 def test_the_vllm_adapters_defaults_are_the_served_ones():
     import inspect
 
-    from rarecache.adapters.vllm.core import Settings
-    from rarecache.adapters.vllm.launch import bench_service
-    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.adapters.vllm.connector.core import Settings
+    from rarecache.adapters.vllm.server.launch import bench_service
+    from rarecache.adapters.vllm.server.serving import VllmServeConfig
 
     cfg = VllmServeConfig(store="/nowhere")
     assert (cfg.rho, cfg.selector) == (SERVED.rho, SERVED.selector)
@@ -169,7 +169,7 @@ def test_the_package_exports_the_public_objects_lazily():
 
     import rarecache
     from rarecache.transfer.conversation import Conversation
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
     from rarecache.transfer.handoff import HandoffConfig
     from rarecache.transfer.mapper import Mapper
     from rarecache.transfer.pipeline import Pipeline

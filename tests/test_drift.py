@@ -11,7 +11,7 @@ import torch
 from rarecache.errors import RarecacheError
 from rarecache.eval.drift import parse_arm, report, run_drift
 from rarecache.transfer.conversation import Conversation
-from rarecache.transfer.gate import GatePolicy
+from rarecache.transfer.gate.policy import GatePolicy
 from rarecache.transfer.handoff import HandoffConfig
 
 TURNS = [("the quick brown fox", "jumps over"), ("the lazy dog", "def add return"), ("tokens and", "spaces"),

@@ -149,7 +149,7 @@ def test_without_torchs_probes_the_cpu_flags_decide(monkeypatch, tmp_path):
 
 
 def test_the_library_defaults_resolve_by_the_same_rule(monkeypatch, tmp_path):
-    from rarecache.adapters.vllm.serve_config import VllmServeConfig
+    from rarecache.adapters.vllm.server.serve_config import VllmServeConfig
     from rarecache.demo import DemoConfig
 
     for kind, want in (("avx2", "float32"), ("amx", "bfloat16"), ("avx2 + cuda", "bfloat16")):

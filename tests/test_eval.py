@@ -9,7 +9,7 @@ import pytest
 
 from rarecache import LLM, SamplingConfig
 from rarecache.errors import RarecacheError
-from rarecache.eval.metrics import mean_ci, paired_diff_ci
+from rarecache.eval.significance import mean_ci, paired_diff_ci
 from rarecache.eval.report import compact, markdown, summarise, template_prompt_share, top_answer
 from rarecache.eval.arms import Arm, parse_arms
 from rarecache.eval.results import load_results, run_meta
@@ -343,7 +343,7 @@ class ToyChoice(Toy):
                 for i in super()._all()]
 
     def score_likelihood(self, item, logprobs):
-        from rarecache.eval.tasks.choice import OlmesChoice
+        from rarecache.eval.tasks.multiple_choice import OlmesChoice
 
         return OlmesChoice.score_likelihood(self, item, logprobs)
 

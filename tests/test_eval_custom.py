@@ -21,7 +21,7 @@ from rarecache.eval.results import load_results, run_meta
 from rarecache.eval.run import run_task
 from rarecache.eval.tasks import open_task
 from rarecache.eval.tasks.base import Item, Task
-from rarecache.eval.tasks.choice import OlmesChoice
+from rarecache.eval.tasks.multiple_choice import OlmesChoice
 from rarecache.eval.tasks.custom import HASH, FileTask, headline, prompt_sha256, read_task_file
 from rarecache.transfer.mapper import Mapper
 

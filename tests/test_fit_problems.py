@@ -12,9 +12,10 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
-from rarecache.transfer.mapper import POOR_GAP, POOR_R2, Mapper
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.corpus import load_corpus
+from rarecache.transfer.mapcheck import POOR_GAP, POOR_R2
+from rarecache.transfer.mapper import Mapper
 
 POOR = CalibrationConfig(tokens=40, heldout_tokens=100, seq_len=48, k=3, rank=4, lam=1e-6)
 
@@ -96,8 +97,8 @@ def test_serve_refuses_a_poor_map_unless_accepted(pair_dir, maps, tmp_path, monk
 
 
 def test_the_vllm_connector_refuses_a_poor_map_unless_accepted(pair_dir, maps, tmp_path):
-    from rarecache.adapters.vllm.core import read_settings
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.connector.core import read_settings
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
 
     poor = str(maps["root"] / "poor.safetensors")
     extra = {"store": str(tmp_path), "selector": "rank", "maps": {"src": poor}}

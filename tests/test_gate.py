@@ -11,8 +11,8 @@ import torch
 
 from rarecache.errors import RarecacheError
 from rarecache.eval.gate_fit import fit_threshold
-from rarecache.transfer.gate import GatePolicy, decide, js_bits
-from rarecache.transfer.gate_pass import gated_handoff
+from rarecache.transfer.gate.policy import GatePolicy, decide, js_bits
+from rarecache.transfer.gate.ladder import gated_handoff
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 
 ALWAYS = math.inf  # accept the first rung
@@ -130,7 +130,7 @@ def test_fit_recovers_the_planted_threshold():
 
 def _planted_ladders(metric: str, target: list[float], value: list[list[float]], changed: list[list[bool]],
                      prompt: int = 100) -> "Ladders":
-    from rarecache.eval.gate import Ladders
+    from rarecache.eval.gate_report import Ladders
 
     rungs = [0.1, 0.2, 0.3, 0.5]
     n = len(target)
@@ -145,7 +145,7 @@ def test_oracle_is_the_cheapest_choice_that_keeps_every_answer():
     change no answer, none costs less than the oracle's, and the oracle's changes none."""
     import itertools
 
-    from rarecache.eval.gate import oracle
+    from rarecache.eval.gate_report import oracle
 
     g = torch.Generator().manual_seed(1)
     n = 7
@@ -296,7 +296,7 @@ def test_ladder_arm_records_every_rung_and_its_first_equals_the_direct_arm(model
 
 def test_gate_fit_and_report_on_held_apart_items(models, tmp_path, capsys):
     from rarecache.cli import main
-    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.gate_report import evaluate, read_ladders
     from rarecache.eval.results import load_results
 
     held = _ladder_run(models, tmp_path, slice(0, 3), "held.jsonl")
@@ -395,7 +395,7 @@ def test_gate_fit_and_report_on_held_apart_items(models, tmp_path, capsys):
 
 
 def test_auc_by_hand():
-    from rarecache.eval.gate import auc
+    from rarecache.eval.gate_report import auc
 
     assert auc([0.1, 0.2, 0.9, 0.8], [False, False, True, True]) == 1.0
     assert auc([0.9, 0.8, 0.1, 0.2], [False, False, True, True]) == 0.0
@@ -406,7 +406,7 @@ def test_auc_by_hand():
 def test_pooled_auc_resamples_within_each_task():
     """A pooled AUC is the AUC of every task's pairs together; its bootstrap keeps each task's item
     count, so no draw is one task alone (whose signal may run the other way)."""
-    from rarecache.eval.gate import auc, auc_ci
+    from rarecache.eval.gate_report import auc, auc_ci
 
     a = [([0.5], [True]), ([0.6], [False])]  # task 0: the signal inverted within it
     b = [([0.9], [True]), ([0.1], [False]), ([0.95], [True]), ([0.05], [False])]  # task 1: it separates
@@ -544,7 +544,7 @@ def test_serve_rho_auto_needs_a_policy_fitted_through_the_served_map(pair_dir, f
                        (["--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"], "was not fitted")):
         assert main([*args, *extra]) == 2
         assert msg in capsys.readouterr().err
-    # a ladder on js: the vLLM path serves nll at one rung with suffix only (adapters/vllm/gate.py)
+    # a ladder on js: the vLLM path serves nll at one rung with suffix only (adapters/vllm/server/vllm_gate.py)
     policy.write_text(GatePolicy("rank", (0.1, 0.3), 0.5, fitted={"tasks": {"t": {"map_sha256": sha256_file(path)}}}).to_json())
     assert main([*args, "--rho", "auto", "--gate-policy", str(policy), "--engine", "vllm"]) == 2
     assert "--engine vllm serves a gate policy only as a policy on nll" in capsys.readouterr().err
@@ -715,7 +715,7 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
     """js_views, the long way: rung k's logits against the last position run over a cache whose rows still
     mapped come from the map's plain-transfer view and whose recomputed rows are rung k's (suffix: rung k
     recomputes the newest budget(ρ, n) positions). Rung 0 compares plain transfer through the two fits."""
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper, prompts = fitted
     two = with_plain(mapper, (1.0, 0.5))
@@ -746,7 +746,7 @@ def test_js_views_is_each_rung_against_the_other_views_rows(fitted):
 
 
 def test_a_policy_on_js_views_decides_as_the_recorded_ladder_says(fitted):
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper, prompts = fitted
     two = with_plain(mapper, (1.0, 0.5))
@@ -799,24 +799,24 @@ def test_a_policy_on_nll_measures_it_alone_and_decides_as_the_recorded_ladder_sa
 
 def test_a_served_nll_counts_its_cost_once(fitted, monkeypatch):
     """Each rung's nll seconds are the surprisal read's (a fake clock: every read costs 1 s)."""
-    from rarecache.transfer import gate_pass
+    from rarecache.transfer.gate import ladder
 
     source, target, mapper, prompts = fitted
-    clock, real = [0.0], gate_pass._surprisal
+    clock, real = [0.0], ladder._surprisal
 
     def slow(*a, **k):
         clock[0] += 1.0
         return real(*a, **k)
 
-    monkeypatch.setattr(gate_pass, "_surprisal", slow)
-    monkeypatch.setattr(gate_pass, "_now", lambda runner: clock[0])
+    monkeypatch.setattr(ladder, "_surprisal", slow)
+    monkeypatch.setattr(ladder, "_now", lambda runner: clock[0])
     _, _, res = gated_handoff(source, target, mapper, prompts[0], GatePolicy("suffix", (0.3,), 1e9, signal="nll"))
     assert [r.signal_seconds["nll"] for r in res.rungs] == [1.0, 1.0]
 
 
 def test_policy_signal_round_trip():
     from rarecache.commands.gate import SIGNALS as CLI_SIGNALS
-    from rarecache.transfer.gate import SIGNALS, gate_rule
+    from rarecache.transfer.gate.policy import SIGNALS, gate_rule
 
     assert CLI_SIGNALS == SIGNALS
     pol = GatePolicy("suffix", (0.1, 0.3), 0.02, signal="js_views")
@@ -846,9 +846,9 @@ def test_gate_fit_and_report_on_js_views(models, tmp_path):
     """Ladders through a map with two views record js_views and what it cost; `eval gate fit --signal js_views`
     thresholds it, the report reads it and counts its cost; ladders without it are refused clearly."""
     from rarecache.cli import main
-    from rarecache.eval.gate import evaluate, read_ladders
+    from rarecache.eval.gate_report import evaluate, read_ladders
     from rarecache.eval.results import load_results
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, mapper = models
     two = (source, target, with_plain(mapper, (1.0, 0.5)))
@@ -884,7 +884,7 @@ def test_answer_views_scores_the_answer_under_both_views(models, tmp_path):
     from rarecache.eval.results import load_results
     from rarecache.eval.run import answer_shift
     from rarecache.eval.scoring import continuation_logprobs
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     from .test_eval import ToyChoice
 

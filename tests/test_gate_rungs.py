@@ -14,8 +14,8 @@ import torch
 
 from rarecache.errors import RarecacheError
 from rarecache.eval.gate_fit import Item, fit_threshold
-from rarecache.transfer.gate import RUNGS, GatePolicy, climbed_signals, decide
-from rarecache.transfer.gate_pass import PROBES, gated_handoff, rung_run
+from rarecache.transfer.gate.policy import RUNGS, GatePolicy, climbed_signals, decide
+from rarecache.transfer.gate.ladder import PROBES, gated_handoff, rung_run
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff, subset
 from rarecache.transfer.selectors import SELECTORS
 
@@ -214,7 +214,7 @@ def test_the_combination_is_cross_validated():
 
 def test_bpb_changed_means_worse_by_more_than_the_bound(tmp_path):
     """An improvement is no change; worse by 0.01 or less neither."""
-    from rarecache.eval.gate import read_ladders
+    from rarecache.eval.gate_report import read_ladders
 
     path = tmp_path / "b.jsonl"
     rows = []
@@ -227,7 +227,7 @@ def test_bpb_changed_means_worse_by_more_than_the_bound(tmp_path):
     assert lad.changed == [[False], [False], [True]] and lad.run == [[0.5]] * 3
     assert [x[0] for x in lad.loss] == pytest.approx([-0.5, 0.005, 0.02])
     # ladders recorded before exact rungs (no run) cannot say what a policy starting higher would do
-    from rarecache.eval.gate import evaluate
+    from rarecache.eval.gate_report import evaluate
 
     two = path.with_name("two.jsonl")
     old = [{**r, "ladder": [{k: v for k, v in g.items() if k != "run"} for g in r["ladder"] * 2]} if "ladder" in r

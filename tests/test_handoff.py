@@ -358,8 +358,8 @@ def test_suffix_plus_takes_newest_and_the_other_list_in_turn(fitted, name, other
 def test_one_file_maps_plain_transfer_with_its_plain_view_and_handoffs_with_its_fit(fitted, tmp_path):
     """A map recording plain_sharpen: at rho 0 a handoff (direct, or among variants) is the resharpened
     map's, at rho > 0 the stored fit's, bit for bit; the file round-trips and the view is made once."""
-    from rarecache.transfer.calibrate import with_plain
-    from rarecache.transfer.refit import resharpen
+    from rarecache.transfer.fitting.calibrate import with_plain
+    from rarecache.transfer.fitting.refit import resharpen
     from rarecache.transfer.handoff import handoff_variants
     from rarecache.transfer.mapper import Mapper
 

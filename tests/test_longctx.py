@@ -248,7 +248,7 @@ def test_sources_avoid_what_the_general_mix_reads(cache, small):
     assert pool.questions and all(q.index >= 1000 for q in pool.questions)
     assert not {t for t, _ in pool.paragraphs} & mix_titles
     from rarecache.eval.mix import pg_essays
-    from rarecache.transfer.corpus import exllama_docs
+    from rarecache.transfer.fitting.corpus import exllama_docs
 
     essays, tails = pg_essays(cache), data.essay_tails("eval", cache)
     assert [i for i, _ in tails] == [0, 2, 4]

@@ -10,7 +10,7 @@ def test_gap_closed_interval_is_exact_for_a_planted_share_and_widens_as_the_gap_
     interval holds the point estimate, and the same noise over a narrower gap gives a wider interval."""
     import numpy as np
 
-    from rarecache.eval.metrics import gap_closed_ci
+    from rarecache.eval.significance import gap_closed_ci
 
     rng = np.random.default_rng(0)
     plain = rng.normal(0.5, 0.1, 200)
@@ -35,7 +35,7 @@ def test_exact_mcnemar_matches_known_binomial_tails():
     60 gives chi2 (|40 - 60| - 1)^2 / 100 = 3.61, p 0.0574, the exact test 0.0569."""
     import math
 
-    from rarecache.eval.metrics import mcnemar, mcnemar_exact
+    from rarecache.eval.significance import mcnemar, mcnemar_exact
 
     assert mcnemar_exact(1, 9) == mcnemar_exact(9, 1) == 0.021484375
     assert mcnemar_exact(2, 8) == 0.109375 and mcnemar_exact(0, 5) == 0.0625
@@ -54,7 +54,7 @@ def test_bits_per_byte_weighted_by_bytes_by_hand():
     """Two items of 1 and 3 bytes at 1.0 and 2.0 bpb: by bytes (1·1 + 2·3) / 4 = 1.75 bits per byte, against a
     mean of ratios of 1.5. Paired: +0.5 on the 2-byte item and 0 on the 8-byte one is +0.1 by bytes (the mean of
     ratios says +0.25); the interval resamples items, so it lies between the two items' own differences."""
-    from rarecache.eval.metrics import bytes_bpb, paired_bytes_ci
+    from rarecache.eval.significance import bytes_bpb, paired_bytes_ci
 
     assert bytes_bpb([1.0, 2.0], [1, 3]) == pytest.approx(1.75)
     d, lo, hi = paired_bytes_ci([1.5, 2.0], [1.0, 2.0], [2, 8])
@@ -65,7 +65,7 @@ def test_bits_per_byte_weighted_by_bytes_by_hand():
 def test_bootstrap_draws_ten_thousand_resamples():
     """At 2,000 resamples an interval's end moved across 0 between seeds (issue 54): the default is 10,000, and
     the p-value floor follows it."""
-    from rarecache.eval.metrics import N_BOOT, p_floor, paired_diff_ci
+    from rarecache.eval.significance import N_BOOT, p_floor, paired_diff_ci
 
     assert N_BOOT >= 10_000 and p_floor() == 1 / N_BOOT
     assert paired_diff_ci([1.0] * 5, [0.0] * 5)[3] == pytest.approx(1 / N_BOOT)

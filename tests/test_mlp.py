@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from rarecache.transfer.fit import Layout, fit_side
-from rarecache.transfer.mlp import MLPConfig, ridge_rows, train_side
-from rarecache.transfer.stats import RegressionStats
+from rarecache.transfer.fitting.fit import fit_side
+from rarecache.transfer.sidefit import Layout
+from rarecache.transfer.fitting.mlp import MLPConfig, ridge_rows, train_side
+from rarecache.transfer.fitting.stats import RegressionStats
 
 SRC, TGT = Layout(3, 8), Layout(2, 6)
 
@@ -55,7 +56,7 @@ def test_a_map_with_mlp_round_trips_and_applies_ridge_plus_mlp(fitted, tmp_path)
     """The file keeps the MLP (and its checksum covers it), and map_rows adds each layer's residual to
     ridge's output; a zero MLP maps exactly as the ridge map does."""
     from rarecache.transfer.mapper import SIDES, Mapper
-    from rarecache.transfer.mlp import SideMLP
+    from rarecache.transfer.sidefit import SideMLP
 
     source, target, mapper, _ = fitted
     g = torch.Generator().manual_seed(0)

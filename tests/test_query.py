@@ -223,7 +223,7 @@ def test_the_query_selectors_wire_in(fitted):
     """Eval arms by name, the gate refuses (no one order of positions), a two-pass selector never scores in
     one pass."""
     from rarecache.eval.arms import Arm
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     arm = Arm.parse("0.3:query@v4", ("v4",))[0]
     assert (arm.config.selector, arm.config.rho, arm.map, arm.name) == ("query", 0.3, "v4", "rho=0.3/query@v4")

@@ -30,13 +30,13 @@ PASSAGE = ("The Amazon River in South America is the largest river by discharge 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from rarecache.adapters.vllm.engines import engine_environment
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.server.engines import engine_environment
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
     from rarecache.engine.runner import Runner
     from rarecache.models.store import pull
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     root = tmp_path_factory.mktemp("real-vllm")
     dirs = {"src": pull(SOURCE), "tgt": pull(TARGET)}

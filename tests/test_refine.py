@@ -1,4 +1,4 @@
-"""Output-aware refinement (transfer/refine.py) on the tiny pair: its differentiable pieces against the
+"""Output-aware refinement (transfer/fitting/refine.py) on the tiny pair: its differentiable pieces against the
 serving path (the suffix pass over the target's own rows is its prefill; the mapped rows are what the map
 writes; the suffix pass over mapped rows is a handoff with the suffix selector), that steps lower held-out
 KL, the file round trip and the refusals."""
@@ -17,13 +17,13 @@ from rarecache.engine.runner import Runner, pad_batch
 from rarecache.models.packed import pack_float32
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.refit import resharpen
-from rarecache.transfer.corpus import load_corpus, token_sequences
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.refit import resharpen
+from rarecache.transfer.fitting.corpus import load_corpus, token_sequences
 from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 from rarecache.transfer.mapper import SIDES, Mapper
-from rarecache.transfer.refine import (Cut, Delta, Example, RefineConfig, cuts, kl, layer_inputs, mapped_rows, refine,
-                                      suffix_logits)
+from rarecache.transfer.fitting.refine import (Cut, Delta, Example, RefineConfig, cuts, kl, layer_inputs, mapped_rows,
+                                               refine, suffix_logits)
 
 BASE = CalibrationConfig(tokens=600, heldout_tokens=0, seq_len=48, k=2, rank=4)
 
@@ -205,7 +205,7 @@ def test_refusals(setup, pair_dir):
 def test_cli_defaults_are_the_library_s():
     import argparse
     from rarecache.commands.train import REFINE_LR, _add_refine
-    from rarecache.transfer.refine import WEIGHTINGS
+    from rarecache.transfer.fitting.refine import WEIGHTINGS
     assert REFINE_LR == RefineConfig().lr
     sub = argparse.ArgumentParser().add_subparsers()
     _add_refine(sub)
@@ -219,7 +219,7 @@ def test_a_sharpened_kl_pays_for_a_flipped_argmax(setup):
     """Temperature scales both distributions before the KL: over a flat teacher a flipped argmax costs far
     more sharpened than at 1, a student equal to the teacher still costs nothing, and an Example's loss at
     a temperature is the KL of its logits divided by it."""
-    from rarecache.transfer.refine import kl_each
+    from rarecache.transfer.fitting.refine import kl_each
     teacher = torch.tensor([[[0.3, 0.0, -4.0, -4.0]]])  # a 0.3-nat margin between the top two
     flipped = torch.tensor([[[0.0, 0.3, -4.0, -4.0]]])
     at1, sharp = float(kl(teacher, flipped)), float(kl(teacher, flipped, temperature=0.25))
@@ -240,7 +240,7 @@ def test_a_sharpened_kl_pays_for_a_flipped_argmax(setup):
 def test_context_weights_read_beyond_the_local_window(setup):
     """Under weighting="context" a position weighs KL(target's own ‖ target seeing only the last LOCAL tokens
     before the suffix): nothing when the prefix fits in that window, and the loss is the weighted mean."""
-    from rarecache.transfer.refine import LOCAL, kl_each
+    from rarecache.transfer.fitting.refine import LOCAL, kl_each
     source, target, tok, corpus, maps = setup
     m = maps["plain"]
     ids = _ids(tok, corpus)
@@ -374,7 +374,7 @@ def test_a_damaged_state_is_refused(setup, peaked, tmp_path, damage):
 
 
 def _prompt_pool(n=6, animal="fox"):
-    from rarecache.transfer.corpus import Corpus
+    from rarecache.transfer.fitting.corpus import Corpus
     docs = tuple(f"the quick {animal} {' '.join(['jumps'] * (i % 3))} over the lazy dog" for i in range(n))
     return Corpus("task:quiz", docs, chat=True, ids=tuple(f"quiz-{i}" for i in range(n)))
 
@@ -382,7 +382,7 @@ def _prompt_pool(n=6, animal="fox"):
 def test_task_prompts_are_whole_spread_and_recorded(setup, peaked):
     """--prompts: whole prompts (ending where the answer is read) make the asked share of training and held-out
     cuts, spread among the general ones; the record lists exactly the prompts read, and a state is tied to them."""
-    from rarecache.transfer.refine import interleave, prompt_cuts
+    from rarecache.transfer.fitting.refine import interleave, prompt_cuts
     source, _, tok, corpus, maps = setup
     pool = _prompt_pool()
     cfg = RefineConfig(steps=6, lr=1e-3, heldout=2, every=3, seq_len=64, min_len=16, prompt_share=0.34)

@@ -237,7 +237,7 @@ def test_switch_bench_rho_one_agrees_with_rereading(chat, tmp_path):
 
 def test_switch_bench_passages_avoid_calibration_documents(chat, pair_dir):
     from rarecache.bench.serve import SwitchBenchConfig, passages
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     models, maps = chat
     corpus = load_corpus(str(pair_dir / "corpus.txt"))

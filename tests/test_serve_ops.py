@@ -14,7 +14,7 @@ from rarecache.errors import RarecacheError
 from rarecache.serve.outcome import HEADER, ROUTER_MAPPER, ROUTER_STATUS, fields, header, headers, outcome
 from rarecache.serve.request import check_text
 from rarecache.serve.service import ChatService, ServiceConfig
-from rarecache.transfer.gate import GatePolicy
+from rarecache.transfer.gate.policy import GatePolicy
 from rarecache.transfer.handoff import HandoffConfig
 
 from .test_conversation import TURNS

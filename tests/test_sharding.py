@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of KV rows (rarecache/adapters/vllm/sharding.py), on tiny tensors.
+"""Tensor-parallel sharding of KV rows (rarecache/adapters/vllm/connector/sharding.py), on tiny tensors.
 
 Which heads a rank holds (checked against a hand-written table and, where vllm imports,
 against vLLM's own QKVParallelLinear and ModelConfig.get_num_kv_heads), a rank's columns,
@@ -15,7 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rarecache.adapters.vllm.sharding import HeadRange, Piece, join_rows, kv_head_range, rank_columns, split_rows
+from rarecache.adapters.vllm.connector.sharding import (HeadRange, Piece, join_rows, kv_head_range, rank_columns,
+                                                        split_rows)
 from rarecache.errors import RarecacheError
 
 TPS = (1, 2, 4, 8)

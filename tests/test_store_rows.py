@@ -1,4 +1,4 @@
-"""The row store's conformance suite (adapters/vllm/store.py), run on both backends: the directory
+"""The row store's conformance suite (adapters/vllm/rowstore/interface.py), run on both backends: the directory
 and a real redis-server (started here on a private unix socket; skipped, saying why, only when
 the binary is missing: .ci/run installs it). Write, read, prefix walk, eviction, lifetime, salt
 isolation, corrupt and foreign entries refused, records, counters, concurrent writers; then
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rarecache.adapters.vllm.store import CHUNK, EntryGone, Hit, Miss, RowStore, StoreDown, encode_entry
-from rarecache.adapters.vllm.store_open import open_store
+from rarecache.adapters.vllm.rowstore.interface import CHUNK, EntryGone, Hit, Miss, RowStore, StoreDown, encode_entry
+from rarecache.adapters.vllm.rowstore.store_open import open_store
 from rarecache.errors import RarecacheError
 
 from .redis_server import REDIS, SKIP_REASON, RedisServer
@@ -289,7 +289,7 @@ def test_redis_down_is_a_miss_with_its_reason():
 
 
 def test_store_setting_picks_the_backend(tmp_path):
-    from rarecache.adapters.vllm.store_dir import DirStore
+    from rarecache.adapters.vllm.rowstore.store_dir import DirStore
 
     assert isinstance(open_store(tmp_path / "d"), DirStore)
     with pytest.raises(RarecacheError, match="maxmemory"):

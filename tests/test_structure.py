@@ -1,15 +1,19 @@
-"""The package's shape, checked from its source: the import directions docs/ARCHITECTURE.md tables, no
-import circle (imports inside functions count: hiding one there does not break it), no module past
-400 lines, and no path into docs/ or research/ that code could open at run time."""
+"""The package's shape, checked from its source: the import directions docs/ARCHITECTURE.md tables (rooms,
+and the sub-rooms of transfer/ and adapters/vllm/), no import circle (imports inside functions count: hiding
+one there does not break it), no module past 400 lines, no module file name used twice (outside commands/),
+every package path ARCHITECTURE.md names exists, and no path into docs/ or research/ that code could open at
+run time."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "rarecache"
+ARCHITECTURE = PKG.parent / "docs" / "ARCHITECTURE.md"
 MAX_LINES = 400
 
 # room -> the rooms it may import (docs/ARCHITECTURE.md, "Import directions"); a room imports itself freely
@@ -31,9 +35,20 @@ ALLOWED = {
                  "adapters", "demo", "commands"},
     "cli": {"commands", "errors"},
 }
-ADAPTERS_MAY_IMPORT_SERVE = {"adapters/vllm/serving.py", "adapters/vllm/records.py", "adapters/vllm/launch.py",
-                             "adapters/vllm/serve_config.py", "adapters/vllm/engines.py"}
+ADAPTERS_MAY_IMPORT_SERVE = "adapters/vllm/server/"  # the serving layer: the contract it shares with our engine
 COMMANDS_MAY_IMPORT_ADAPTERS = {"commands/serve.py", "commands/bench_vllm.py"}
+# sub-room -> the sub-rooms of the same room it may import (docs/ARCHITECTURE.md, "Inside transfer/ and
+# adapters/vllm/"); a module's sub-room is its folder, and a room's folders not listed here are not sub-rooms
+SUBROOMS = {
+    "transfer": {"transfer/gate"},  # the runtime path: the gate from conversation.py only, never fitting
+    "transfer/gate": {"transfer"},
+    "transfer/fitting": {"transfer"},
+    "adapters/vllm": set(),
+    "adapters/vllm/rowstore": {"adapters/vllm"},
+    "adapters/vllm/connector": {"adapters/vllm", "adapters/vllm/rowstore"},
+    "adapters/vllm/server": {"adapters/vllm", "adapters/vllm/connector", "adapters/vllm/rowstore"},
+}
+TRANSFER_MAY_IMPORT_GATE = {"transfer/conversation.py"}
 
 
 def _modules() -> dict[str, Path]:
@@ -96,11 +111,33 @@ def test_import_directions():
                 continue
             elif other not in ALLOWED[room]:
                 wrong.append(f"{rel} imports {t}")
-            elif room == "adapters" and other == "serve" and rel not in ADAPTERS_MAY_IMPORT_SERVE:
+            elif room == "adapters" and other == "serve" and not rel.startswith(ADAPTERS_MAY_IMPORT_SERVE):
                 wrong.append(f"{rel} imports {t} (only the serving layer may)")
             elif room == "commands" and other == "adapters" and rel not in COMMANDS_MAY_IMPORT_ADAPTERS:
                 wrong.append(f"{rel} imports {t} (only serve and bench_vllm may)")
     assert not wrong, "imports against docs/ARCHITECTURE.md's directions:\n" + "\n".join(wrong)
+
+
+def _subroom(path: Path) -> str | None:
+    folder = path.parent.relative_to(PKG).as_posix()
+    return folder if folder in SUBROOMS else None
+
+
+def test_sub_room_directions():
+    wrong = []
+    for name, targets in GRAPH.items():
+        here, rel = _subroom(MODULES[name]), MODULES[name].relative_to(PKG).as_posix()
+        if here is None:
+            continue
+        for t in targets:
+            there = _subroom(MODULES[t])
+            if there is None or there == here or there.split("/")[0] != here.split("/")[0]:
+                continue  # another room (test_import_directions), or the same sub-room
+            if there not in SUBROOMS[here]:
+                wrong.append(f"{rel} imports {t}")
+            elif there == "transfer/gate" and rel not in TRANSFER_MAY_IMPORT_GATE:
+                wrong.append(f"{rel} imports {t} (only {', '.join(sorted(TRANSFER_MAY_IMPORT_GATE))} may)")
+    assert not wrong, "imports against the sub-rooms of docs/ARCHITECTURE.md:\n" + "\n".join(wrong)
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -148,6 +185,77 @@ def test_no_import_circle():
 def test_module_size(name):
     lines = len(MODULES[name].read_text().splitlines())
     assert lines <= MAX_LINES, f"{MODULES[name].relative_to(PKG)} has {lines} lines (split it along a seam)"
+
+
+def _repeated_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File name -> where, for module file names used more than once outside commands/ (where a command's
+    module may share its subject's name) and __init__.py."""
+    where: dict[str, list[str]] = {}
+    for path in paths:
+        rel = path.relative_to(PKG).as_posix()
+        if path.name != "__init__.py" and not rel.startswith("commands/"):
+            where.setdefault(path.name, []).append(rel)
+    return {n: w for n, w in where.items() if len(w) > 1}
+
+
+def test_no_module_file_name_repeats():
+    assert _repeated_names(list(MODULES.values())) == {}
+
+
+def test_the_name_check_finds_a_repeat():
+    names = [PKG / p for p in ("serve/store.py", "models/store.py", "commands/eval.py", "eval/__init__.py",
+                               "commands/store.py", "eval/run.py")]
+    assert _repeated_names(names) == {"store.py": ["serve/store.py", "models/store.py"]}
+
+
+def _named_paths(text: str) -> list[str]:
+    """The module paths a page names in backticks (`transfer/handoff.py`, `rarecache/registry.py`, `store_dir.py`)."""
+    return re.findall(r"`([\w/]+\.py)\b", text)
+
+
+def _missing_paths(named: list[str]) -> list[str]:
+    """Those that name no file: a path from the package (or the repository) root, or a bare name that is no
+    module's file name (names are unique, test_no_module_file_name_repeats) and no test's."""
+    names = {p.name for p in MODULES.values()} | {p.name for p in (PKG.parent / "tests").glob("*.py")}
+    missing = []
+    for n in named:
+        if "/" not in n:
+            ok = n in names
+        else:
+            ok = (PKG / n).is_file() or (PKG.parent / n).is_file()
+        if not ok:
+            missing.append(n)
+    return missing
+
+
+def test_every_path_architecture_names_exists():
+    named = _named_paths(ARCHITECTURE.read_text())
+    assert len(named) > 50  # the page names its modules
+    assert _missing_paths(named) == []
+
+
+def test_the_path_check_finds_a_missing_file():
+    assert _missing_paths(_named_paths("`transfer/handoff.py` and `handoff.py`, `transfer/gate_pass.py`, "
+                                       "`rarecache/registry.py`, `gate_pass.py`")) == ["transfer/gate_pass.py",
+                                                                                      "gate_pass.py"]
+
+
+def _table_rooms(text: str) -> dict[str, set[str]]:
+    """ARCHITECTURE.md's import-directions table: room -> the rooms its row names (paths in backticks that
+    go below a room, e.g. `adapters/vllm/server/`, name no room; "anything above" names every room above)."""
+    rows = re.search(r"\| room \| may import \|\n\|---\|---\|\n((?:\|.*\|\n)+)", text).group(1)
+    out: dict[str, set[str]] = {}
+    for line in rows.splitlines():
+        room_cell, cell = [c.strip() for c in line.strip("|").split("|", 1)]
+        room = room_cell.strip("`").removesuffix("/").removesuffix(".py")
+        cell = re.sub(r"`[^`]*/[^`]+`|`[^`]*\.py`", "", cell)  # deeper paths and files: not rooms
+        named = {w for w in re.findall(r"[a-z]+", cell) if w in ALLOWED}
+        out[room] = set(out) | {room} if cell.startswith("anything above") else named
+    return out
+
+
+def test_the_architecture_table_is_the_structure_test_s():
+    assert _table_rooms(ARCHITECTURE.read_text()) == ALLOWED
 
 
 def _code_strings(tree: ast.AST):

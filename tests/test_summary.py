@@ -100,8 +100,8 @@ def test_one_served_map_stands_for_a_ridge_fit_and_a_sharpened_plain_transfer(fi
     sharp): --plain-label reads plain transfer from sharp (gap closed too), and --served-map names the one file
     serving both only if its fit is ridge's bit for bit and its plain view sharp's; else a clear error."""
     from rarecache.packages import sha256_file
-    from rarecache.transfer.calibrate import with_plain
-    from rarecache.transfer.refit import resharpen
+    from rarecache.transfer.fitting.calibrate import with_plain
+    from rarecache.transfer.fitting.refit import resharpen
 
     _, _, ridge, _ = fitted
     files = {"ridge": tmp_path / "ridge.safetensors", "sharp": tmp_path / "sharp.safetensors",

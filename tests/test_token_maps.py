@@ -15,9 +15,9 @@ from rarecache.cli import main
 from rarecache.engine.runner import Runner, pad_batch
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.refit import refit
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.refit import refit
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.transfer.features import token_rows
 from rarecache.transfer.handoff import HandoffConfig, handoff, handoff_variants
 from rarecache.transfer.mapper import SIDES, Mapper
@@ -303,7 +303,7 @@ def test_calibrate_cli_writes_a_token_map_that_hands_off(pair_dir, tmp_path, cap
 def test_vllm_row_handoff_with_a_token_map(tok_pair):
     """The adapter's row handoff (no vLLM needed) maps as `Mapper.apply` does, layer 0 from the target's
     weights; without the target's Runner it refuses."""
-    from rarecache.adapters.vllm.core import hand_rows, target_namespace
+    from rarecache.adapters.vllm.connector.core import hand_rows, target_namespace
 
     source, target, _, _, maps, _, prompts = tok_pair
     mapper, prompt = maps["both"], prompts[0]
@@ -326,8 +326,8 @@ def test_vllm_row_handoff_with_a_token_map(tok_pair):
 def _rank_runner(path, tp: int, rank: int) -> Runner:
     """The target as tensor-parallel rank `rank` of `tp` holds it, without vLLM: q, k and v projections cut to
     the rank's heads (weights.rank_config, sharding.kv_head_range); enough for its layer-0 rows."""
-    from rarecache.adapters.vllm.sharding import kv_head_range
-    from rarecache.adapters.vllm.weights import rank_config
+    from rarecache.adapters.vllm.connector.sharding import kv_head_range
+    from rarecache.adapters.vllm.connector.weights import rank_config
     from rarecache.models.loader import load_model
 
     model = load_model(path)
@@ -361,8 +361,8 @@ def test_vllm_row_handoff_with_a_token_map_under_tensor_parallelism(pair_dir, to
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.sharding import join_gathered, kv_head_range
+    from rarecache.adapters.vllm.connector.core import hand_rows
+    from rarecache.adapters.vllm.connector.sharding import join_gathered, kv_head_range
 
     source, target, _, _, maps, _, prompts = tok_pair
     mapper, prompt = maps[kind], prompts[0]
@@ -398,7 +398,7 @@ def test_vllm_row_handoff_with_a_token_map_under_tensor_parallelism(pair_dir, to
 def test_a_plain_transfer_view_keeps_the_token_options(tok_pair):
     """A general map records plain transfer's sharpening: its rho-0 view (`at_rho`) still reads the tokens,
     and a rho-0 handoff maps through that view (the reference of the view, layer 0 exact)."""
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, _, _, maps, _, prompts = tok_pair
     combined = with_plain(maps["both"], (1.0, 0.5))

@@ -12,12 +12,12 @@ from rarecache.errors import RarecacheError
 from rarecache.models.config import ModelConfig
 from rarecache.models.rope import Rope
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-from rarecache.transfer.corpus import load_corpus
-from rarecache.transfer.fit import (Layout, fit_side, fit_side_heads, from_head_blocks, head_blocks, head_rows,
-                                   head_stats, heldout_r2, heldout_r2_heads, sharpen)
+from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+from rarecache.transfer.fitting.corpus import load_corpus
+from rarecache.transfer.fitting.fit import fit_side, fit_side_heads, head_rows, head_stats, heldout_r2, heldout_r2_heads
 from rarecache.transfer.mapper import Mapper
-from rarecache.transfer.stats import RegressionStats
+from rarecache.transfer.sidefit import Layout, from_head_blocks, head_blocks, sharpen
+from rarecache.transfer.fitting.stats import RegressionStats
 
 
 
@@ -334,7 +334,7 @@ def test_bf16_weights_halve_the_file_and_map_the_same_rows_in_bf16(pair, tmp_pat
 def test_bf16_weights_reach_plain_transfer_rounded(pair, tmp_path):
     """The plain view is re-sharpened from the stored weights before any cast, so a bf16 file's plain
     transfer differs from a float32 file's even in bf16 (the stored fit's does not): what the docs say."""
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     source, target, tok, corpus = pair
     mapper = with_plain(Calibration(source, target, tok, corpus, CFG, tmp_path / "m").run(progress=False), (1.0, 0.5))
@@ -351,7 +351,7 @@ def test_bf16_weights_round_trip_head_matched_and_mlp_maps(fitted, tmp_path):
     """Head-matched blocks and an MLP's matrices are weights too: stored bf16, read back rounded once, the
     biases exact; a flipped byte is still caught by the checksum."""
     from rarecache.transfer import mapfile
-    from rarecache.transfer.mlp import SideMLP
+    from rarecache.transfer.sidefit import SideMLP
 
     _, _, mapper, _ = fitted
     info, k = mapper.info, mapper.info.k
@@ -453,7 +453,7 @@ def test_head_matched_refuses_models_with_other_head_counts(pair, tmp_path):
 def test_refit_from_the_kept_state(pair, tmp_path):
     """A dense run's kept statistics refit to the same map, to other choices, and to the head-matched map of
     the very same positions (equal to a head-matched calibration's)."""
-    from rarecache.transfer.refit import refit
+    from rarecache.transfer.fitting.refit import refit
 
     source, target, tok, corpus = pair
     dense = Calibration(source, target, tok, corpus, CFG, tmp_path / "d.map").run(progress=False)
@@ -486,7 +486,7 @@ def test_refit_from_the_kept_state(pair, tmp_path):
     back = refit(sharp, state, powers=(0.0, 0.0))
     assert back.info == dense.info and torch.equal(back.sides["v"].bias, dense.sides["v"].bias)
     # without the state: the sharpening is undone and redone exactly from the map alone
-    from rarecache.transfer.refit import resharpen
+    from rarecache.transfer.fitting.refit import resharpen
 
     for start, powers, want in ((sharp, (0.0, 0.0), dense), (dense, (1.0, 0.5), sharp), (sharp, (1.0, 0.5), sharp)):
         again = resharpen(start, powers)
@@ -499,7 +499,7 @@ def test_refit_from_the_kept_state(pair, tmp_path):
         resharpen(heads, (1.0, 0.5))
     # plain transfer's own sharpening: recorded by a calibration, kept by refits and resharpening, not by a
     # head-matched refit (which has one fit for every budget); a head-matched calibration refuses it
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     both = Calibration(source, target, tok, corpus, replace(CFG, plain_sharpen=(1.0, 0.5)), tmp_path / "p.map"
                        ).run(progress=False)
@@ -567,7 +567,7 @@ def test_a_saved_map_is_the_same_bytes_every_time(pair, tmp_path):
     key order, so saving a map again gives the same file (results name their map by its sha256)."""
     import hashlib
 
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
     from rarecache.transfer.mapper import Mapper
 
     source, target, tok, corpus = pair

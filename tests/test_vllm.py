@@ -3,7 +3,7 @@ scheduler's request-only rules without an engine; then two real vLLM engines on 
 Qwen2 pair (head_dim 64, what vLLM's CPU kernels take) with a map fitted by our Calibration.
 
 Engines take about a minute each to start here, so there are two, module-scoped, started
-together by the chat service of `rarecache serve --engine vllm` (serving.py): the source
+together by the chat service of `rarecache serve --engine vllm` (server/serving.py): the source
 engine answers and captures, then the target engine serves every handoff test, and the HTTP
 tests at the end run on the same two. What needs vllm is skipped without it (the store, the budget, the settings
 and the row handoff still run); the engine tests carry the `vllm` marker.
@@ -41,8 +41,8 @@ SIZES = {  # hidden = heads · 64: vLLM derives head_dim from them
     "tgt": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3,
                 intermediate_size=512),
 }
-CONNECTOR = "rarecache.adapters.vllm.connector"
-EXTENSION = "rarecache.adapters.vllm.debug.WorkerExtension"
+CONNECTOR = "rarecache.adapters.vllm.connector.connector"
+EXTENSION = "rarecache.adapters.vllm.connector.debug.WorkerExtension"
 
 
 # ---------------------------------------------------------------------------------------
@@ -55,8 +55,8 @@ def vpair(tmp_path_factory):
     """Tiny Qwen2 source (2 layers, 1 KV head) and target (3 layers, 2 KV heads), head_dim 64, a map
     fitted source -> target, one fitted target -> source, random prompts and a chat turn."""
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     root = tmp_path_factory.mktemp("vpair")
     for seed, (name, kw) in enumerate(SIZES.items(), 1):  # initializer_range 0.1: outputs that vary
@@ -94,8 +94,8 @@ ID_B = {"name": "b", "config": "c" * 16, "weights": "x" * 16}
 
 
 def test_model_identity_is_the_maps(vpair):
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.transfer.mapper import identity
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.transfer.mapcheck import identity
 
     assert model_identity(vpair.root / "tgt") == identity(vpair.tgt) == vpair.map.info.target
 
@@ -116,7 +116,7 @@ def _vec_write(key, value, block, slot_mapping):
 
 
 def test_layout_probe_reads_what_the_kernel_wrote():
-    from rarecache.adapters.vllm.paged import Layout
+    from rarecache.adapters.vllm.connector.paged import Layout
 
     for dtype in (torch.float32, torch.bfloat16):
         layout = Layout.probe(_vec_write, 2, 32, 64, dtype)
@@ -134,7 +134,7 @@ def test_layout_probe_with_vllms_own_kernel():
     from vllm import _custom_ops as ops
     from vllm.platforms import current_platform
 
-    from rarecache.adapters.vllm.paged import Layout
+    from rarecache.adapters.vllm.connector.paged import Layout
 
     if not current_platform.is_cpu():
         pytest.skip("the CPU attention kernel")
@@ -166,7 +166,7 @@ def test_a_pinned_manifest_is_checked_where_maps_load(vpair, tmp_path, capsys):
     map, tokenizer, tensor-parallel layout or peer layout other than the pinned one, with the reason."""
     import dataclasses
 
-    from rarecache.adapters.vllm.core import check_peer_layout, read_settings
+    from rarecache.adapters.vllm.connector.core import check_peer_layout, read_settings
     from rarecache.cli import main
     from rarecache.transfer.manifest import check_manifest, manifest_of
     from rarecache.transfer.mapper import Mapper
@@ -207,7 +207,7 @@ def test_a_pinned_manifest_is_checked_where_maps_load(vpair, tmp_path, capsys):
 
 
 def test_claim_spends_the_budget_like_the_handoff():
-    from rarecache.adapters.vllm.core import claim
+    from rarecache.adapters.vllm.connector.core import claim
     from rarecache.transfer.handoff import budget
 
     # P = 100, rows for 100: claim 96 (never the last token), tail 4 computed by vLLM
@@ -226,7 +226,7 @@ def test_claim_spends_the_budget_like_the_handoff():
 
 
 def test_settings_are_checked(vpair, tmp_path):
-    from rarecache.adapters.vllm.core import read_settings
+    from rarecache.adapters.vllm.connector.core import read_settings
 
     tgt = vpair.root / "tgt"
     ok = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
@@ -261,7 +261,7 @@ def test_settings_are_checked(vpair, tmp_path):
 def _stand_in_service(monkeypatch) -> dict:
     """Replace VllmChatService by a stand-in that records what it was built with (no engine starts);
     returns that record."""
-    from rarecache.adapters.vllm import serving
+    from rarecache.adapters.vllm.server import serving
 
     seen = {}
 
@@ -292,7 +292,7 @@ def test_connector_init_refuses_a_mismatched_map(vpair, tmp_path):
     """(e) at connector init, the constructor vLLM calls (with a stand-in for its config)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from rarecache.adapters.vllm.connector import RarecacheConnector
+    from rarecache.adapters.vllm.connector.connector import RarecacheConnector
 
     good = {"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
@@ -323,9 +323,9 @@ def test_scheduler_keeps_handed_off_blocks_to_their_request(vpair, tmp_path):
     """The request-only rules on the scheduler half, with a stand-in for vLLM's cache manager."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from rarecache.adapters.vllm.connector import RarecacheConnector
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.connector.connector import RarecacheConnector
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     prompt = vpair.prompts[0]
     src_id = model_identity(vpair.root / "src")
@@ -387,7 +387,7 @@ def _source_rows(vpair, length: int = 96):
 
 def test_hand_rows_is_the_transfer(vpair):
     """No recompute: the plain transfer's rows; every position recomputed: the target's own prefill."""
-    from rarecache.adapters.vllm.core import hand_rows, target_namespace
+    from rarecache.adapters.vllm.connector.core import hand_rows, target_namespace
 
     src, tgt, mapper = vpair.src, vpair.tgt, vpair.map
     prompt, sc, k_src, v_src = _source_rows(vpair)
@@ -407,7 +407,7 @@ def test_hand_rows_is_the_transfer(vpair):
     assert len(some.recomputed) == 20 and some.recomputed == sorted(some.recomputed)
     # a map recording plain transfer's sharpening: its plain view at rho 0 only (suffix at 0.2 recomputes
     # nothing here, vLLM does the tail, and maps with the stored fit)
-    from rarecache.transfer.calibrate import with_plain
+    from rarecache.transfer.fitting.calibrate import with_plain
 
     combined = with_plain(mapper, (1.0, 0.5))
     view = tgt.new_cache(1, n)
@@ -424,8 +424,9 @@ def test_suffix_rank_recomputes_the_librarys_positions(vpair, tmp_path):
     """suffix+rank runs in the adapter (settings, request, record) and recomputes, of the claimed positions,
     what the library's selector picks for the same scores: a handoff of the same span at the same budget
     recomputes the same positions (the newest and rank disagreement's picks in turn, not rank's alone)."""
-    from rarecache.adapters.vllm.core import ENGINE_SELECTORS, check_selector, hand_rows, read_settings, request_params
-    from rarecache.adapters.vllm.serving import VllmServeConfig
+    from rarecache.adapters.vllm.connector.core import (ENGINE_SELECTORS, check_selector, hand_rows, read_settings,
+                                                        request_params)
+    from rarecache.adapters.vllm.server.serving import VllmServeConfig
     from rarecache.transfer.handoff import HandoffConfig, budget, handoff
 
     assert "suffix+rank" in ENGINE_SELECTORS and check_selector("suffix+rank") == "suffix+rank"
@@ -450,7 +451,7 @@ def test_suffix_rank_recomputes_the_librarys_positions(vpair, tmp_path):
 
 def test_claim_leaves_a_query_selectors_window_to_vllm():
     """query: the tail is pass 1's window (rounded up to a block); tail (ours) + k + tail (vLLM's) = the budget."""
-    from rarecache.adapters.vllm.core import claim
+    from rarecache.adapters.vllm.connector.core import claim
     from rarecache.transfer.handoff import budget
     from rarecache.transfer.selectors import QueryConfig
 
@@ -466,7 +467,8 @@ def test_query_runs_its_two_passes_around_vllms_tail(vpair, monkeypatch):
     """hand_rows with a query selector: pass 1 is the tail over the mapped claimed rows, pass 2 the claimed
     positions its queries read most; with vLLM's own prefill of the tail after it, that is the library's
     handoff whose window is the tail (same positions, same rows, same last logits)."""
-    from rarecache.adapters.vllm.core import ENGINE_SELECTORS, QUERY_SELECTORS, check_selector, claim, hand_rows
+    from rarecache.adapters.vllm.connector.core import (ENGINE_SELECTORS, QUERY_SELECTORS, check_selector, claim,
+                                                        hand_rows)
     from rarecache.transfer.handoff import HandoffConfig, handoff
     from rarecache.transfer.selectors import SELECTORS, QueryConfig, QuerySelector
 
@@ -505,9 +507,12 @@ def test_only_the_adapter_imports_vllm():
                  if pattern.search(p.read_text()) and "adapters/vllm" not in p.as_posix()]
     assert offenders == []
     # importing rarecache (and the adapter's engine-free modules) does not import vllm
-    code = ("import sys, rarecache, rarecache.adapters.vllm.store, rarecache.adapters.vllm.weights, "
-            "rarecache.adapters.vllm.core, rarecache.adapters.vllm.serving, rarecache.adapters.vllm.launch, "
-            "rarecache.adapters.vllm.gate, rarecache.adapters.vllm.serve_config, rarecache.commands.serve; "
+    engine_free = ["rarecache.adapters.vllm.connector", "rarecache.adapters.vllm.rowstore.interface",
+                   "rarecache.adapters.vllm.rowstore.store_open", "rarecache.adapters.vllm.connector.weights",
+                   "rarecache.adapters.vllm.connector.core", "rarecache.adapters.vllm.server.serving",
+                   "rarecache.adapters.vllm.server.launch", "rarecache.adapters.vllm.server.vllm_gate",
+                   "rarecache.adapters.vllm.server.serve_config", "rarecache.commands.serve"]
+    code = (f"import sys, rarecache, {', '.join(engine_free)}; "
             "print('vllm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
@@ -519,10 +524,11 @@ def test_only_the_adapter_imports_vllm():
     assert out.returncode == 0 and "test_rho_1_equals_vllm_alone" in out.stdout, out.stdout[-2000:]
     # without vllm, the connector says how to install it
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "try:\n    import rarecache.adapters.vllm.connector\n"
+            "try:\n    import rarecache.adapters.vllm.connector.connector\n"
             "except Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.startswith("RarecacheError rarecache.adapters.vllm.connector needs vllm") and "rarecache[vllm]" in out
+    assert out.startswith("RarecacheError rarecache.adapters.vllm.connector.connector needs vllm")
+    assert "rarecache[vllm]" in out
 
 
 # ---------------------------------------------------------------------------------------
@@ -535,8 +541,8 @@ def served(vpair):
     """Both engines at once, as `rarecache serve --engine vllm` runs them: the source with the map
     back, the target with the map from the source, one row store. Every engine test below runs
     on these two (an engine takes about a minute to start here)."""
-    from rarecache.adapters.vllm.engines import engine_environment
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.server.engines import engine_environment
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
 
     engine_environment()
     cfg = VllmServeConfig(store=vpair.store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
@@ -631,8 +637,8 @@ def test_capture_holds_the_sources_own_rows(vpair, source_run):
 def assert_captured(vpair, root, answers) -> None:
     """The store at `root` holds, for each prompt i answered under salt "s{i}", the rows our Runner
     computes for prompt + answer (but its last token), and the answer is our Runner's greedy one."""
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     store = open_store(root)
     for i, (prompt, out) in enumerate(zip(vpair.prompts, answers)):
@@ -698,9 +704,9 @@ def test_rho_0_writes_the_plain_transfer_into_the_paged_cache(vpair, target, tmp
 def test_rank_recompute_through_vllms_weights(vpair, target, tmp_path):
     """ρ = 0.5, rank: the paged rows are those our own Runner computes by the same rule (the view
     over vLLM's modules recomputes what a separately loaded target does)."""
-    from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.connector.core import hand_rows
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     prompt = vpair.prompts[0]
     (h,) = _run(target, [prompt], _fresh(), {"scope": "s0", "rho": 0.5, "selector": "rank", "debug": True})
@@ -789,7 +795,7 @@ def test_recompute_runs_on_vllms_own_weights(vpair, target, tmp_path):
 
 def _record(**changes):
     """A record as the worker files it for a handoff of 64 of 100 prompt positions from src."""
-    from rarecache.adapters.vllm.store import RECORD_VERSION
+    from rarecache.adapters.vllm.rowstore.interface import RECORD_VERSION
 
     rec = {"format_version": RECORD_VERSION, "record": "a" * 32, "model": ID_B, "peer": "src", "peer_model": ID_A,
            "prompt": 100, "rho": 0.5, "selector": "rank", "status": "handed_off", "tokens": 64, "recomputed": 14,
@@ -799,10 +805,10 @@ def _record(**changes):
 
 def test_serve_settings_and_records_are_checked(tmp_path):
     """What the vLLM service reads back from the worker, and its settings, are checked (no engine)."""
-    from rarecache.adapters.vllm.core import request_params
-    from rarecache.adapters.vllm.records import check_record
-    from rarecache.adapters.vllm.serving import VllmServeConfig
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.connector.core import request_params
+    from rarecache.adapters.vllm.server.records import check_record
+    from rarecache.adapters.vllm.server.serving import VllmServeConfig
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     def check(rec):
         return check_record(rec, "a" * 32, ID_B, {"src": ID_A}, 100, 32)
@@ -853,10 +859,10 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
     `fallback_reason`, serve/outcome.py), for each reason a store gives."""
     import threading
 
-    from rarecache.adapters.vllm.records import outcome, settle
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmReply, VllmServeConfig, tenant_scope
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.server.records import outcome, settle
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmReply, VllmServeConfig, tenant_scope
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
     from rarecache.serve import outcome as served
 
     def service(store, maps, shortest=0):
@@ -922,12 +928,12 @@ def test_route_says_why_a_prompt_is_not_handed_off(vpair, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------
-# the quality gate in the vLLM path (adapters/vllm/gate.py), without an engine
+# the quality gate in the vLLM path (adapters/vllm/server/vllm_gate.py), without an engine
 # ---------------------------------------------------------------------------------------
 
 
 def _nll_policy(threshold=0.5, **kw):
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     return GatePolicy(**{"selector": "suffix", "rungs": (0.1, 0.2, 0.3, 0.5), "threshold": threshold, "signal": "nll",
                          "first_rung": 1, "max_rungs": 1, **kw})
@@ -935,9 +941,9 @@ def _nll_policy(threshold=0.5, **kw):
 
 def test_vllm_gate_serves_nll_at_one_suffix_rung(tmp_path):
     """The policies one vLLM pass can decide are served; every other is refused in one line saying why."""
-    from rarecache.adapters.vllm.gate import check_vllm_gate, gate_rho
-    from rarecache.adapters.vllm.serving import VllmServeConfig
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.adapters.vllm.server.vllm_gate import check_vllm_gate, gate_rho
+    from rarecache.adapters.vllm.server.serving import VllmServeConfig
+    from rarecache.transfer.gate.policy import GatePolicy
 
     for good in (_nll_policy(), _nll_policy(rungs=(0.3,), first_rung=0, max_rungs=None),
                  GatePolicy("rank", threshold=-1.0), _nll_policy(max_rungs=0, signal="js", selector="rank")):
@@ -975,7 +981,7 @@ def test_prompt_nll_reads_only_the_last_k_minus_1_entries():
     runner returning only the computed ones does: the same mean surprisal, in bits, of the last k - 1 tokens."""
     import math
 
-    from rarecache.adapters.vllm.gate import prompt_nll
+    from rarecache.adapters.vllm.server.vllm_gate import prompt_nll
 
     ids = list(range(100, 120))  # P = 20
     P, k = len(ids), 5
@@ -988,7 +994,7 @@ def test_prompt_nll_reads_only_the_last_k_minus_1_entries():
     short = [None] + [{ids[j]: _logprob(-2.0)} for j in range(P - k - 2, P - k + 1)] + full[P - k + 1:]
     assert math.isclose(prompt_nll(short, ids, k), want, rel_tol=1e-12)
     assert math.isclose(prompt_nll(full[P - k + 1:], ids, k), want, rel_tol=1e-12)  # exactly the k - 1 read
-    assert prompt_nll(full, ids, 1) == 0.0  # as gate_pass: the last position only, nothing to score
+    assert prompt_nll(full, ids, 1) == 0.0  # as the ladder: the last position only, nothing to score
     for broken in ([*full[:-1], None], [*full[:-2], {ids[-1]: _logprob(-1.0)}, full[-1]],  # token P-2's entry
                    [*full[:-1], {ids[-1] + 1: _logprob(-1.0)}], [*full[:-1], {ids[-1]: _logprob(float("nan"))}],
                    [*full[:-1], {ids[-1]: None}], full[P - k + 2:], full + [full[-1]], None):
@@ -1001,8 +1007,8 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
     handoff is accepted or rejected on its nll, and a rejected job stops before on_text sees anything."""
     import math
 
-    from rarecache.adapters.vllm.engines import EngineJob
-    from rarecache.adapters.vllm.gate import UNMEASURED, Judge
+    from rarecache.adapters.vllm.server.engines import EngineJob
+    from rarecache.adapters.vllm.server.vllm_gate import UNMEASURED, Judge
 
     ids = list(range(3, 110))  # P = 107: at rho 0.2, K = 22 and the claim at most 85 (in blocks: 64)
     P, k = len(ids), 22
@@ -1046,14 +1052,14 @@ def test_the_judge_decides_at_the_first_token_before_any_text():
 
 class _ScriptedEngine:
     """A stand-in for engines.Engine: runs each job at once through a script of outputs (no vLLM engine);
-    a handoff files the worker's record, as worker.py does before its rows go in."""
+    a handoff files the worker's record, as worker_side.py does before its rows go in."""
 
     def __init__(self, svc, model, cached, store_logprobs):
         self.svc, self.model, self.cached, self.plp, self.block_size, self.jobs = svc, model, cached, store_logprobs, \
             BS, []
 
     def submit(self, jobs):
-        from rarecache.adapters.vllm.store import RECORD_VERSION
+        from rarecache.adapters.vllm.rowstore.interface import RECORD_VERSION
 
         for job in jobs:
             self.jobs.append(job)
@@ -1088,15 +1094,15 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
     import threading
 
     pytest.importorskip("fastapi")
-    from rarecache.adapters.vllm.gate import UNMEASURED
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig, tenant_scope
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.server.vllm_gate import UNMEASURED
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig, tenant_scope
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
     from rarecache.engine.generate import SamplingConfig
     from rarecache.models.tokenizer import Tokenizer
     from rarecache.serve import outcome as served
     from rarecache.serve.app import _budget_info, _info
-    from rarecache.transfer.gate import ALWAYS_FALLS_BACK, GatePolicy
+    from rarecache.transfer.gate.policy import ALWAYS_FALLS_BACK, GatePolicy
 
     ids = list(range(3, 110))  # P = 107; rung 0.1: K = 11, the claim 96 (= P - K)
     plp = [None] + [{ids[j]: _logprob(-math.log(2) * 2)} for j in range(1, len(ids))]  # 2 bits per token
@@ -1183,12 +1189,12 @@ def test_a_gated_vllm_service_falls_back_to_a_plain_request(vpair, tmp_path):
 
 
 def test_a_gated_vllm_servers_request_budget():
-    """A request's budget on a gated vLLM server: our own engine's rules (serve/config.py), the engine's selectors."""
+    """A request's budget on a gated vLLM server: our own engine's rules (serve/settings.py), the engine's selectors."""
     from dataclasses import replace
 
-    from rarecache.adapters.vllm.serve_config import VllmServeConfig, request_budget, rung
-    from rarecache.serve.config import Budget
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.adapters.vllm.server.serve_config import VllmServeConfig, request_budget, rung
+    from rarecache.serve.settings import Budget
+    from rarecache.transfer.gate.policy import GatePolicy
     from rarecache.transfer.handoff import HandoffConfig
 
     def budget(rho, selector, gate=None):  # our own engine's budget type, the one every engine uses
@@ -1215,7 +1221,7 @@ def test_a_gated_vllm_servers_request_budget():
 
 
 def test_engine_environment_keeps_what_the_user_set():
-    from rarecache.adapters.vllm.engines import engine_environment
+    from rarecache.adapters.vllm.server.engines import engine_environment
 
     env = {"OMP_NUM_THREADS": "1"}
     got = engine_environment(env)
@@ -1244,7 +1250,7 @@ def test_serve_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
     import multiprocessing
 
     pytest.importorskip("fastapi")
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
     from rarecache.cli import main
 
     args = ["serve", "--engine", "vllm", "--source", str(vpair.root / "src"), "--target", str(vpair.root / "tgt"),
@@ -1312,7 +1318,7 @@ def test_serve_cli_gates_vllm_with_an_nll_policy(vpair, tmp_path, monkeypatch, c
 
     from rarecache.cli import main
     from rarecache.packages import sha256_file
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     fwd = vpair.root / "src-tgt.map"
     fitted = {"tasks": {"t": {"map_sha256": sha256_file(fwd)}}}
@@ -1356,9 +1362,9 @@ def _chat(client, model, messages, salt, **kw):
 
 def _covered(vpair, model, salt, ids):
     """Positions of `ids` the store holds rows of, for `model` under the tenant `salt`."""
-    from rarecache.adapters.vllm.serving import tenant_scope
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.server.serving import tenant_scope
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     hit = open_store(vpair.store).lookup(model_identity(vpair.root / model), tenant_scope(salt), ids)
     return hit.length if hit else 0
@@ -1489,7 +1495,7 @@ def _gated(served, monkeypatch, threshold: float, rung: float = 0.1):
     request names its rho and selector)."""
     from dataclasses import replace
 
-    from rarecache.transfer.gate import GatePolicy
+    from rarecache.transfer.gate.policy import GatePolicy
 
     policy = GatePolicy("suffix", (rung,), threshold, signal="nll")
     monkeypatch.setattr(served, "cfg", replace(served.cfg, gate=policy, selector="suffix"))
@@ -1502,7 +1508,7 @@ def _gate_prompt(vpair, served, salt: str) -> list[int]:
     0.1 the suffix claims 96 = P - K, a whole number of blocks, so vLLM computes exactly the rung's K = 11."""
     from vllm import SamplingParams
 
-    from rarecache.adapters.vllm.serving import tenant_scope
+    from rarecache.adapters.vllm.server.serving import tenant_scope
     from rarecache.transfer.handoff import budget
 
     rc = {"scope": tenant_scope(salt), "handoff": False}
@@ -1523,10 +1529,10 @@ GATE_SAMPLING = dict(max_new_tokens=NEW, ignore_eos=True)
 @needs_vllm
 @pytest.mark.vllm
 def test_vllm_gate_reads_the_nll_our_gate_measures(vpair, served, monkeypatch):
-    """(a) the nll the vLLM path reads from vLLM's prompt log-probabilities is gate_pass's at the same rung
+    """(a) the nll the vLLM path reads from vLLM's prompt log-probabilities is the ladder's at the same rung
     (float32, a block-aligned claim: vLLM recomputes exactly the rung's positions)."""
     from rarecache.engine.generate import SamplingConfig
-    from rarecache.transfer.gate_pass import gated_handoff
+    from rarecache.transfer.gate.ladder import gated_handoff
 
     ids = _gate_prompt(vpair, served, "gate-a")
     policy = _gated(served, monkeypatch, 1e9)
@@ -1566,7 +1572,7 @@ def test_vllm_gate_accepts_the_handoff_at_its_rung(vpair, served, monkeypatch):
 def test_vllm_gate_falls_back_to_the_targets_own_answer(vpair, served, monkeypatch):
     """(c) threshold 0: the gate rejects the handoff before any text is streamed, and the answer is the target
     answering alone (its own prefill), reported as a fallback for the reason gate."""
-    from rarecache.adapters.vllm import gate
+    from rarecache.adapters.vllm.server import vllm_gate as gate
     from rarecache.engine.generate import SamplingConfig
     from rarecache.serve import outcome as served_outcome
 
@@ -1601,7 +1607,7 @@ def test_vllm_gate_that_always_falls_back_never_hands_off(vpair, served, monkeyp
     """(d) threshold -1: decided before the handoff, so the model reads the prompt itself (nothing claimed,
     nothing mapped), with the gate's record."""
     from rarecache.engine.generate import SamplingConfig
-    from rarecache.transfer.gate import ALWAYS_FALLS_BACK
+    from rarecache.transfer.gate.policy import ALWAYS_FALLS_BACK
 
     ids = _gate_prompt(vpair, served, "gate-d")
     alone = served.answer("tgt", ids, SamplingConfig(**GATE_SAMPLING), reread=True)
@@ -1627,7 +1633,7 @@ def _bench_args(vpair, bench, *extra):
 
 def test_bench_cli_refuses_bad_vllm_flags(vpair, tmp_path, capsys, monkeypatch):
     """Every mistake is one line before an engine starts (the stand-in would say if one did)."""
-    from rarecache.adapters.vllm import launch
+    from rarecache.adapters.vllm.server import launch
     from rarecache.cli import main
 
     monkeypatch.setattr(launch, "bench_service", lambda *a, **k: pytest.fail("an engine was started"))
@@ -1668,7 +1674,7 @@ def test_bench_cli_runs_what_it_was_asked_and_both_benches_share_the_summary(vpa
     only its own keys of the summary file, so they run separately."""
     from contextlib import contextmanager
 
-    from rarecache.adapters.vllm import launch
+    from rarecache.adapters.vllm.server import launch
     from rarecache.bench import load, serve
     from rarecache.cli import main
 
@@ -1725,7 +1731,7 @@ def test_bench_cli_runs_what_it_was_asked_and_both_benches_share_the_summary(vpa
 def test_bench_service_starts_the_pair_it_was_given(vpair, tmp_path, monkeypatch):
     """The benches' engines (stand-ins here): the target takes handoffs from the source through the map,
     vLLM's CPU thread settings are set and reported, and a fresh row store is removed after."""
-    from rarecache.adapters.vllm import launch
+    from rarecache.adapters.vllm.server import launch
 
     seen = _stand_in_service(monkeypatch)
     monkeypatch.setattr(launch, "engine_settings", lambda svc, name: {"target": name})
@@ -1802,7 +1808,7 @@ def test_switch_summary_through_redis_has_keys_of_its_own(vpair, tmp_path, monke
     beside (never over) the directory store's keys (stand-ins: no engine, no server)."""
     from contextlib import contextmanager
 
-    from rarecache.adapters.vllm import launch
+    from rarecache.adapters.vllm.server import launch
     from rarecache.bench import serve
     from rarecache.cli import main
 
@@ -1866,7 +1872,7 @@ def test_vllm_switch_bench_arms_agree_at_rho_1(vpair, served, tmp_path):
     """On the shared engines: at ρ = 1 the handoff arm answers as vLLM alone, the baseline arm had
     nothing claimed or cached (vLLM computed every prompt position itself), and the summary has the
     switch keys with ratios > 0."""
-    from rarecache.adapters.vllm.launch import engine_settings
+    from rarecache.adapters.vllm.server.launch import engine_settings
     from rarecache.bench.serve import VllmSwitchConfig, run_vllm_switch_bench, switch_summary, update_summary
 
     cfg = VllmSwitchConfig(lengths=(256, 320), rhos=(1.0,), repeats=2, answer_tokens=8, max_new_tokens=NEW,

@@ -125,8 +125,8 @@ class Engine:
 
 
 def test_two_engines_sharing_only_redis_hand_off(vpair, tmp_path, record_property):  # noqa: F811
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     hosts = Hosts()
     record_property("hosts", hosts.mode)

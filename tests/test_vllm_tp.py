@@ -32,7 +32,7 @@ TP = 2
 def _tp_environment():
     """vLLM's CPU binding for TP ranks while engines start (`engine_environment`), whatever the module
     before set; restored after."""
-    from rarecache.adapters.vllm.engines import engine_environment
+    from rarecache.adapters.vllm.server.engines import engine_environment
 
     keys = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "OMP_NUM_THREADS")
     saved = {k: os.environ.pop(k, None) for k in keys}
@@ -49,7 +49,7 @@ def _tp_environment():
 @pytest.fixture(scope="module")
 def tp_served(vpair, tmp_path_factory):
     """The pair as `rarecache serve --engine vllm --tensor-parallel-size 2` runs it."""
-    from rarecache.adapters.vllm.serving import VllmChatService, VllmServeConfig
+    from rarecache.adapters.vllm.server.serving import VllmChatService, VllmServeConfig
 
     store = tmp_path_factory.mktemp("tp-store")
     cfg = VllmServeConfig(store=store, rho=1.0, selector="rank", dtype="float32", max_new_tokens=64,
@@ -67,8 +67,8 @@ def tp_served(vpair, tmp_path_factory):
 def tok_map(vpair):
     """A map src -> tgt that reads the tokens: token inputs and exact layer 0 (tests/test_token_maps.py)."""
     from rarecache.models.tokenizer import Tokenizer
-    from rarecache.transfer.calibrate import Calibration, CalibrationConfig
-    from rarecache.transfer.corpus import load_corpus
+    from rarecache.transfer.fitting.calibrate import Calibration, CalibrationConfig
+    from rarecache.transfer.fitting.corpus import load_corpus
 
     tok, corpus = Tokenizer.from_dir(vpair.root / "src"), load_corpus(str(vpair.root / "corpus.txt"))
     cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5, token_inputs=True,
@@ -86,7 +86,7 @@ def tp_tok_target(vpair, tp_served, tok_map):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from rarecache.adapters.vllm.engines import CONNECTOR
+    from rarecache.adapters.vllm.server.engines import CONNECTOR
 
     maps = {"src": str(vpair.root / "src-tgt-tok.map")}
     extra = {"store": str(tp_served[1]), "rho": 1.0, "selector": "rank", "maps": maps}
@@ -145,9 +145,9 @@ def test_tp2_each_rank_holds_its_heads_of_a_token_map_transfer(vpair, tp_served,
 def _assert_ranks_hold_the_transfer(vpair, target, root, mapper, rho, salt, tmp_path) -> None:
     """Prompt 0 handed off from the source's stored rows (scope s0) at `rho` (rank): each rank's paged rows
     are its heads of `hand_rows` in one process over our Runner."""
-    from rarecache.adapters.vllm.core import hand_rows
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.connector.core import hand_rows
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     prompt = vpair.prompts[0]
     (h,) = _run(target, [prompt], salt, {"scope": "s0", "rho": rho, "selector": "rank", "debug": True})

@@ -34,15 +34,16 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    from rarecache.adapters.vllm.engines import engine_environment
-    from rarecache.adapters.vllm.store import model_identity
-    from rarecache.adapters.vllm.store_open import open_store
+    from rarecache.adapters.vllm.server.engines import engine_environment
+    from rarecache.adapters.vllm.rowstore.interface import model_identity
+    from rarecache.adapters.vllm.rowstore.store_open import open_store
 
     engine_environment()
     maps = dict(m.split("=", 1) for m in args.map)
     extra = {"store": args.store, "rho": 1.0, "selector": "rank", "maps": maps}
     ktc = KVTransferConfig(kv_connector="RarecacheConnector",
-                           kv_connector_module_path="rarecache.adapters.vllm.connector", kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
+                           kv_connector_module_path="rarecache.adapters.vllm.connector.connector", kv_role="kv_both",
+                           kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
     llm = LLM(model=args.model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               kv_cache_memory_bytes=64 << 20, max_num_seqs=4, seed=0, kv_transfer_config=ktc,
               block_size=args.block_size, max_model_len=512)

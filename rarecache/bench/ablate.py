@@ -29,14 +29,14 @@ import torch
 from ..engine.attention import attend, attend_reference
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..registry import RANK
 from ..models.packed import pack_float32
+from ..registry import RANK
 from ..transfer.features import rows, write_rows
 from ..transfer.fused import source_rows
 from ..transfer.handoff import HandoffConfig, budget, handoff, select_top, subset
 from ..transfer.mapper import SIDES, Mapper
 from ..transfer.selectors import rank_scores
-from .handoff import synchronize
+from .handoffbench import synchronize
 
 
 def median_time(fn, repeats: int, device: torch.device) -> float:

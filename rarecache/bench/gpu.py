@@ -4,7 +4,7 @@ The baseline is whichever is faster, per cell, of our Runner's prefill and trans
 same shapes: both run the same random weights (transformers' model is built around our model's tensors,
 `hf_twin`), on the same device, in the same run as the handoff (one warm-up, then the median of repeats).
 The source prefill is not counted (in a cascade the source has already paid it). `of_sparse_ceiling` divides
-the speed-up by the sparse-causal FLOP ceiling (`bench.handoff.ceilings`); `map_score_share_of_prefill` is
+the speed-up by the sparse-causal FLOP ceiling (`bench.handoffbench.ceilings`); `map_score_share_of_prefill` is
 map + score over the stronger prefill.
 
 A cell of T x batch tokens past `max_tokens` is skipped and listed as skipped (8192 x 16 does not fit the
@@ -25,7 +25,7 @@ from ..registry import RANK, SUFFIX
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
 from .ablate import median_time
-from .handoff import ceilings, synchronize
+from .handoffbench import ceilings, synchronize
 from .shapes import CONFIGS, random_mapper, random_model
 
 ROW_KEYS = ("T", "batch", "rho", "selector", "speedup_vs_best_prefill", "of_sparse_ceiling",

@@ -31,7 +31,7 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..serve.service import ChatService, Reply, ServiceConfig
 from ..transfer.conversation import common_prefix
-from ..transfer.corpus import load_corpus
+from ..transfer.fitting.corpus import load_corpus
 from ..transfer.handoff import HandoffConfig
 from ..transfer.mapper import Mapper
 
@@ -150,7 +150,7 @@ def run_switch_bench(source: LLM, target: LLM, forward: Mapper, backward: Mapper
 # ---------------------------------------------------------------------------------------
 # inside vLLM: `rarecache bench serve --engine vllm`
 # ---------------------------------------------------------------------------------------
-# The service is duck-typed (adapters/vllm/serving.VllmChatService: prepare, answer(reread=, rho=),
+# The service is duck-typed (adapters/vllm/server/serving.VllmChatService: prepare, answer(reread=, rho=),
 # models[name].tokenizer, cfg.max_batch), so this room does not import the adapter.
 
 FOLLOW_UP = QUESTIONS[1]  # the switched turn's question

@@ -14,7 +14,7 @@ from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.config import ModelConfig
 from ..models.loader import build_model
-from ..transfer.fit import SideFit
+from ..transfer.sidefit import SideFit
 from ..transfer.mapper import MapInfo, Mapper
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

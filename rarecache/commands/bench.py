@@ -12,8 +12,8 @@ from ..defaults import SERVED, selector_help
 from ..errors import RarecacheError
 from ..packages import results_path
 from .bench_gpu import add_gpu
-from .common import (add_model_options, add_pair_options, engine_device, load_pair, print_json, ran_in,
-                     with_map_dtype, write_out)
+from .common import (add_model_options, add_pair_options, engine_device, load_pair, print_json, ran_in, with_map_dtype,
+                     write_out)
 
 SUMMARY = "bench-handoff-summary.json"  # under $RARECACHE_HOME/results unless --summary names a file
 
@@ -128,7 +128,7 @@ def add_pack_option(b) -> None:
 def cmd_bench_handoff(args) -> int:
     import torch
 
-    from ..bench.handoff import read_summary, summary, time_cell
+    from ..bench.handoffbench import read_summary, summary, time_cell
     from ..bench.progress import round_lines, rounds, table_row
     from ..bench.memory import formula, memory_kind
     from ..transfer.selectors import SELECTORS

@@ -106,7 +106,7 @@ def add_load_options(b) -> None:
 
 
 def _engine_kwargs(args) -> dict:
-    from ..adapters.vllm.launch import check_store_flags
+    from ..adapters.vllm.server.launch import check_store_flags
 
     if not args.cache_gib > 0:
         raise RarecacheError(f"--cache-gib must be > 0, not {args.cache_gib}")
@@ -125,14 +125,14 @@ def _load_map(path: Path):
 
 
 def cmd_bench_serve_vllm(args) -> int:
-    from ..bench.handoff import read_summary
+    from ..bench.handoffbench import read_summary
     from ..bench.serve import VllmSwitchConfig, run_vllm_switch_bench, summary_group, switch_summary, update_summary
 
     cfg = VllmSwitchConfig(lengths=tuple(args.lengths), rhos=tuple(args.rhos), repeats=args.repeats,
                            answer_tokens=args.answer_tokens, max_new_tokens=args.max_new_tokens, corpus=args.corpus)
     kw = _engine_kwargs(args)
     mapper = _load_map(args.map)
-    from ..adapters.vllm.launch import bench_service
+    from ..adapters.vllm.server.launch import bench_service
 
     with bench_service(args.source, args.target, args.map, **kw) as (svc, names, settings):
         result = run_vllm_switch_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
@@ -200,7 +200,7 @@ def cmd_bench_load_vllm(args) -> int:
     cfg = _poisson_config(args)
     kw = _engine_kwargs(args)
     mapper = _load_map(args.map)
-    from ..adapters.vllm.launch import bench_service
+    from ..adapters.vllm.server.launch import bench_service
 
     with bench_service(args.source, args.target, args.map, max_batch=args.max_batch, **kw) as (svc, names, settings):
         result = run_vllm_load_bench(svc, *names, cfg, [mapper], settings, args.cache_dir,
@@ -244,8 +244,8 @@ def add_store_soak(bench) -> None:
 
 
 def cmd_bench_store_soak(args) -> int:
-    from ..adapters.vllm.launch import bench_service, check_store_flags
-    from ..adapters.vllm.store import is_url
+    from ..adapters.vllm.server.launch import bench_service, check_store_flags
+    from ..adapters.vllm.rowstore.interface import is_url
     from ..bench.store_soak import StoreSoakConfig, run_store_soak
 
     gib = None if args.store is not None and is_url(args.store) else args.store_gib

@@ -51,7 +51,7 @@ def cmd_drift_run(args) -> int:
     from ..engine.llm import LLM
     from ..eval.drift import conversations, drift_meta, parse_arm, run_drift
     from ..eval.results import models_meta
-    from ..transfer.gate import GatePolicy
+    from ..transfer.gate.policy import GatePolicy
     from ..transfer.mapper import Mapper
 
     if args.stories < 1:

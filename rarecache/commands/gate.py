@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from ..registry import COQA_BPB
 
-SIGNALS = ("js", "js_views", "nll")  # transfer.gate.SIGNALS (tested equal), named here so --help imports no torch
+SIGNALS = ("js", "js_views", "nll")  # gate.policy.SIGNALS (tested equal), named here so --help imports no torch
 
 
 def register(ev) -> None:
@@ -56,13 +56,13 @@ def register(ev) -> None:
 
 
 def _ladders(paths: list[Path], arm: str | None, loss: str = "changed", signal: str = "js"):
-    from ..eval.gate import read_ladders
+    from ..eval.gate_report import read_ladders
 
     return [read_ladders(p, arm, loss, signal) for p in paths]
 
 
 def cmd_gate_fit(args) -> int:
-    from ..eval.gate import fit
+    from ..eval.gate_report import fit
 
     if not 0 <= args.max_changed <= 1 or args.max_bpb < 0:
         raise RarecacheError("--max-changed must be in [0, 1] and --max-bpb >= 0")
@@ -106,8 +106,8 @@ def cmd_gate_fit(args) -> int:
 
 
 def cmd_gate_report(args) -> int:
-    from ..eval.gate import evaluate, markdown
-    from ..transfer.gate import GatePolicy, gate_rule
+    from ..eval.gate_report import evaluate, markdown
+    from ..transfer.gate.policy import GatePolicy, gate_rule
 
     if not args.policy.is_file():
         raise RarecacheError(f"no policy file {args.policy}")

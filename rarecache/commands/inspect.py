@@ -7,8 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..registry import ATTN_SOURCE, LAYER_PREFIX, RANDOM, RANK, SELECTORS
 from ..errors import RarecacheError
+from ..registry import ATTN_SOURCE, LAYER_PREFIX, RANDOM, RANK, SELECTORS
 from .common import add_model_options, load_models, warn_fit
 
 
@@ -65,7 +65,7 @@ def cmd_inspect(args) -> int:
             print(f"  {l:5d}  {mapper.sides['k'].r2[l]:.4f}  {mapper.sides['v'].r2[l]:.4f}  "
                   f"{held[0]:.4f}  {held[1]:.4f}  {mapper.sides['k'].sources[l].tolist()}")
     if args.plot:
-        from ..transfer.plots import plot_r2
+        from ..transfer.map_plots import plot_r2
 
         plot_r2(mapper, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -127,7 +127,7 @@ def _strip(args, mapper) -> None:
     from ..engine.llm import LLM
     from ..transfer.handoff import HandoffConfig, handoff
     from ..transfer.pipeline import Pipeline
-    from ..transfer.plots import plot_strip
+    from ..transfer.map_plots import plot_strip
     from ..transfer.selectors import SELECTORS
 
     if not (args.source and args.target and args.prompt):

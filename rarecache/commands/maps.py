@@ -125,8 +125,8 @@ def add_sharpen_option(p, default: str, plain_default: str) -> None:
 
 
 def cmd_refit(args) -> int:
-    from ..transfer.calibrate import with_plain
-    from ..transfer.refit import refit, resharpen
+    from ..transfer.fitting.calibrate import with_plain
+    from ..transfer.fitting.refit import refit, resharpen
     from ..transfer.mapper import Mapper
 
     mapper = Mapper.load(args.map)
@@ -182,7 +182,7 @@ def _task_file_corpus(args):
 
 def _corpus(args, tokenizer):
     """The calibration text --preset, --task or --corpus names (flags checked by _check_corpus_flags)."""
-    from ..transfer.corpus import load_corpus
+    from ..transfer.fitting.corpus import load_corpus
 
     if args.preset:
         from ..eval.mix import general_corpus
@@ -214,7 +214,7 @@ def _sharpening(args, general: bool) -> dict:
 
 
 def cmd_calibrate(args) -> int:
-    from ..transfer.calibrate import Calibration, CalibrationConfig
+    from ..transfer.fitting.calibrate import Calibration, CalibrationConfig
 
     from ..eval import mix
 

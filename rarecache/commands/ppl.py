@@ -32,7 +32,7 @@ def _add_ppl(sub) -> None:
 
 def cmd_ppl(args) -> int:
     from ..eval.perplexity import ARMS, heldout_passages, prefix_perplexity
-    from ..transfer.corpus import load_corpus
+    from ..transfer.fitting.corpus import load_corpus
 
     source, target, mapper, tokenizer = load_pair(args)
     corpus = load_corpus(args.corpus, cache_dir=args.cache_dir)

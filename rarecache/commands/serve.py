@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
     api_key = _check_flags(args)
     runs = None
     if args.engine == "vllm":
-        from ..adapters.vllm.core import ENGINE_SELECTORS  # engine-free module
+        from ..adapters.vllm.connector.core import ENGINE_SELECTORS  # engine-free module
         runs = ENGINE_SELECTORS
     gated = args.rho == "auto"  # (the gate policy names its own selector)
     for kind, note in fill_served_defaults(args, args.source, args.target, runs).items():
@@ -150,9 +150,9 @@ def cmd_serve(args) -> int:
     if args.engine == "vllm":
         if args.heal:
             raise RarecacheError("--heal runs in our own engine only, not --engine vllm")
-        from ..adapters.vllm.launch import serve_vllm
+        from ..adapters.vllm.server.launch import serve_vllm
 
-        return serve_vllm(args, names, api_key, gate)  # (the gate's shape is checked there: adapters/vllm/gate.py)
+        return serve_vllm(args, names, api_key, gate)  # (the gate's shape is checked there: server/vllm_gate.py)
     service = _our_service(args, names, rho, gate)
     budget = (f"gate {gate.selector}, rungs {'/'.join(f'{r:g}' for r in gate.climbed)}, threshold {gate.threshold:.4g}"
               if gate else f"rho {rho:g}, {args.selector}")
@@ -222,7 +222,7 @@ def _our_service(args, names: tuple[str, str], rho: float | None, gate):
 def _rho(args):
     """--rho NUMBER, or auto with --gate-policy: (rho, None) or (None, the policy), checked before models load.
     A policy is tied to the map it was fitted through (its threshold is in the handed-off model's output)."""
-    from ..transfer.gate import GatePolicy
+    from ..transfer.gate.policy import GatePolicy
 
     if args.rho != "auto":
         if args.gate_policy is not None or args.max_loss is not None:

@@ -14,7 +14,7 @@ from ..registry import PRESETS
 from .common import add_model_options, load_models
 from .maps import _check_corpus_flags, _corpus, add_weights_option
 
-REFINE_LR = 1e-5  # transfer.refine.RefineConfig.lr, spelled here so --help imports no torch (a test holds them equal)
+REFINE_LR = 1e-5  # fitting.refine.RefineConfig.lr, spelled here so --help imports no torch (a test holds them equal)
 
 
 def register(sub) -> None:
@@ -58,8 +58,7 @@ def _add_mlp(sub) -> None:
 
 def cmd_mlp(args) -> int:
     from ..transfer.mapper import Mapper
-    from ..transfer.mlp import MLPConfig
-    from ..transfer.mlp_train import fit_mlp
+    from ..transfer.fitting.mlp import MLPConfig, fit_mlp
 
     _check_corpus_flags(args)
     if args.tokens < 1 or args.heldout_tokens < 1:
@@ -139,7 +138,7 @@ def _prompt_tasks(args) -> list:
 
 def cmd_refine(args) -> int:
     from ..transfer.mapper import Mapper
-    from ..transfer.refine import RefineConfig, refine
+    from ..transfer.fitting.refine import RefineConfig, refine
 
     _check_corpus_flags(args)
     if any(not 0 < r < 1 for r in args.rhos):

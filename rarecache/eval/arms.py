@@ -1,6 +1,6 @@
 """The arms of an evaluation: the target alone, the source alone, a handoff at some ρ and
 selector (or the layer-prefix schedule) through one of the run's maps, or the quality gate's
-ladder (`transfer/gate.py`): every rung climbed and scored, so that any gate policy's decisions
+ladder (`transfer/gate/policy.py`): every rung climbed and scored, so that any gate policy's decisions
 can be read off the record afterwards (`eval gate`).
 
 An arm's name keys its lines in a results file ("target", "rho=0.3/rank",

@@ -11,7 +11,7 @@ import hashlib
 from collections.abc import Iterable
 
 from ..errors import RarecacheError
-from ..transfer.corpus import Corpus
+from ..transfer.fitting.corpus import Corpus
 
 Doc = str | tuple[dict[str, str], ...]  # plain text, or chat messages
 MIN_LINE = 40  # shorter lines (instructions, "Answer:", answer letters) are shared by design

@@ -32,7 +32,7 @@ from ..engine.runner import spans
 from ..errors import RarecacheError
 from ..registry import RANK
 from ..transfer.conversation import Conversation, kept
-from ..transfer.gate import GatePolicy, gate_rule
+from ..transfer.gate.policy import GatePolicy, gate_rule
 from ..transfer.handoff import HandoffConfig, _now
 from ..transfer.mapper import Mapper
 from .results import check_meta, load_results, read_done, sibling
@@ -201,7 +201,7 @@ def report(path: Path) -> tuple[str, dict]:
     seen, map, selection, recompute, and any fallback prefill); None for rows without the baseline."""
     import numpy as np
 
-    from .metrics import mean_ci
+    from .significance import mean_ci
 
     if not path.is_file():
         raise RarecacheError(f"no drift results file {path}")

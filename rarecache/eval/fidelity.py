@@ -33,9 +33,9 @@ from ..errors import RarecacheError
 from ..registry import COQA_BPB
 from .answers import PREDICTION, agreement, kappa
 from .arms import handoff_arm
-from .metrics import bytes_bpb, mcnemar, paired_bytes_ci, paired_diff_ci
 from .report import arm_name, format_p
 from .results import map_sha256
+from .significance import bytes_bpb, mcnemar, paired_bytes_ci, paired_diff_ci
 from .summary import read_task
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .metrics import N_BOOT
+from .significance import N_BOOT
 
 # recorded per rung -> +1: higher means changed more likely; -1: lower does
 SIGNALS = {"js": 1, "js_plain": 1, "js_source": 1, "js_views": 1, "answer_views": 1, "margin": -1, "entropy": 1,

@@ -1,6 +1,6 @@
 """The gate policy's fit on held-apart ladders: the cheapest (first rung, rungs climbed, threshold, margin
-floor) that keeps every task within its loss bound. Only `eval/gate.py` calls it; serving reads the
-policy file it writes (`transfer/gate.py`).
+floor) that keeps every task within its loss bound. Only `eval/gate_report.py` calls it; serving reads the
+policy file it writes (`transfer/gate/policy.py`).
 
 Work is what is minimised, in prefill-equivalents as measured: the first rung climbed reruns its whole
 set (a direct handoff, share = its cost), each later one the positions it reran (`run`, exact climbing
@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..transfer.gate import climbed_signals
+from ..transfer.gate.policy import climbed_signals
 
 
 class Item(NamedTuple):

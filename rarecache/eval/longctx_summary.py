@@ -22,7 +22,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from .arms import handoff_arm
 from .fidelity import one_sha
-from .metrics import paired_diff_ci
+from .significance import paired_diff_ci
 from .report import agreement
 from .summary import read_task
 from .tasks import LONG_CONTEXT

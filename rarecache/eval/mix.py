@@ -28,7 +28,7 @@ from pathlib import Path
 from ..errors import RarecacheError
 from ..packages import fetch_package_file
 from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, PRESETS
-from ..transfer.corpus import BUILTINS, Corpus, exllama_docs
+from ..transfer.fitting.corpus import BUILTINS, Corpus, exllama_docs
 from .data import long_context_json, olmo_documents
 from .disjoint import Doc, doc_lines, evaluated_lines
 

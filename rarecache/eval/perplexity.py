@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..models.tokenizer import Tokenizer
-from ..transfer.corpus import Corpus
+from ..transfer.fitting.corpus import Corpus
 from ..transfer.mapper import Mapper
 
 ARMS = ("target", "mapped", "source")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..registry import RANK
-from ..transfer.plots import use_matplotlib
+from ..transfer.map_plots import use_matplotlib
 from .report import is_oracle, split_arm, summarise
 
 

@@ -35,7 +35,7 @@ from ..errors import RarecacheError
 from ..registry import ARC_CHALLENGE, COQA_BPB, COQA_PASSAGE, GSM8K_BPB, MMLU
 from .arms import Arm
 from .report import arm_name
-from .tasks.choice import QUESTION
+from .tasks.multiple_choice import QUESTION
 
 EVALUATED = 300  # every evaluation reads a task's first items (stories): acceptance runs take n <= 300
 PLAN = (("passage", 8), (MMLU, 6), ("arc", 6), ("chain", 4), ("chat", 8))  # category, prompts: 32 in all

@@ -28,7 +28,7 @@ from ..registry import RANK
 from ..transfer.selectors import SELECTORS
 from .answers import PREDICTION, agreement, kappa, ties
 from .answers import agrees, answer_field  # noqa: F401  (research scripts read them from here)
-from .metrics import bytes_bpb, mcnemar, mean_ci, p_floor, paired_bytes_ci, paired_diff_ci
+from .significance import bytes_bpb, mcnemar, mean_ci, p_floor, paired_bytes_ci, paired_diff_ci
 
 GAP_CLOSED = "gap closed (of target − plain transfer, same map)"  # the column's header says what it divides by
 GAP_KEPT = "kept (of target − source)"  # the default selector's rule (eval/summary.py)

@@ -36,8 +36,8 @@ from ..engine.llm import LLM
 from ..engine.runner import Runner
 from ..errors import RarecacheError
 from ..transfer.conversation import common_prefix
-from ..transfer.gate import RUNGS, GatePolicy, js_bits
-from ..transfer.gate_pass import gated_handoff
+from ..transfer.gate.policy import RUNGS, GatePolicy, js_bits
+from ..transfer.gate.ladder import gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
 from ..transfer.selectors import ATTN_QUERIES, attention_capture, received

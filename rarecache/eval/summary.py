@@ -39,9 +39,9 @@ from typing import NamedTuple
 from ..errors import RarecacheError
 from ..registry import RANK
 from ..transfer.handoff import LAYER_PREFIX
-from .metrics import gap_closed_ci, paired_bytes_ci, paired_diff_ci
 from .report import arm_name, is_oracle, split_arm, summarise
 from .results import load_results, map_sha256, sibling
+from .significance import gap_closed_ci, paired_bytes_ci, paired_diff_ci
 
 RHOS = (0.1, 0.2, 0.3)
 
@@ -237,7 +237,7 @@ def check_served(served: Path, results: Path, label: str, plain_label: str) -> d
     from ..packages import sha256_file
     from dataclasses import fields
 
-    from ..transfer.fit import SideFit
+    from ..transfer.sidefit import SideFit
     from ..transfer.mapper import SIDES, Mapper
 
     mine, (fit, fit_sha), (plain, plain_sha) = Mapper.load(served), _map_of(results, label), _map_of(results,

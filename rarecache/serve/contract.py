@@ -3,7 +3,7 @@
 `serve/app.py` and `serve/metrics.py` serve whichever engine they are given, so they call what is
 written here and nothing else: they never ask an engine what it is or whether it has a method. Two
 engines implement it: our own (`ChatService`, serve/service.py) and vLLM's (`VllmChatService`,
-adapters/vllm/serving.py). Written as a `typing.Protocol`, the way vLLM writes its KV connector
+adapters/vllm/server/serving.py). Written as a `typing.Protocol`, the way vLLM writes its KV connector
 interface (`KVConnectorBase_V1`) and mlx-lm its cache: structural, so an engine's module need not
 import this one to fit it, and a type checker holds both to it. `tests/test_contract.py` runs the same
 requests through both and checks that the responses have the same shape and headers.
@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import Any, Callable, Protocol
 
 from ..engine.generate import SamplingConfig
-from .config import Budget
 from .job import Reply
 from .request import Continued
+from .settings import Budget
 
 
 class Settings(Protocol):

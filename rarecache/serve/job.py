@@ -5,7 +5,7 @@ request (model, prompt, sampling, stop strings, salt, budget), how its text reac
 one rule for streaming and stop strings, `cut`) and how its caller waits for it (`done`, `error`). Each
 engine extends it with what it holds while it runs: `Scheduled` here (our scheduler, serve/worker.py:
 admitted with rows claimed, stepped a token at a time in a batch, finished), the vLLM engine's request
-in adapters/vllm/engines.py.
+in adapters/vllm/server/engines.py.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Callable
 
 from ..engine.generate import Row, SamplingConfig
 from ..transfer.conversation import Started
-from .config import Budget
-from .store import Entry
+from .prefix_store import Entry
+from .settings import Budget
 
 
 @dataclass

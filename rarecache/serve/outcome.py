@@ -10,7 +10,7 @@ and fallback reason). One of three statuses, whichever engine answered:
   (the rows found were filed by another model or map than the deployment's), `evicted` (they were,
   but were evicted), `store_down` (the row store could not be reached), `gate` (the quality gate
   refused the handoff) or `short_prompt` (a handoff was possible, but the prompt is shorter than the
-  server's `min_handoff_tokens`: serve/config.py `too_short`);
+  server's `min_handoff_tokens`: serve/settings.py `too_short`);
 - `unsupported`: nothing can be handed off into this model (no map into it, or an engine that cannot).
 
 Separately, `approximate_rows_reused` says whether the model reused rows an earlier handoff left (not

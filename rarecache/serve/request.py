@@ -1,6 +1,6 @@
 """A chat request checked at the door: every mistake a client can make, for either engine's service.
 
-Validation lives apart from the scheduler so that the vLLM service (adapters/vllm/serving.py) and
+Validation lives apart from the scheduler so that the vLLM service (adapters/vllm/server/serving.py) and
 the HTTP front apply the same rules as `ChatService`; a streamed answer has no way to report a
 mistake once it has started, so all of it runs before anything is queued.
 """

@@ -7,7 +7,7 @@ own longest matching prefix, or a longer prefix held by another model of the pai
 with a map into the requested one. In the second case the conversation is handed
 off (map + selective recompute) instead of being re-read, which is the point of
 rarecache: a router can move a conversation between models at every turn. The
-entries, how a request claims one and how they are evicted are in `serve/store.py`.
+entries, how a request claims one and how they are evicted are in `serve/prefix_store.py`.
 A request's `salt` (the API's `cache_salt`) scopes both starting points: only entries
 written under the same salt are reused or handed off, so tenants with different salts
 never read, extend or time each other's rows.
@@ -21,7 +21,7 @@ else the answer continues the message.
 
 Requests are scheduled continuously by one worker thread (serve/worker.py: admission, then
 batched decode steps); a request is checked and tokenised before it is queued (serve/request.py),
-and its handoff budget is the server's or its own (serve/config.py). This module is the service's
+and its handoff budget is the server's or its own (serve/settings.py). This module is the service's
 face: the calls a client (the HTTP front, the benches) makes, the `ChatBackend` contract the front
 relies on (serve/contract.py), and idle healing.
 
@@ -43,10 +43,10 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..transfer.conversation import check_maps, heal
 from ..transfer.mapper import Mapper
-from .config import Budget, ServiceConfig, request_budget
 from .job import Reply, Scheduled
+from .prefix_store import Entry
 from .request import MAX_SALT, MAX_STOP, MAX_STOP_CHARS, ROLES, Continued, ModelNotFound, Role, check_request
-from .store import Entry
+from .settings import Budget, ServiceConfig, request_budget
 from .worker import Scheduler
 
 __all__ = ["Budget", "ChatService", "Continued", "MAX_SALT", "MAX_STOP", "MAX_STOP_CHARS", "ModelNotFound", "ROLES",

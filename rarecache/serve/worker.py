@@ -22,10 +22,10 @@ from ..engine.llm import LLM
 from ..errors import RarecacheError
 from ..transfer.conversation import prefill_or_handoff
 from ..transfer.mapper import Mapper
-from .config import ServiceConfig, too_short
 from .job import Reply, Scheduled
 from .outcome import APPLIED, FALLBACK, IDENTITY_MISMATCH, SHORT_PROMPT, UNSUPPORTED, fields
-from .store import Entry, PrefixStore
+from .prefix_store import Entry, PrefixStore
+from .settings import ServiceConfig, too_short
 
 
 class Scheduler:

@@ -29,8 +29,8 @@ from ..engine.generate import Generation, SamplingConfig, decode
 from ..engine.llm import LLM
 from ..engine.runner import Runner, spans
 from ..errors import RarecacheError
-from .gate import GatePolicy, GateResult
-from .gate_pass import gated_handoff
+from .gate.ladder import gated_handoff
+from .gate.policy import GatePolicy, GateResult
 from .handoff import HandoffConfig, HandoffResult, _now, handoff
 from .mapper import Mapper
 from .selectors import SELECTORS

@@ -2,7 +2,7 @@
 one token) and what a handoff's recompute costs, every pass counted (`describe_recompute`).
 
 Calibration keeps, per side and per part (fit, held-out), float64 sums over every
-source layer's rows against every target layer's (stats.py): XᵀX is (Ls·ds)² and
+source layer's rows against every target layer's (fitting/stats.py): XᵀX is (Ls·ds)² and
 XᵀY (Ls·ds)·(Lt·dt) numbers. That grows with the product of both models' depths and
 KV widths, so it is printed before a calibration starts, and the docs table the
 papers' pairs. A head-matched structure (each target KV head from the same head of

@@ -168,7 +168,7 @@ def layer_rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch
 
 def plot_diagnostics(d: Diagnostics, path, title: str = "") -> None:
     """Four panels per target layer: cosine, K/V concentration, top-ρ agreement."""
-    from .plots import use_matplotlib
+    from .map_plots import use_matplotlib
 
     use_matplotlib()
     import matplotlib.pyplot as plt

@@ -33,13 +33,15 @@ from ..defaults import SERVED
 from ..engine.cache import KVCache
 from ..engine.runner import Runner, Step, spans
 from ..errors import RarecacheError
+from ..registry import LAYER_PREFIX
 from .choice import budget, now, select_top, subset
 from .mapper import Mapper
 from .query import captured_layers, choose, first_pass, newest, plan, two_pass
 from .selectors import SELECTORS, SelectionContext, Selector, attention_capture, received
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
-LAYER_PREFIX = "layer-prefix"  # the target's first m layers for every position, m FLOP-matched to ρ
+# LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
+# FLOP-matched to ρ
 SCHEDULES = (POSITIONS, LAYER_PREFIX)
 
 
@@ -124,7 +126,7 @@ def prefix_layers(rho: float, length: int, layers: int) -> int:
 @dataclass
 class Mapped:
     """A batch after the map and the selector's scores, before any recompute: what `handoff` and the
-    gated ladder (`gate.py`) both start from."""
+    gated ladder (`gate/ladder.py`) both start from."""
 
     cache: KVCache  # target cache: mapped rows at the handed-off positions
     whole: torch.Tensor  # (B, n) whole prompts

@@ -16,7 +16,7 @@ directories; `rarecache inspect MAP --manifest OUT` writes it):
 
 `check_manifest` compares a pinned manifest with what is actually deployed, field by field,
 and refuses the first difference with both values. The vLLM connector checks the maps its
-`manifests` setting pins (adapters/vllm/core.py); the peer's KV layout once its config is known.
+`manifests` setting pins (adapters/vllm/connector/core.py); the peer's KV layout once its config is known.
 """
 
 from __future__ import annotations

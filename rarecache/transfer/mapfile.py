@@ -31,8 +31,7 @@ from safetensors.torch import save_file
 
 from ..errors import RarecacheError
 from .features import SIDES
-from .fit import SideFit, from_head_blocks, head_blocks
-from .mlp import SideMLP
+from .sidefit import SideFit, SideMLP, from_head_blocks, head_blocks
 
 FORMAT_VERSION = 1
 _META_KEY = "rarecache.map"
@@ -95,13 +94,13 @@ class MapInfo:
     calibration: dict[str, Any] = field(default_factory=dict)  # seq_len, stride, dtype, documents used, ...
     r2_heldout: dict[str, list[float]] = field(default_factory=dict)  # side -> per target layer
     format_version: int = FORMAT_VERSION
-    mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/mlp.py)
+    mlp_hidden: int = 0  # > 0: ridge + a residual MLP of this width per target layer and side (transfer/fitting/mlp.py)
     heads: int = 0  # > 0: head-matched with this many KV heads (fit.py); the file keeps the weight's head blocks
-    sharpen: dict[str, float] = field(default_factory=dict)  # side -> power p: predictions scaled by R²^-p (fit.py)
+    sharpen: dict[str, float] = field(default_factory=dict)  # side -> power p: predictions scaled by R²^-p (sidefit.py)
     plain_sharpen: dict[str, float] | None = None  # side -> power plain transfer (rho 0) uses; None: `sharpen`
     token_inputs: bool = False  # every layer also reads the target's own layer-0 K, V rows of the token
     exact_layer0: bool = False  # the target's layer-0 rows computed from the token, not mapped
-    refined: dict[str, Any] | None = None  # the output-aware refinement's record (refine.py), when refined
+    refined: dict[str, Any] | None = None  # the output-aware refinement's record (fitting/refine.py), when refined
     weights: str = "float32"  # how the file stores its weights (WEIGHT_DTYPES); what a new file of it keeps
 
     @property

@@ -1,14 +1,15 @@
-"""A fitted cross-model KV map: identity and application (its file format: mapfile.py).
+"""A fitted cross-model KV map and its application (its file format: mapfile.py; the checks of it against
+models, text and its own fit, and its summary: mapcheck.py, which the methods of the same names delegate to).
 
 A map file names the source and target it was fitted for; loading it against another pair, or the
 other way round, is refused with a message naming both. `load` checks the file on its own
-(mapfile.read); `check_pair` checks it against the two models (identity, then `check_fits`: layer
-counts, row widths, source-layer indices). Every path that runs a map calls `check_pair` first.
+(mapfile.read); `check_pair` checks it against the two models (mapcheck: identity, then `check_fits`:
+layer counts, row widths, source-layer indices). Every path that runs a map calls `check_pair` first.
 
 One file serves every budget. Plain transfer (nothing recomputed but the last position) and a
 handoff that recomputes part of the prompt want different fits of the same statistics: with every
 key mapped, ridge's shrunken keys give the target flatter attention than its own, and sharpening
-them (fit.py) helps; next to exact recomputed rows the sharpened mapped rows pull attention away
+them (sidefit.py) helps; next to exact recomputed rows the sharpened mapped rows pull attention away
 from them, and plain ridge is better (docs/RESULTS.md 8.1). `MapInfo.plain_sharpen` records the
 sharpening plain transfer applies; `Mapper.plain` is that view, derived exactly from the stored fit
 (sharpening is a known per-layer scale), so the file holds one set of tensors.
@@ -32,27 +33,11 @@ import torch
 from ..engine.cache import KVCache
 from ..engine.runner import Runner
 from ..errors import RarecacheError
-from ..models.loader import checkpoint_fingerprint
-from . import mapfile
+from . import mapcheck, mapfile
 from .features import SIDES, rows, token_block, token_rows, write_rows
-from .fit import SideFit, sharpen, unsharpen
 from .fused import map_into
 from .mapfile import MapInfo
-from .mlp import SideMLP
-
-# A map fits badly (`fit_problems`) when, on either side, its mean held-out R² is below POOR_R2 (it predicts
-# little of the target's rows: a 2k-token calibration's values reach -0.006) or more than POOR_GAP below its
-# in-sample R² (it learnt its calibration text, not the pair). The committed general maps pass with room.
-POOR_R2 = 0.2
-POOR_GAP = 0.15
-
-
-def identity(runner: Runner) -> dict[str, str]:
-    """Who a model is, for tying maps to it: name, architecture hash, weight fingerprint."""
-    path = runner.path
-    return {"name": path.name if path else "unnamed", "config": runner.config.fingerprint(),
-            "weights": checkpoint_fingerprint(path) if path else "unknown"}
-
+from .sidefit import SideFit, SideMLP, sharpen, unsharpen
 
 class Mapper:
     def __init__(self, info: MapInfo, sides: dict[str, SideFit], mlp: dict[str, SideMLP] | None = None):
@@ -78,7 +63,7 @@ class Mapper:
     def plain(self) -> "Mapper":
         """The map as plain transfer applies it (a handoff that recomputes only the last position): the
         fit sharpened by `info.plain_sharpen` when the file records it, else this map. Exact from the
-        stored tensors (fit.sharpen / unsharpen in float64), made once."""
+        stored tensors (sidefit.sharpen / unsharpen in float64), made once."""
         if not self.has_plain_view:
             return self
         if None not in self._views:
@@ -158,117 +143,31 @@ class Mapper:
         the models."""
         return cls(*mapfile.read(path))
 
-
-
-    def check_fits(self, source: Runner, target: Runner) -> None:
-        """Refuse a map whose tensors do not fit these models: target layers, target row width, source
-        layers and source row width (what `map_rows` and `apply` rely on)."""
-        cs, ct, k = source.config, target.config, self.info.k
-        if self.info.heads and not self.info.heads == cs.num_kv_heads == ct.num_kv_heads:
-            raise RarecacheError(f"this map is head-matched over {self.info.heads} KV heads; {_name(source)} has "
-                                 f"{cs.num_kv_heads} and {_name(target)} {ct.num_kv_heads}")
-        want = (ct.num_layers, ct.kv_dim, k * cs.kv_dim, cs.num_layers)
-        for s, fit in self.sides.items():
-            (lt, kd, dt), ls = fit.weight.shape, fit.r2_single.shape[1]
-            kd -= self.extra_width
-            if (lt, dt, kd, ls) != want:
-                raise RarecacheError(
-                    f"this map ({self.info.direction}) does not fit {_name(source)} -> {_name(target)}: its {s} "
-                    f"side has {lt} target layers with rows {dt} wide, read from {ls} source layers in rows "
-                    f"{kd // k} wide; these models have {want[0]} target layers with rows {want[1]} wide and "
-                    f"{want[3]} source layers with rows {cs.kv_dim} wide")
-
-    # -- identity ------------------------------------------------------------------------
+    # -- its checks and summary (mapcheck.py) ----------------------------------------------
 
     def check_pair(self, source: Runner, target: Runner) -> None:
         """Refuse to run with models other than the ones this map was fitted for, or that its tensors do
         not fit (`check_fits`)."""
-        got_s, got_t = identity(source), identity(target)
-        want_s, want_t = self.info.source, self.info.target
+        mapcheck.check_identity(self.info, source, target)
+        self.check_fits(source, target)
 
-        def same(a, b):
-            return a["config"] == b["config"] and a["weights"] == b["weights"]
-
-        if same(got_s, want_s) and same(got_t, want_t):
-            self.check_fits(source, target)
-            return
-        if same(got_s, want_t) and same(got_t, want_s):
-            raise RarecacheError(f"this map runs {self.info.direction}; you asked for "
-                                 f"{got_s['name']} -> {got_t['name']}: fit a map in that direction")
-        raise RarecacheError(f"this map was fitted for {self.info.direction} "
-                             f"(configs {want_s['config']}/{want_t['config']}, weights {want_s['weights']}/"
-                             f"{want_t['weights']}), not for {got_s['name']} -> {got_t['name']} "
-                             f"(configs {got_s['config']}/{got_t['config']}, weights {got_s['weights']}/"
-                             f"{got_t['weights']})")
+    def check_fits(self, source: Runner, target: Runner) -> None:
+        mapcheck.check_fits(self.info, self.sides, self.extra_width, source, target)
 
     def check_corpus(self, corpus, name: str = "this map") -> None:
-        """Refuse text other than this map's own calibration text (`corpus.Corpus`, by fingerprint): what the
-        steps that train on it again (`mlp`, `refine`) must read."""
-        want = self.info.corpus.get("fingerprint")
-        if corpus.fingerprint != want:
-            raise RarecacheError(f"{name} was calibrated on {self.info.corpus.get('name')} (fingerprint {want}), not "
-                                 f"on {corpus.name} ({corpus.fingerprint}{', chat' if corpus.chat else ''}): give "
-                                 "the map's own calibration text")
+        mapcheck.check_corpus(self.info, corpus, name)
 
     def refined_ids(self) -> set[str]:
-        """Ids of the task prompts a refinement trained or chose its step on (`refine --prompts`; the record's
-        form is checked on loading): an evaluation refuses the map on any of them (`Task.check_map`)."""
-        return {i for p in (self.info.refined or {}).get("prompts", {}).values() for i in p["ids"]}
+        return mapcheck.refined_ids(self.info)
 
     def fit_problems(self) -> list[str]:
-        """Why this map fits badly, from its own record (POOR_R2, POOR_GAP); empty when it does not, or when
-        no held-out R² was measured (`calibrate --heldout-tokens 0`)."""
-        out = []
-        for side, name in (("k", "keys"), ("v", "values")):
-            held = self.info.r2_heldout.get(side)
-            if not held:
-                continue
-            h, r = sum(held) / len(held), float(self.sides[side].r2.mean())
-            if h < POOR_R2:
-                out.append(f"held-out R2 of the {name} is {h:.3f} (below {POOR_R2})")
-            elif r - h > POOR_GAP:
-                out.append(f"held-out R2 of the {name} is {r - h:.3f} below in-sample ({h:.3f} vs {r:.3f}; more "
-                           f"than {POOR_GAP})")
-        return out
+        return mapcheck.fit_problems(self.info, self.sides)
 
     def check_fit(self, accept: bool = False, where: str = "this map") -> list[str]:
-        """Refuse a map that fits badly (`fit_problems`) unless `accept`; returns the problems accepted."""
-        problems = self.fit_problems()
-        if problems and not accept:
-            raise RarecacheError(f"{where} fits badly: {'; '.join(problems)}; calibrate on more text, or serve it "
-                                 "anyway with --accept-poor-map (accept_poor_map)")
-        return problems
+        return mapcheck.check_fit(self.info, self.sides, accept, where)
 
     def summary(self) -> str:
-        """Direction, fitting choices, corpus and R2 per side (in-sample ridge's, and held out of the map as
-        served when measured)."""
-        i = self.info
-        kind = ("head-matched " if i.heads else "") + "ridge" + (f" + MLP {i.mlp_hidden}" if i.mlp_hidden else "")
-        kind += " + token inputs" if i.token_inputs else ""
-        kind += ", layer 0 exact" if i.exact_layer0 else ""
-        if i.sharpen:
-            kind += ", sharpened " + " ".join(f"{s}:R2^-{p:g}" for s, p in i.sharpen.items())
-        if self.has_plain_view:
-            kind += "; plain transfer (rho 0) " + (" ".join(f"{s}:R2^-{p:g}" for s, p in i.plain_sharpen.items() if p)
-                                                   or "unsharpened")
-        lines = [f"map {i.direction}: {kind}, "
-                 f"k={i.k} lambda={i.lam} rank={i.rank} tokens={i.tokens} "
-                 f"corpus={i.corpus.get('name')} ({i.corpus.get('documents')} docs, "
-                 f"{i.calibration.get('documents_used')} used)"]
-        if i.refined:
-            r = i.refined
-            lines.append(f"  refined on the target's next-token KL: held-out {r.get('heldout_kl_before', float('nan')):.4f}"
-                         f" -> {r.get('heldout_kl', float('nan')):.4f} nats (step {r.get('kept_step')} of "
-                         f"{r.get('steps')}); R2 below is the closed-form fit's")
-            if r.get("prompts"):
-                lines.append("  refined also on task prompts: " + ", ".join(
-                    f"{n} ({len(p['ids'])} read)" for n, p in sorted(r["prompts"].items())))
-        for side, name in (("k", "keys"), ("v", "values")):
-            r2 = self.sides[side].r2
-            held = i.r2_heldout.get(side)
-            lines.append(f"  R2 {name:6s} mean {r2.mean():.4f} (min {r2.min():.4f}, max {r2.max():.4f})"
-                         + (f"   held-out mean {sum(held) / len(held):.4f}" if held else ""))
-        return "\n".join(lines)
+        return mapcheck.summary(self.info, self.sides, self.has_plain_view)
 
     # -- application ---------------------------------------------------------------------
 
@@ -378,8 +277,3 @@ def _resharpened(fit: SideFit, stored: float, power: float) -> SideFit:
     out = sharpen(unsharpen(SideFit(**{n: v.double() if v.is_floating_point() else v for n, v in t.items()}),
                             stored), power)
     return SideFit(**{n: getattr(out, n).to(t[n].dtype) for n in names})
-
-
-def _name(runner: Runner) -> str:
-    return runner.path.name if runner.path else "unnamed"
-

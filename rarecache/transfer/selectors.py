@@ -16,6 +16,7 @@ import torch
 
 from ..engine.cache import KVCache
 from ..engine.runner import AttnCapture, Runner
+from .. import registry
 from ..errors import RarecacheError
 from .choice import in_turn, lexicographic, order_rank, spans, union_of_groups
 from .mapper import Mapper
@@ -85,11 +86,22 @@ def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 
 class Selector:
+    """A subclass's `name` is the one registry.py's SELECTORS gives it, and it is an `oracle` when registered
+    among the oracles (`__init_subclass__`): each name is written once, there. A class registered under
+    several names (`QuerySelector`) gives them to its instances; one registered under none (a test's own)
+    keeps what it says."""
+
     name = ""
     oracle = False
     two_pass = False  # scores come from a first recompute pass (transfer/query.py), not from one score
     needs_source_attention = False
     needs_rank = False  # reads rank disagreement: the handoff has the map compute it on the way
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        names = registry.SELECTORS.names_of(cls.__module__, cls.__qualname__)
+        if len(names) == 1:
+            cls.name, cls.oracle = names[0], names[0] in registry.SELECTORS.oracles
 
     def scores(self, ctx: SelectionContext) -> torch.Tensor:  # (B, W)
         raise NotImplementedError
@@ -100,7 +112,6 @@ class Selector:
 
 
 class RankDisagreement(Selector):
-    name = "rank"
     needs_rank = True
 
     def scores(self, ctx):
@@ -108,15 +119,12 @@ class RankDisagreement(Selector):
 
 
 class Random(Selector):
-    name = "random"
-
     def scores(self, ctx):
         g = torch.Generator().manual_seed(ctx.seed)
         return torch.rand(ctx.positions.shape, generator=g).to(ctx.positions.device)
 
 
 class SourceAttention(Selector):
-    name = "attn-source"
     needs_source_attention = True
 
     def scores(self, ctx):
@@ -126,8 +134,6 @@ class SourceAttention(Selector):
 class Suffix(Selector):
     """The newest ⌈ρ·T⌉ positions: the one shape an engine's prefix cache recomputes natively
     (vLLM computes every position after the tokens a connector claims)."""
-
-    name = "suffix"
 
     def scores(self, ctx):
         return ctx.positions.float()  # later positions first; padding (-1) last
@@ -144,7 +150,6 @@ class AttentionTimesRank(Selector):
     estimate of the mapping error the target will read. Rank disagreement says where the map is
     likely wrong; attention says whether that error is looked at."""
 
-    name = "attn-rank"
     needs_source_attention = True
     needs_rank = True
 
@@ -155,7 +160,6 @@ class AttentionTimesRank(Selector):
 class AttentionPlusRank(Selector):
     """The mean of the two shares: a position high on either signal is recomputed."""
 
-    name = "attn+rank"
     needs_source_attention = True
     needs_rank = True
 
@@ -171,7 +175,6 @@ class SuffixPlusAttention(Selector):
     exemplars' answers) are what every later position reads. One ordering for every budget,
     so the gate's nested rungs apply."""
 
-    name = "suffix+attn"
     needs_source_attention = True
 
     def scores(self, ctx):
@@ -190,7 +193,6 @@ class SuffixPlusRank(Selector):
     sure of, which passage questions read the answer from (issue 41: suffix alone falls below
     random there). Deployable, one ordering for every budget."""
 
-    name = "suffix+rank"
     needs_rank = True
 
     def scores(self, ctx):
@@ -198,8 +200,7 @@ class SuffixPlusRank(Selector):
 
 
 class TargetAttention(Selector):
-    name = "attn-target"
-    oracle = True
+    """The attention the target's own prefill gives a position (an oracle: registry.py lists it so)."""
 
     def scores(self, ctx):
         return _at(ctx.target_prefill()[1], ctx.positions)
@@ -207,9 +208,6 @@ class TargetAttention(Selector):
 
 class L2Oracle(Selector):
     """Relative ℓ2 error of mapped vs true K and V, averaged over layers (CacheBlend-style)."""
-
-    name = "l2-oracle"
-    oracle = True
 
     def scores(self, ctx):
         true_cache, _ = ctx.target_prefill()
@@ -314,20 +312,20 @@ class QuerySelector(Selector):
 
 
 SPAN = 8  # neighbours on either side in the span variants
-QUERY_VARIANTS = {  # name -> settings: each screened by name (`0.3:query-span@MAP`)
-    "query": QueryConfig(),
-    "query-layer": QueryConfig(group="layer"),
-    "query-head": QueryConfig(group="head"),
-    "query-all": QueryConfig(layers=1.0),
-    "query-value": QueryConfig(value=True),
-    "query-common": QueryConfig(common=True),
-    "query-raw": QueryConfig(sinks=0),
-    "query-span": QueryConfig(span=SPAN),
-    "query-layer-span": QueryConfig(group="layer", span=SPAN),
-    "query-rank": QueryConfig(rank=True),
-    "query-w8": QueryConfig(window=8),
-    "query-w64": QueryConfig(window=64),
-    "attn-source-span": QueryConfig(source=True, span=SPAN),
+QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:query-span@MAP`)
+    registry.QUERY: QueryConfig(),
+    registry.QUERY_LAYER: QueryConfig(group="layer"),
+    registry.QUERY_HEAD: QueryConfig(group="head"),
+    registry.QUERY_ALL: QueryConfig(layers=1.0),
+    registry.QUERY_VALUE: QueryConfig(value=True),
+    registry.QUERY_COMMON: QueryConfig(common=True),
+    registry.QUERY_RAW: QueryConfig(sinks=0),
+    registry.QUERY_SPAN: QueryConfig(span=SPAN),
+    registry.QUERY_LAYER_SPAN: QueryConfig(group="layer", span=SPAN),
+    registry.QUERY_RANK: QueryConfig(rank=True),
+    registry.QUERY_W8: QueryConfig(window=8),
+    registry.QUERY_W64: QueryConfig(window=64),
+    registry.ATTN_SOURCE_SPAN: QueryConfig(source=True, span=SPAN),
 }
 
 

@@ -7,7 +7,7 @@ and not a reading of tables afterwards. Rule 1 (300 items, GSM8K 100) is the fil
 DIR: where the runs are (default research/fidelity/adopt, the committed copies; RUNS/adopt while running).
 Every comparison is paired over the items (stories, for CoQA) on which every compared arm has a record; a
 right/wrong or agree/disagree difference prints McNemar's exact p beside its bootstrap interval (10,000
-resamples, rarecache.eval.metrics.N_BOOT); arms are printed with their map's sha256 prefix (v4b[7145adb2]).
+resamples, rarecache.eval.significance.N_BOOT); arms are printed with their map's sha256 prefix (v4b[7145adb2]).
 Rule 2b reads κ over the multiple-choice tasks only (MC_TASKS), as ADOPTION.md words it (note of 2026-12-07).
 A later candidate against the map served then (v8 against v4 at suffix 0.3, research/scripts/fidelity_v8.sh):
   python research/scripts/adopt_rules.py RUNS/v8 --candidate v8 --served rho=0.3/suffix@v4b \
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from rarecache.eval.answers import agrees, kappa
-from rarecache.eval.metrics import mcnemar, paired_diff_ci
+from rarecache.eval.significance import mcnemar, paired_diff_ci
 from rarecache.eval.report import display, format_p
 from rarecache.eval.results import load_results, map_shas
 from rarecache.eval.summary import read_task

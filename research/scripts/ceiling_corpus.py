@@ -27,7 +27,7 @@ from rarecache.eval.mix import word_chain_prompts, word_problems
 from rarecache.eval.tasks import TASKS
 from rarecache.models.store import resolve_model
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.corpus import Corpus
+from rarecache.transfer.fitting.corpus import Corpus
 
 
 def main() -> None:

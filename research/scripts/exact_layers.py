@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from rarecache.engine.runner import Runner
 from rarecache.transfer.mapper import Mapper
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.eval.perplexity import heldout_passages
 from rarecache.models.tokenizer import Tokenizer
 from rarecache.models.store import resolve_model

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rarecache.eval.gate import read_ladders
+from rarecache.eval.gate_report import read_ladders
 from rarecache.eval.gate_auc import SIGNALS, auc_ci, logistic
 
 SERVABLE = [s for s in SIGNALS if s != "answer_views"]  # every other one reads the prompt and the models only

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rarecache.eval.gate import read_ladders
-from rarecache.eval.metrics import paired_diff_ci
+from rarecache.eval.gate_report import read_ladders
+from rarecache.eval.significance import paired_diff_ci
 from rarecache.transfer.conversation import common_prefix
 from rarecache.eval.tasks import open_task
 from rarecache.models.store import resolve_model

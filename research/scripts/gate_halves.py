@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from rarecache.eval.gate import read_ladders
+from rarecache.eval.gate_report import read_ladders
 from rarecache.eval.gate_auc import signal_aucs
 
 SHOWN = ("nll", "nll_gap", "nll_shift", "probe_cos", "row_error", "js", "js_views", "answer_views", "margin",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rarecache.eval.gate import LOSSES, oracle, read_ladders
+from rarecache.eval.gate_report import LOSSES, oracle, read_ladders
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """How well each feature a ladder records separates a changed answer (the rung's answer differs
 from the target's by eval/answers.py's rule, a tie its own answer; for bits per byte, the rung's bpb
-moved more than eval.gate.CHANGED_BPB from the target's, as `eval gate` counts it), as ROC AUC over
+moved more than eval.gate_report.CHANGED_BPB from the target's, as `eval gate` counts it), as ROC AUC over
 (item, rung) pairs with a bootstrap CI over items, plus a logistic model of all of them cross-validated
 over items. Exploration of which signal the gate should read (research/LOG.md 9).
 
@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from rarecache.eval.answers import same_answer
-from rarecache.eval.gate import CHANGED_BPB, auc, auc_ci
+from rarecache.eval.gate_report import CHANGED_BPB, auc, auc_ci
 from rarecache.eval.tasks import TASKS
 
 FEATURES = ["js", "js_plain", "outside", "entropy", "margin", "row_error", "js_source", "choice_margin", "js_views", "answer_views"]

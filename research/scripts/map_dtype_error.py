@@ -14,7 +14,7 @@ import torch
 from rarecache.engine.runner import Runner
 from rarecache.models.store import pull
 from rarecache.models.tokenizer import Tokenizer
-from rarecache.transfer.corpus import load_corpus
+from rarecache.transfer.fitting.corpus import load_corpus
 from rarecache.transfer.mapper import Mapper
 
 path, passages, tokens, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

@@ -1,25 +1,16 @@
-"""Evaluation tasks. Each task is one small module registered in TASKS; a user's own task is a
-JSONL file (`custom.py`), named where a task name goes."""
+"""Evaluation tasks. Each task is one small module, registered by its line in registry.py's TASKS (the
+name and the class), from which `TASKS` here is built; a user's own task is a JSONL file (`custom.py`),
+named where a task name goes."""
 
 from pathlib import Path
 
 from ...errors import RarecacheError
+from ...registry import TASKS as TASK_NAMES
 from .base import Item, Task
-from .choice import ARCChallenge, ARCEasy, HellaSwag, WinoGrande
-from .code_qa import CodeQA
-from .coqa import CoQA, CoQABPB, CoQAPassage
 from .custom import FileTask
-from .documents import MultiDocQA, PassageQAGen
-from .gsm8k import GSM8K, GSM8KBPB
 from .longctx import LongContextTask
-from .mmlu import MMLU
-from .retrieval import MultiTurn, Retrieval
-from .wiki_ppl import WikiPerplexity
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (GSM8K, GSM8KBPB, ARCChallenge, ARCEasy, HellaSwag, WinoGrande,
-                                                 MMLU, CoQA, CoQABPB, CoQAPassage,
-                                                 WikiPerplexity, Retrieval, MultiDocQA, CodeQA, MultiTurn,
-                                                 PassageQAGen)}
+TASKS: dict[str, type[Task]] = {name: TASK_NAMES.load(name) for name in TASK_NAMES}
 
 LONG_CONTEXT = tuple(n for n, t in TASKS.items() if issubclass(t, LongContextTask))
 

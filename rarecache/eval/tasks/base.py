@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import RarecacheError
-from ...transfer.corpus import Corpus
+from ...registry import TASKS as TASK_NAMES
+from ...transfer.fitting.corpus import Corpus
 from ..answers import top_choices
 
 
@@ -29,12 +30,22 @@ class Item:
 
 
 class Task:
+    """A registered subclass's `name` is the one registry.py's TASKS gives it (`__init_subclass__`): each task
+    name is written once, there. A class registered under none (a shared base, a file's task, a test's own)
+    keeps what it says."""
+
     name = ""
     metric = ""  # the headline field of a result row
     kind = "generate"  # or "likelihood"
     chance = 0.0  # accuracy of guessing (for floor-normalised retention)
     max_new_tokens = 256  # generation tasks: the answer's token cap when `eval run` is given none
     batch = 8  # generation tasks: items whose arms decode together when `eval run` is given no --batch
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        names = TASK_NAMES.names_of(cls.__module__, cls.__qualname__)
+        if len(names) == 1:
+            cls.name = names[0]
 
     def __init__(self, cache_dir: Path | None = None, tokenizer: Any = None):
         self.cache_dir = cache_dir

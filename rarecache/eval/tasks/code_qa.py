@@ -91,7 +91,6 @@ def header(rng, split: str) -> tuple[str, list[tuple[str, str]], list[tuple[str,
 
 
 class CodeQA(LongContextTask):
-    name = "code_qa"
     metric = "f1"
     max_new_tokens = 32
 

@@ -76,7 +76,6 @@ def _item(name: str, story: str, passage: str, qa: list[dict], answers: dict[int
 
 
 class CoQA(Task):
-    name = "coqa"
     metric = "f1"
 
     def _items(self, calibration: bool) -> list[Item]:
@@ -109,7 +108,6 @@ class CoQA(Task):
 class CoQABPB(CoQA):
     """Bits per byte of the gold answer after the handed-off conversation."""
 
-    name = "coqa_bpb"
     metric = "bpb"
     kind = "likelihood"
 
@@ -127,8 +125,6 @@ def passage_item(name: str, story: str, passage: str, qa: list[dict], answers: d
 class CoQAPassage(CoQABPB):
     """Passage question answering: bits per byte of the gold answer to a story's first question, asked with
     the passage in one user turn. One item per story; the last CALIBRATION_STORIES stories calibrate."""
-
-    name = "coqa_passage"
 
     def _items(self, calibration: bool) -> list[Item]:
         stories = _stories(self.cache_dir)

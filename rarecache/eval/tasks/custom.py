@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import RarecacheError
-from ...transfer.corpus import Corpus
+from ...transfer.fitting.corpus import Corpus
 from .base import Item, Task, choice_scores, gold_bpb, prompt_corpus
 
 # form: (the field that marks it, what it is called in messages)

@@ -25,7 +25,6 @@ STORY_ASK = ("Read the stories below, then answer the question about one of them
 
 
 class MultiDocQA(LongContextTask):
-    name = "multidoc_qa"
     metric = "f1"
     max_new_tokens = 48
 
@@ -68,7 +67,6 @@ class MultiDocQA(LongContextTask):
 
 
 class PassageQAGen(LongContextTask):
-    name = "passage_qa_gen"
     metric = "f1"
     max_new_tokens = 48
 

@@ -65,7 +65,6 @@ def check_exemplars(context: str, what: str) -> None:
 
 
 class GSM8K(Task):
-    name = "gsm8k"
     metric = "correct"
     max_new_tokens = 1024  # 256 cut 54% of the 1.5B's chains (module docstring)
 
@@ -76,7 +75,7 @@ class GSM8K(Task):
             doc = r["doc"]
             check_exemplars(r["request"]["context"], f"gsm8k item {doc['id']}")
             content = INSTRUCTION + r["request"]["context"]
-            items.append(Item(f"gsm8k-{doc['id']}", ({"role": "user", "content": content},),
+            items.append(Item(f"{self.name}-{doc['id']}", ({"role": "user", "content": content},),
                               normalise(str(doc["short_answer"])),
                               {"index": doc["id"], "solution": doc["choices"][0]}))
         return items
@@ -99,13 +98,11 @@ class GSM8K(Task):
 class GSM8KBPB(GSM8K):
     """Bits per byte of the gold solution after the handed-off prompt: one forward pass per arm."""
 
-    name = "gsm8k_bpb"
     metric = "bpb"
     kind = "likelihood"
 
-    def _all(self) -> list[Item]:
-        return [Item(i.id.replace("gsm8k", "gsm8k_bpb"), i.messages, i.gold, i.extra, (i.extra["solution"],))
-                for i in super()._all()]
+    def _all(self) -> list[Item]:  # (ids named by the task: gsm8k_bpb-…)
+        return [Item(i.id, i.messages, i.gold, i.extra, (i.extra["solution"],)) for i in super()._all()]
 
     def score_likelihood(self, item: Item, logprobs: list[float]) -> dict:
         return gold_bpb(item, logprobs)

@@ -27,15 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...packages import fetch_package_file
-from ...transfer.corpus import BUILTINS, exllama_docs
+from ...registry import MULTIDOC_QA, MULTITURN
+from ...transfer.fitting.corpus import BUILTINS, exllama_docs
 from ..data import long_context_json
 from ..disjoint import doc_texts, lines
 from ..mix import CODE_FILE_CHARS, PROSE_ESSAY_CHARS, PROSE_HOTPOTQA_ITEMS, components, pg_essays
 
 SPLITS = ("eval", "calibration")
 # (task, split) -> [first, end) of HotpotQA question indices; a later pool never holds an earlier pool's paragraph
-HOTPOT_POOLS = {("multidoc_qa", "eval"): (PROSE_HOTPOTQA_ITEMS, 4500), ("multidoc_qa", "calibration"): (4500, 5500),
-                ("multiturn", "eval"): (5500, 6700), ("multiturn", "calibration"): (6700, 10 ** 9)}
+HOTPOT_POOLS = {(MULTIDOC_QA, "eval"): (PROSE_HOTPOTQA_ITEMS, 4500), (MULTIDOC_QA, "calibration"): (4500, 5500),
+                (MULTITURN, "eval"): (5500, 6700), (MULTITURN, "calibration"): (6700, 10 ** 9)}
 BLOCK_CHARS = 1500  # a code block longer than this is cut at line ends (a table of numbers runs to 11k characters)
 LINE_CHARS = 400  # longer code lines (minified data) are left out
 MIX_READERS = ("prose", "code")  # the general mix's components that read these files

@@ -52,7 +52,6 @@ def interleave(by_subject: dict[str, list[Item]]) -> list[Item]:
 
 
 class MMLU(Task):
-    name = "mmlu"
     metric = "correct"
     kind = "likelihood"
     chance = 0.25

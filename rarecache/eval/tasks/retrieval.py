@@ -48,7 +48,6 @@ def keys_and_values(split: str, rng, n: int, avoid: str = "") -> list[tuple[str,
 
 
 class Retrieval(LongContextTask):
-    name = "retrieval"
     metric = "correct"
 
     def _haystack(self, split: str, kind: str, rng) -> tuple[list[str], str, list[str]]:
@@ -92,7 +91,6 @@ NOTED = "Noted, I will remember that."
 
 
 class MultiTurn(Retrieval):
-    name = "multiturn"
 
     def build(self, split: str, T: int, k: int):
         rng = seeded(self.name, split, T, k)

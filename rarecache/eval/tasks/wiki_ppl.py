@@ -12,7 +12,7 @@ maps) is refused if it read any document a passage comes from.
 from __future__ import annotations
 
 from ...errors import RarecacheError
-from ...transfer.corpus import load_corpus
+from ...transfer.fitting.corpus import load_corpus
 from .base import Item, Task, gold_bpb
 
 PREFIX = 512
@@ -20,7 +20,6 @@ CONTINUATION = 512
 
 
 class WikiPerplexity(Task):
-    name = "wiki_ppl"
     metric = "bpb"
     kind = "likelihood"
     corpus = "wiki"
