@@ -18,6 +18,8 @@ from rarecache.bench.shapes import random_model
 from rarecache.cli import main
 from rarecache.engine.runner import Runner
 
+from .conftest import error_of
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,7 +79,7 @@ def test_user_mistakes_are_one_line(argv, says, tmp_path, capsys):
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     assert main(["bench", "gpu", "--out", str(tmp_path), *argv]) == 2
-    err = capsys.readouterr().err.strip()
+    err = error_of(capsys.readouterr().err.strip())
     assert says in err and "\n" not in err and not list(tmp_path.iterdir())
 
 
