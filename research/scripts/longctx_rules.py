@@ -1,0 +1,108 @@
+"""ADOPTION.md rules 8 and 9 read from long-context result files (written before their runs).
+
+Rule 8: rank the query-aware variants on each screened task by agreement with the target's own greedy answer
+(ties by the gold score), then by mean rank over the tasks; the two best go on. Rule 9: the same ranking over
+the served arm and rule 8's two across the five tasks, with guard (a): no task's gold score below the 0.5B
+alone (paired 95% interval entirely below 0). Guards (b) (the short tasks, McNemar) and (c) (the bench) are
+read from their own records and printed here only as what to check.
+
+    python research/scripts/longctx_rules.py 8 RESULTS.jsonl[.gz] ...
+    python research/scripts/longctx_rules.py 9 RESULTS.jsonl[.gz] ... --served rho=0.3/suffix@v4b
+
+Only arms present on every item of every file are ranked; n is printed per task.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rarecache.eval.report import summarise
+from rarecache.eval.results import load_results
+from rarecache.eval.significance import paired_diff_ci
+from rarecache.eval.tasks import TASKS
+
+FIXED = ("target", "source")
+
+
+def task_rows(path: Path) -> tuple[str, list[dict]]:
+    rows = load_results(path)
+    task = rows[0]["task"]
+    length = rows[0].get("length")
+    return f"{task}@{length}" if length else task, rows
+
+
+def complete_items(rows: list[dict]) -> set:
+    """Items every arm of the file answered (a run cut mid-item leaves some arms short)."""
+    arms = {r["arm"] for r in rows}
+    by_item: dict = {}
+    for r in rows:
+        by_item.setdefault(r["item"], set()).add(r["arm"])
+    return {i for i, a in by_item.items() if a == arms}
+
+
+def ranks(values: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Rank 1 = best by (agreement, gold score), higher better; ties share the mean rank."""
+    order = sorted(values, key=lambda a: values[a], reverse=True)
+    out: dict[str, float] = {}
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            out[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("rule", choices=["8", "9"])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--served", default="rho=0.3/suffix@v4b", help="the served arm's name in the files")
+    p.add_argument("--arms", nargs="*", help="rule 9: the arms to rank (default: every handoff arm in all files)")
+    args = p.parse_args()
+
+    tables = {}
+    for path in args.files:
+        name, rows = task_rows(path)
+        keep = complete_items(rows)
+        rows = [r for r in rows if r["item"] in keep]
+        metric = TASKS[rows[0]["task"]].metric
+        tables[name] = (metric, rows, {s["arm"]: s for s in summarise(rows, metric, 0.0)})
+    common = set.intersection(*(set(t[2]) for t in tables.values())) - set(FIXED)
+    arms = sorted(a for a in common if not args.arms or a in args.arms)
+    if args.rule == "8":
+        arms = [a for a in arms if a != args.served]
+    print(f"rule {args.rule}: {len(arms)} arms over {len(tables)} tasks")
+    per_task = {}
+    for name, (metric, rows, summ) in tables.items():
+        vals = {a: (summ[a]["agreement"], summ[a]["mean"]) for a in arms}
+        per_task[name] = ranks(vals)
+        print(f"\n{name} (n={summ['target']['n']}, {metric}; target {summ['target']['mean']:.3f}, "
+              f"source {summ['source']['mean']:.3f}, source agreement {summ['source']['agreement']:.1%})")
+        for a in sorted(arms, key=lambda a: per_task[name][a]):
+            print(f"  rank {per_task[name][a]:4.1f}  {a:38s} agreement {vals[a][0]:6.1%}  {metric} {vals[a][1]:.3f}")
+    mean = {a: sum(per_task[t][a] for t in per_task) / len(per_task) for a in arms}
+    print("\nmean rank over tasks (lower is better):")
+    for a in sorted(arms, key=lambda a: mean[a]):
+        print(f"  {mean[a]:5.2f}  {a}")
+    if args.rule == "8":
+        print(f"\nrule 8 picks (ties by fewer pass-1 positions, then simpler; read by hand): "
+              f"{', '.join(sorted(arms, key=lambda a: mean[a])[:2])}")
+        return
+    print("\nguard (a): gold score against the 0.5B alone, paired 95% interval (a fails if hi < 0)")
+    for name, (metric, rows, _) in tables.items():
+        src = {r["item"]: float(r[metric]) for r in rows if r["arm"] == "source"}
+        for a in arms:
+            mine = {r["item"]: float(r[metric]) for r in rows if r["arm"] == a}
+            items = sorted(src.keys() & mine.keys())
+            d, lo, hi, _ = paired_diff_ci([mine[i] for i in items], [src[i] for i in items])
+            flag = "FAILS" if hi < 0 else "holds"
+            print(f"  {name:22s} {a:38s} {d:+.3f} ({lo:+.3f}, {hi:+.3f}) {flag}")
+    print(f"\nrule 9's default by mean rank (if guards (a)-(c) hold): {min(arms, key=lambda a: mean[a])}")
+
+
+if __name__ == "__main__":
+    main()
