@@ -284,3 +284,24 @@ def test_bench_handoff_reports_both_passes_of_a_two_pass_selector(fitted, pair_d
     assert abs(row["recompute_ms"] - (row["pass1_ms"] + row["pass2_ms"])) < 1e-6
     assert abs(row["handoff_ms"] - (row["map_ms"] + row["score_ms"] + row["recompute_ms"])) < 1e-6
     assert "recompute = pass 1" in out
+
+
+@pytest.mark.parametrize("selector", ["attn-source", "attn-source-span"])
+def test_bench_handoff_times_a_selector_reading_the_source_attention(fitted, pair_dir, tmp_path, selector,
+                                                                     monkeypatch):
+    """The source's uncounted prefill captures the attention a source-attention selector reads, and the timed
+    handoff is handed it (it used to stop: 'attn-source needs the source to prefill ...'); its picks equal a
+    handoff that prefills the source itself."""
+    import rarecache.bench.handoffbench as bench_handoff
+    from rarecache.transfer.handoff import HandoffConfig, handoff
+
+    source, target, mapper, _ = fitted
+    seen = []
+    real = bench_handoff.handoff
+    monkeypatch.setattr(bench_handoff, "handoff", lambda *a, **kw: seen.append(real(*a, **kw)) or seen[-1])
+    cell = bench_handoff.time_cell(source, target, mapper, 40, 0.3, 1, 1, selector=selector)
+    assert len(cell.prefill) == 1 and cell.phases["recompute"][0] > 0
+    prompts = torch.randint(0, min(source.config.vocab_size, target.config.vocab_size), (1, 40),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    _, _, direct = handoff(source, target, mapper, prompts, HandoffConfig(0.3, selector))
+    assert seen[-1][2].positions == direct.positions

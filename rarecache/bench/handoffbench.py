@@ -31,6 +31,7 @@ from ..defaults import SERVED
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
+from ..transfer.selectors import attention_capture, received
 from .memory import Peak, footprint, measure
 
 
@@ -83,6 +84,20 @@ class Cell:
 
 
 @torch.inference_mode()
+def _source_prefill(source: Runner, prompts: list[list[int]], cfg: HandoffConfig):
+    """The source's prefill before the switch (not timed: a cascade paid it already), with the attention its
+    last queries give each position captured where the selector reads it (attn-source and its variants: the
+    capture is part of that uncounted prefill, as in `handoff`)."""
+    if cfg.scorer is None or not cfg.scorer.needs_source_attention:
+        return source.prefill(prompts)[0], None
+    T = len(prompts[0])
+    cache = source.new_cache(len(prompts), T)
+    pos = torch.arange(T, device=source.device).expand(len(prompts), T)
+    out = source.forward(torch.tensor(prompts, device=source.device), pos, cache, logits_at=None,
+                         capture=attention_capture(source, torch.full((len(prompts),), T, device=source.device)))
+    return cache, received(out.attn, T)
+
+
 def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,
               repeats: int, seed: int = 0, selector: str = SERVED.selector,
               on_round: Callable[[int, float, float], None] | None = None) -> Cell:
@@ -90,10 +105,10 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     g = torch.Generator().manual_seed(seed)
     vocab = min(source.config.vocab_size, target.config.vocab_size)
     prompts = torch.randint(0, vocab, (batch, T), generator=g).tolist()
-    src_cache, _ = source.prefill(prompts)
+    cfg = HandoffConfig(rho=rho, selector=selector)
+    src_cache, src_attn = _source_prefill(source, prompts, cfg)
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
-    cfg = HandoffConfig(rho=rho, selector=selector)
     passes = ("pass1", "pass2") if cfg.scorer.two_pass else ()  # both timed inside recompute, and apart
     cell = Cell(T, rho, batch, [], {k: [] for k in ("map", "score", "recompute", *passes)}, {})
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
@@ -107,7 +122,7 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
             prefill = time.perf_counter() - t
         with (nullcontext(Peak()) if i else measure(target.device)) as hand_mem:
             _, _, res = handoff(source, target, mapper, prompts, cfg, source_cache=src_cache,
-                                source_kept=[T] * batch)
+                                source_kept=[T] * batch, source_attn=src_attn)
             synchronize(target.device)
         if on_round is not None:
             on_round(i, prefill, sum(res.timings[k] for k in ("map", "score", "recompute")))

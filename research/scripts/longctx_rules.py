@@ -4,10 +4,12 @@ Rule 8: rank the query-aware variants on each screened task by agreement with th
 (ties by the gold score), then by mean rank over the tasks; the two best go on. Rule 9: the same ranking over
 the served arm and rule 8's two across the five tasks, with guard (a): no task's gold score below the 0.5B
 alone (paired 95% interval entirely below 0). Guards (b) (the short tasks, McNemar) and (c) (the bench) are
-read from their own records and printed here only as what to check.
+read from their own records: `--short FILE...` reads (b) (agreement with the target on each short task
+against the served arm's, exact McNemar on the items where exactly one of the two agrees).
 
     python research/scripts/longctx_rules.py 8 RESULTS.jsonl[.gz] ...
-    python research/scripts/longctx_rules.py 9 RESULTS.jsonl[.gz] ... --served rho=0.3/suffix@v4b
+    python research/scripts/longctx_rules.py 9 RESULTS.jsonl[.gz] ... --served rho=0.3/suffix@v4b \
+        --short research/fidelity/f32head/mmlu.jsonl.gz
 
 Only arms present on every item of every file are ranked; n is printed per task.
 """
@@ -17,9 +19,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from rarecache.eval.answers import agrees
 from rarecache.eval.report import summarise
 from rarecache.eval.results import load_results
-from rarecache.eval.significance import paired_diff_ci
+from rarecache.eval.significance import mcnemar_exact, paired_diff_ci
 from rarecache.eval.tasks import TASKS
 
 FIXED = ("target", "source")
@@ -61,6 +64,8 @@ def main() -> None:
     p.add_argument("rule", choices=["8", "9"])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--served", default="rho=0.3/suffix@v4b", help="the served arm's name in the files")
+    p.add_argument("--short", nargs="*", type=Path, default=[],
+                   help="rule 9 guard (b): short-task result files holding the served arm and the candidates")
     p.add_argument("--arms", nargs="*", help="rule 9: the arms to rank (default: every handoff arm in all files)")
     args = p.parse_args()
 
@@ -101,6 +106,26 @@ def main() -> None:
             d, lo, hi, _ = paired_diff_ci([mine[i] for i in items], [src[i] for i in items])
             flag = "FAILS" if hi < 0 else "holds"
             print(f"  {name:22s} {a:38s} {d:+.3f} ({lo:+.3f}, {hi:+.3f}) {flag}")
+    if args.short:
+        print("\nguard (b): agreement with the target against the served arm's (b fails if lower with McNemar p < 0.05)")
+    for path in args.short:
+        rows = load_results(path)
+        metric = TASKS[rows[0]["task"]].metric
+        served = agrees(rows, args.served, metric)
+        for a in arms:
+            if a == args.served or not any(r["arm"] == a for r in rows):
+                print(f"  {rows[0]['task']:22s} {a:38s} not run") if a != args.served else None
+                continue
+            mine = agrees(rows, a, metric)
+            items = sorted(served.keys() & mine.keys())
+            gained = sum(mine[i] and not served[i] for i in items)
+            lost = sum(served[i] and not mine[i] for i in items)
+            p_value = mcnemar_exact(gained, lost)
+            rate = sum(mine[i] for i in items) / len(items)
+            base = sum(served[i] for i in items) / len(items)
+            flag = "FAILS" if rate < base and p_value < 0.05 else "holds"
+            print(f"  {rows[0]['task']:22s} {a:38s} {rate:.1%} against {base:.1%} (n={len(items)}, +{gained} / "
+                  f"-{lost}, McNemar p {p_value:.2g}) {flag}")
     print(f"\nrule 9's default by mean rank (if guards (a)-(c) hold): {min(arms, key=lambda a: mean[a])}")
 
 
