@@ -149,7 +149,8 @@ def run_arms(cfg: DemoConfig, pipe: Pipeline, ids: list[list[int]], progress: _P
     reading the weights once per step for all the arms' rows costs little more than for one arm's (the
     answers are each arm's own: a row attends only to its own cache)."""
     target, n = pipe.target, len(ids)
-    arms = ["target alone", *(f"handoff rho={r:g}{' (served)' if r == SERVED.rho else ''}" for r in cfg.rhos)]
+    served = lambda r: r == SERVED.rho and cfg.selector == SERVED.selector  # noqa: E731  (the served arm: budget and selector)
+    arms = ["target alone", *(f"handoff rho={r:g}{' (served)' if served(r) else ''}" for r in cfg.rhos)]
     cache = target.runner.new_cache(n * len(arms), max(len(i) for i in ids) + cfg.max_new_tokens)
     logits, rows = [], []
     with progress.bar(n * len(arms), "prompt", "prefill and handoffs") as bar:
@@ -224,7 +225,7 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"speed-up = the 1.5B's own prefill / (map + score + recompute), timed in this run; the 0.5B's prefill "
           f"({arms.rows[0][2]['source_prefill'] * 1e3:.0f} ms) is paid before the switch in a cascade. "
           "Agreement = generated tokens equal to the 1.5B alone at the same step. * the served budget "
-          f"({cfg.selector}, as `rarecache serve` hands off).")
+          f"({cfg.selector}{', as `rarecache serve` hands off' if cfg.selector == SERVED.selector else ''}).")
     print(f"demo finished in {time.perf_counter() - progress.start:.0f} s ({cfg.dtype}, CPU {cpu_capability()})")
     return 0
 
