@@ -113,8 +113,10 @@ class VllmBackedLM:
         B, T = tokens.shape
         return self.model.embed_tokens(tokens.reshape(B * T)).view(B, T, -1)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; h (..., C) -> float32 logits (..., V) (vLLM pads the vocabulary)."""
+    def logits(self, h: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        """Final norm and LM head; h (..., C) -> float32 logits (..., V) (vLLM pads the vocabulary). `float32`:
+        the products in float32 (`CausalLM.logits`' flag, which `Runner` passes; the handoff reads only the
+        argmax of its last logits, so the head's own dtype serves otherwise)."""
         head = self.head
         w = getattr(head, "weight", None)
         if w is None or w.dim() != 2 or w.shape[0] < self.config.vocab_size:
@@ -123,7 +125,10 @@ class VllmBackedLM:
                                  "unavailable")
         shape = h.shape
         x = self.norm(h.reshape(-1, shape[-1]))
-        return F.linear(x, head.weight[: self.config.vocab_size]).float().view(*shape[:-1], -1)
+        w = head.weight[: self.config.vocab_size]
+        if float32:
+            x, w = x.float(), w.float()
+        return F.linear(x, w).float().view(*shape[:-1], -1)
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model.embed_tokens, self.norm, self.head] + [m for layer in self.layers for m in layer.modules()]
