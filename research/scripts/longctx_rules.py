@@ -45,18 +45,9 @@ def complete_items(rows: list[dict]) -> set:
 
 
 def ranks(values: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Rank 1 = best by (agreement, gold score), higher better; ties share the mean rank."""
-    order = sorted(values, key=lambda a: values[a], reverse=True)
-    out: dict[str, float] = {}
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            out[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return out
+    """Rank 1 = best by (agreement, gold score), higher better; ties share the mean rank (adopt_rules.py's 4b)."""
+    v = list(values.values())
+    return {a: 1 + sum(o > x for o in v) + 0.5 * (sum(o == x for o in v) - 1) for a, x in values.items()}
 
 
 def main() -> None:
@@ -112,9 +103,9 @@ def main() -> None:
         rows = load_results(path)
         metric = TASKS[rows[0]["task"]].metric
         served = agrees(rows, args.served, metric)
-        for a in arms:
-            if a == args.served or not any(r["arm"] == a for r in rows):
-                print(f"  {rows[0]['task']:22s} {a:38s} not run") if a != args.served else None
+        for a in (a for a in arms if a != args.served):
+            if not any(r["arm"] == a for r in rows):
+                print(f"  {rows[0]['task']:22s} {a:38s} not run")
                 continue
             mine = agrees(rows, a, metric)
             items = sorted(served.keys() & mine.keys())
