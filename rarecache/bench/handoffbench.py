@@ -31,7 +31,7 @@ from ..defaults import SERVED
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
-from ..transfer.selectors import attention_capture, received
+from ..transfer.selectors import forward_received
 from .memory import Peak, footprint, measure
 
 
@@ -93,9 +93,9 @@ def _source_prefill(source: Runner, prompts: list[list[int]], cfg: HandoffConfig
     T = len(prompts[0])
     cache = source.new_cache(len(prompts), T)
     pos = torch.arange(T, device=source.device).expand(len(prompts), T)
-    out = source.forward(torch.tensor(prompts, device=source.device), pos, cache, logits_at=None,
-                         capture=attention_capture(source, torch.full((len(prompts),), T, device=source.device)))
-    return cache, received(out.attn, T)
+    _, attn = forward_received(source, torch.tensor(prompts, device=source.device), pos, cache,
+                               torch.full((len(prompts),), T, device=source.device), T, logits_at=None)
+    return cache, attn
 
 
 def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float, batch: int,

@@ -147,7 +147,7 @@ def probe_prompt(source, target, maps: dict, variants: list[tuple[str, Arm]], id
     attention-output cosine at the answer positions. Runners, not LLMs; `maps` by label."""
     from ..transfer.diagnostics import attention_cosines
     from ..transfer.handoff import handoff_variants
-    from ..transfer.selectors import attention_capture, received
+    from ..transfer.selectors import forward_received
 
     answer = answer[:MAX_ANSWER]
     n, m = len(ids), len(answer)
@@ -156,12 +156,12 @@ def probe_prompt(source, target, maps: dict, variants: list[tuple[str, Arm]], id
     prompt = torch.tensor([ids], device=target.device)
     ends = torch.tensor([n], device=target.device)
     own = target.new_cache(1, n + m)
-    out = target.forward(prompt, torch.arange(n)[None], own, capture=attention_capture(target, ends))
-    target_prefill = (own, received(out.attn, n))  # the oracles' reference (they read rows before n only)
+    out, own_attn = forward_received(target, prompt, torch.arange(n)[None], own, ends, n)
+    target_prefill = (own, own_attn)  # the oracles' reference (they read rows before n only)
     src = source.new_cache(1, n)
-    s_out = source.forward(prompt, torch.arange(n)[None], src, logits_at=None, capture=attention_capture(source, ends))
+    _, src_attn = forward_received(source, prompt, torch.arange(n)[None], src, ends, n, logits_at=None)
     cache, first, _ = handoff_variants(source, target, maps, ids, [(label, arm.config) for label, arm in variants],
-                                       src, source_attn=received(s_out.attn, n), target_prefill=target_prefill)
+                                       src, source_attn=src_attn, target_prefill=target_prefill)
     cache = cache.grown(n + m)
     mine = _answer_logprobs(target, own, out.logits, n, answer)  # (1, m, V)
     theirs = _answer_logprobs(target, cache, first, n, answer)  # (A, m, V)

@@ -40,7 +40,7 @@ from ..transfer.gate.policy import RUNGS, GatePolicy, js_bits
 from ..transfer.gate.ladder import gated_handoff
 from ..transfer.handoff import handoff_variants
 from ..transfer.mapper import Mapper
-from ..transfer.selectors import ATTN_QUERIES, attention_capture, received
+from ..transfer.selectors import ATTN_QUERIES, forward_received
 from .answers import same_answer
 from .arms import Arm
 from .results import check_meta, read_done
@@ -119,10 +119,10 @@ class _ItemState:
         q, shared_s = self.shared.fill(kind, runner, self.ids, cache) if self.shared else (0, 0.0)
         own = time.perf_counter()
         ends = torch.tensor([n - q], device=runner.device)
-        out = runner.forward(torch.tensor([self.ids[q:]], device=runner.device), torch.arange(q, n)[None], cache,
-                             capture=attention_capture(runner, ends))
+        out, attn = forward_received(runner, torch.tensor([self.ids[q:]], device=runner.device),
+                                     torch.arange(q, n)[None], cache, ends, n)
         done = time.perf_counter()
-        self._prefills[kind] = _Prefill(cache, out.logits[0], received(out.attn, n), done - own + shared_s, q)
+        self._prefills[kind] = _Prefill(cache, out.logits[0], attn, done - own + shared_s, q)
         return self._prefills[kind], done - t
 
 

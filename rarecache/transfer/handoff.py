@@ -37,7 +37,7 @@ from ..registry import LAYER_PREFIX
 from .choice import budget, now, select_top, subset
 from .mapper import Mapper
 from .query import captured_layers, choose, first_pass, newest, plan, two_pass
-from .selectors import SELECTORS, SelectionContext, Selector, attention_capture, received
+from .selectors import SELECTORS, SelectionContext, Selector, forward_received
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
 # LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
@@ -166,10 +166,11 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     src_attn = source_attn
     if any(f < n for f, n in zip(source_kept, lengths)):
         toks, pos = spans(prompts, [min(f, n - 1) for f, n in zip(source_kept, lengths)], source.device)
-        cap = attention_capture(source, (pos >= 0).sum(1)) if selector and selector.needs_source_attention else None
-        out = source.forward(toks, pos, source_cache, logits_at=None, capture=cap)
-        if cap is not None:
-            src_attn = received(out.attn, max(lengths))
+        if selector and selector.needs_source_attention:
+            _, src_attn = forward_received(source, toks, pos, source_cache, (pos >= 0).sum(1), max(lengths),
+                                           logits_at=None)
+        else:
+            source.forward(toks, pos, source_cache, logits_at=None)
     elif selector and selector.needs_source_attention and src_attn is None:
         raise RarecacheError("attn-source needs the source to prefill at least the last position")
     timings["source_prefill"] = _now(target) - t

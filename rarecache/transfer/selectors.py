@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..engine.cache import KVCache
-from ..engine.runner import AttnCapture, Runner
+from ..engine.runner import AttnCapture, ForwardOutput, Runner
 from .. import registry
 from ..errors import RarecacheError
 from .choice import in_turn, lexicographic, order_rank, spans, union_of_groups
@@ -57,9 +57,8 @@ class SelectionContext:
             last = self.positions.max(1).values  # each row's last handed-off position
             pos = torch.where(pos <= last[:, None], pos, -1)
             cache = self.target.new_cache(self.tokens.shape[0], n)
-            cap = attention_capture(self.target, last + 1)
-            out = self.target.forward(self.tokens, pos, cache, logits_at=None, capture=cap)
-            self._target_prefill = (cache, received(out.attn, n))
+            _, attn = forward_received(self.target, self.tokens, pos, cache, last + 1, n, logits_at=None)
+            self._target_prefill = (cache, attn)
         return self._target_prefill
 
 
@@ -70,6 +69,15 @@ def attention_capture(runner: Runner, ends: torch.Tensor) -> AttnCapture:
     offsets = torch.arange(-ATTN_QUERIES, 0, device=ends.device)
     rows = (ends[:, None] + offsets).clamp(min=0)  # (B, R); short rows repeat their first query
     return AttnCapture(layers, rows)
+
+
+def forward_received(runner: Runner, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                     ends: torch.Tensor, width: int, logits_at: str | torch.Tensor | None = "last"
+                     ) -> tuple[ForwardOutput, torch.Tensor]:
+    """One forward that also returns the attention its last queries (rows ending at `ends`) give each key slot
+    (B, width): what attn-source and the oracles score by. The one place a prefill reads it."""
+    out = runner.forward(tokens, positions, cache, logits_at=logits_at, capture=attention_capture(runner, ends))
+    return out, received(out.attn, width)
 
 
 def received(attn: dict[int, torch.Tensor], width: int) -> torch.Tensor:

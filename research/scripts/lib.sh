@@ -83,7 +83,7 @@ v3_map() {
 # seed_from E NAME DIR...: before a run writes E/NAME.jsonl (E under RUNS), start it from the first DIR holding
 # NAME.jsonl.gz (a session's rows committed under research/fidelity/..., else the base records a candidate's runs
 # are added to), its meta's RUNS/ paths pointed back at this machine's RUNS. An E/NAME.jsonl that exists, or a
-# NAME no DIR holds, is left alone.
+# NAME no DIR holds, is left alone. Its committed timings come back with it.
 seed_from() {
   local e=$1 name=$2 d runs; runs=$(dirname "$e"); shift 2
   [ ! -f "$e/$name.jsonl" ] || return 0
@@ -91,6 +91,7 @@ seed_from() {
     [ -f "$d/$name.jsonl.gz" ] || continue
     gzip -dc "$d/$name.jsonl.gz" > "$e/$name.jsonl"
     sed "s|RUNS/|$runs/|g" "$d/$name.meta.json" > "$e/$name.meta.json"
+    [ ! -f "$d/$name.timings.jsonl.gz" ] || gzip -dc "$d/$name.timings.jsonl.gz" > "$e/$name.timings.jsonl"
     return 0
   done
 }
