@@ -248,3 +248,25 @@ def test_costs_count_both_passes(fitted):
     spent = recompute_flops(cfg, [5, 9, 35, 36, 35, 36]) / recompute_flops(cfg, list(range(37)))
     assert f"{spent:.3f} of the target's prefill FLOPs" in two
     assert position_flops(cfg, 10) - position_flops(cfg, 9) == 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+
+
+@pytest.mark.parametrize("name", ["attn-source-span", "attn-source"])
+def test_a_source_holding_the_prompt_scores_as_a_fresh_prefill(fitted, name):
+    """A selector reading the source's attention from its last ATTN_QUERIES queries: a source cache that already
+    holds the whole prompt (a cascade re-asking the turn; `rarecache serve`) computes those rows again, so the
+    scores and the chosen positions are the fresh prefill's, not those of the last query alone."""
+    from rarecache.transfer.selectors import ATTN_QUERIES
+
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n = len(ids)
+    assert n > ATTN_QUERIES  # (the case that differs: fewer rows computed again than queries read)
+    cfg = HandoffConfig(0.3, name)
+    _, fresh_logits, fresh = handoff(source, target, mapper, [ids], cfg)
+    held = source.new_cache(1, n)
+    source.forward(torch.tensor([ids]), torch.arange(n)[None], held, logits_at=None)
+    for kept in (n, n - 1):
+        _, logits, res = handoff(source, target, mapper, [ids], cfg, source_cache=held, source_kept=[kept])
+        assert res.positions[0] == fresh.positions[0]
+        torch.testing.assert_close(res.scores[0], fresh.scores[0], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(logits, fresh_logits, rtol=1e-4, atol=1e-5)

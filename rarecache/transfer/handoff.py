@@ -37,7 +37,7 @@ from ..registry import LAYER_PREFIX
 from .choice import budget, now, select_top, subset
 from .mapper import Mapper
 from .query import captured_layers, choose, first_pass, newest, plan, two_pass
-from .selectors import SELECTORS, SelectionContext, Selector, forward_received
+from .selectors import ATTN_QUERIES, SELECTORS, SelectionContext, Selector, forward_received
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
 # LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
@@ -159,6 +159,10 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
     selector = cfg.scorer if mapped else None
     timings: dict[str, float] = {}
     device = target.device
+    if selector and selector.needs_source_attention and source_attn is None:
+        # the source's last ATTN_QUERIES queries, as a whole prefill captures them: a source that holds more of the
+        # prompt computes its last rows again (the same rows), so a held prompt scores as a fresh one does
+        source_kept = [min(f, max(0, n - ATTN_QUERIES)) for f, n in zip(source_kept, lengths)]
 
     t = _now(target)
     if source_cache is None:
@@ -171,8 +175,6 @@ def map_and_score(source: Runner, target: Runner, mapper: Mapper, prompts: list[
                                            logits_at=None)
         else:
             source.forward(toks, pos, source_cache, logits_at=None)
-    elif selector and selector.needs_source_attention and src_attn is None:
-        raise RarecacheError("attn-source needs the source to prefill at least the last position")
     timings["source_prefill"] = _now(target) - t
 
     t = _now(target)
