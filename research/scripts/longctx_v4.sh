@@ -32,12 +32,18 @@ for task in mmlu arc_challenge hellaswag; do
       --arms target source 0.3:suffix@v4b 0.3:attn-source-span@v4b 0.3:query-w8@v4b --limit 300 --threads 1 \
       --out $E/$task.jsonl > /dev/null
 done
-# 3. T 4096 for retrieval and multi-document QA (30 items), then every task at 1024
+# 3. T 4096 for retrieval and multi-document QA (30 items)
 run retrieval 4096 30 retrieval-4096
 run multidoc_qa 4096 30 multidoc_qa-4096
-for task in retrieval multidoc_qa code_qa multiturn passage_qa_gen; do run $task 1024 $N $task-1024; done
-# 4. GSM8K under the new stop rule and cap (issue #54 item 1): the 1.5B, the 0.5B and the served arm
-seed_from $E gsm8k $F
-rarecache eval run --task gsm8k --source $S --target $T --map v4b=$V4 --arms target source 0.3:suffix@v4b \
-    --limit 100 --threads 1 --out $E/gsm8k.jsonl > /dev/null
-# 5. then N=100 (and the rest of the issue's item counts) through the same steps
+# 4. GSM8K under the new stop rule and cap (issue #54 item 1) and passage QA's bpb: the 1.5B, the 0.5B, the
+#    previous served arm and the one rule 9 chose (the eighth session: attn-source-span)
+for task in gsm8k coqa_passage; do
+  limit=300; [ $task != gsm8k ] || limit=100
+  seed_from $E $task $F
+  rarecache eval run --task $task --source $S --target $T --map v4b=$V4 \
+      --arms target source 0.3:suffix@v4b 0.3:attn-source-span@v4b --limit $limit --threads 1 \
+      --out $E/$task.jsonl > /dev/null
+done
+# 5. every task at 1024, then items 20-29 at 2048 (rule 8a), then N=100 (the issue's item counts)
+for task in code_qa multiturn passage_qa_gen retrieval multidoc_qa; do run $task 1024 $N $task-1024; done
+for task in code_qa multiturn passage_qa_gen retrieval multidoc_qa; do run $task 2048 30 $task-2048; done
