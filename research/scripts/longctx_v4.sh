@@ -47,3 +47,10 @@ done
 # 5. every task at 1024, then items 20-29 at 2048 (rule 8a), then N=100 (the item counts)
 for task in code_qa multiturn passage_qa_gen retrieval multidoc_qa; do run $task 1024 $N $task-1024; done
 for task in code_qa multiturn passage_qa_gen retrieval multidoc_qa; do run $task 2048 30 $task-2048; done
+# 6. the 100 items per task at 1024 and 2048, in steps every task reaches before the next (the ninth
+#    session ran the two lengths as two queues: LENGTHS=2048 and LENGTHS=1024)
+for n in 50 75 100; do
+  for len in ${LENGTHS:-2048 1024}; do
+    for task in code_qa multiturn passage_qa_gen retrieval multidoc_qa; do run $task $len $n $task-$len; done
+  done
+done
