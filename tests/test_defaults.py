@@ -18,14 +18,29 @@ from rarecache.packages import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = ROOT / "docs" / "artifacts" / "fidelity-summary.json"  # (tests may read docs/; the package never does)
+LONGCTX = ROOT / "docs" / "artifacts" / "longctx-summary.json"
 
 
-def test_served_selector_budget_and_file_are_what_the_committed_summary_measured():
+def test_served_file_is_what_the_committed_adoption_summary_measured():
     """The summary `eval report --fidelity-summary` wrote from the adoption runs (issue #41's schema)."""
     summary = json.loads(SUMMARY.read_text())
-    assert (SERVED.selector, SERVED.rho) == (summary["selector"], summary["rho"])
     assert SERVED.sha256 == summary["map"] != summary["previous"]["map"]
     assert {"mmlu", "arc_challenge", "hellaswag", "gsm8k", "coqa_bpb"} <= set(summary["tasks"])
+
+
+def test_served_selector_and_budget_are_the_long_context_summary_served_arm():
+    """`eval longctx-summary` writes the served arm it summarised, through the served file (rule 9, issue #54)."""
+    served = json.loads(LONGCTX.read_text())["served"]
+    assert (SERVED.selector, SERVED.rho, SERVED.sha256) == (served["selector"], served["rho"], served["map_sha256"])
+
+
+def test_the_fallback_is_what_the_vllm_adapter_runs_by_default():
+    from rarecache.adapters.vllm.connector.core import ENGINE_DEFAULT, ENGINE_SELECTORS
+    from rarecache.adapters.vllm.server.serve_config import VllmServeConfig
+
+    assert SERVED.fallback in ENGINE_SELECTORS and SERVED.fallback != SERVED.selector
+    assert ENGINE_DEFAULT == VllmServeConfig(store="/nowhere").selector == SERVED.fallback
+    assert SERVED.selector not in ENGINE_SELECTORS  # else the adapter should run the served default itself
 
 
 def test_the_served_map_ships_in_the_package_and_is_the_recorded_file():
@@ -65,11 +80,14 @@ def test_every_selector_flag_lists_the_registry_and_names_the_default(capsys, mo
     from rarecache.cli import main
 
     monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a name (argparse breaks lines at hyphens)
-    for words in (["generate"], ["serve"], ["demo"], ["bench", "handoff"], ["bench", "serve"], ["bench", "load"]):
+    for words in (["generate"], ["serve"], ["demo"], ["bench", "handoff"], ["bench", "serve"], ["bench", "load"],
+                  ["bench", "store-soak"]):
         with pytest.raises(SystemExit):
             main([*words, "--help"])
         text = " ".join(capsys.readouterr().out.split())
-        assert f"(default: {SERVED.selector}, the served default)" in text, words
+        vllm_only = words in (["bench", "load"], ["bench", "store-soak"])  # their one --selector feeds vLLM too
+        default = f"{SERVED.fallback}, the served fallback" if vllm_only else f"{SERVED.selector}, the served default"
+        assert f"(default: {default}" in text, words
         assert all(n in text for n in SELECTOR_NAMES), words
 
 
@@ -78,6 +96,8 @@ def test_the_default_selector_is_the_served_one_where_the_engine_runs_it():
     assert default_selector(("rank", SERVED.selector))[0] == SERVED.selector
     name, why = default_selector(("rank", "random"))
     assert name == "rank" and f"{SERVED.selector}, does not run" in why
+    name, why = default_selector(("rank", SERVED.fallback))
+    assert name == SERVED.fallback and "served fallback" in why
 
 
 def test_the_librarys_config_dataclasses_default_to_the_served_budget():
@@ -111,11 +131,11 @@ def test_the_vllm_adapters_defaults_are_the_served_ones():
     from rarecache.adapters.vllm.server.launch import bench_service
     from rarecache.adapters.vllm.server.serving import VllmServeConfig
 
-    cfg = VllmServeConfig(store="/nowhere")
-    assert (cfg.rho, cfg.selector) == (SERVED.rho, SERVED.selector)
+    cfg = VllmServeConfig(store="/nowhere")  # the served fallback: the adapter cannot run the served selector
+    assert (cfg.rho, cfg.selector) == (SERVED.rho, SERVED.fallback)
     fields = {f.name: f.default for f in dataclasses.fields(Settings)}
-    assert (fields["rho"], fields["selector"]) == (SERVED.rho, SERVED.selector)
-    assert inspect.signature(bench_service).parameters["selector"].default == SERVED.selector
+    assert (fields["rho"], fields["selector"]) == (SERVED.rho, SERVED.fallback)
+    assert inspect.signature(bench_service).parameters["selector"].default == SERVED.fallback
 
 
 def test_a_pairs_map_is_the_one_calibrate_made_else_the_shipped_one(tmp_path, monkeypatch):

@@ -230,10 +230,10 @@ def test_settings_are_checked(vpair, tmp_path):
 
     tgt = vpair.root / "tgt"
     ok = read_settings({"store": str(tmp_path), "maps": {"src": str(vpair.root / "src-tgt.map")}}, tgt)
-    # the served defaults, as `rarecache serve` takes them
+    # the served budget and fallback (the adapter cannot read the source's attention the served selector needs)
     from rarecache.defaults import SERVED
 
-    assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (SERVED.rho, SERVED.selector)
+    assert ok.peers["src"].identity == vpair.map.info.source and (ok.rho, ok.selector) == (SERVED.rho, SERVED.fallback)
     for extra, match in [
         ({}, "needs 'store'"),
         ({"store": str(tmp_path), "rh0": 1}, "unknown RarecacheConnector setting.*'rh0'"),
@@ -1294,7 +1294,10 @@ def test_serve_cli_starts_the_service_it_was_asked_for(vpair, tmp_path, monkeypa
             "--max-batch", "3", "--port", "8124"]
     assert main([*args, "--store", str(tmp_path / "rows")]) == 0
     cfg = seen["cfg"]
-    assert (cfg.rho, cfg.selector, cfg.block_size, cfg.kv_cache_bytes, cfg.max_batch) == (0.5, "suffix", 64, 1 << 29, 3)
+    from rarecache.defaults import SERVED  # the adapter cannot run the served selector: its fallback
+
+    assert (cfg.rho, cfg.selector, cfg.block_size, cfg.kv_cache_bytes, cfg.max_batch) == (
+        0.5, SERVED.fallback, 64, 1 << 29, 3)
     assert seen["models"] == {"src": vpair.root / "src", "tgt": vpair.root / "tgt"}
     assert seen["maps"] == {("src", "tgt"): fwd, ("tgt", "src"): back}
     assert seen["port"] == 8124 and seen["host"] == "127.0.0.1" and seen["closed"]
@@ -1340,7 +1343,9 @@ def test_serve_cli_gates_vllm_with_an_nll_policy(vpair, tmp_path, monkeypatch, c
     assert "gate: suffix, rung 0.2, nll threshold 0.5 bits" in capsys.readouterr().err
     seen.clear()
     policy.write_text(GatePolicy("rank", threshold=-1.0, fitted=fitted).to_json())  # always falls back: served
-    assert main(args) == 0 and seen["cfg"].gate.always_falls_back and seen["cfg"].selector == "suffix"
+    from rarecache.defaults import SERVED  # falling back always: the served budget, through the adapter's fallback
+
+    assert main(args) == 0 and seen["cfg"].gate.always_falls_back and seen["cfg"].selector == SERVED.fallback
     assert "gate: always falls back" in capsys.readouterr().err
 
 

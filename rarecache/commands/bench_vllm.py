@@ -29,12 +29,12 @@ POISSON_OUT = "bench-load-poisson.json"
 # per command and engine: the flags only that engine takes, with their defaults
 SERVE = {"rarecache": {"reverse_map": None, "schedule": ["source", "target", "target"], "conversations": 3,
                        "passage_tokens": 1024, "rho": SERVED.rho, "selector": SERVED.selector, "max_new_tokens": 32},
-         "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "selector": SERVED.selector, "repeats": 3,
+         "vllm": {"lengths": [512, 2048, 4096], "rhos": [0.1, 0.3], "selector": SERVED.fallback, "repeats": 3,
                   "answer_tokens": 16, "max_new_tokens": 8, "block_size": 32, "cache_gib": 4.0, "store": None,
                   "summary": None, "no_summary": False, "store_gib": None, "store_ttl": None}}
 POISSON = {"source": None, "target": None, "map": None, "loads": [0.25, 0.5, 0.75, 0.98], "requests": 40,
            "discard": 5, "prompt_tokens": 256, "answer_tokens": 16, "max_new_tokens": 1, "rho": SERVED.rho,
-           "selector": SERVED.selector, "max_batch": 8, "saturation_batches": 3, "seed": 0}
+           "selector": SERVED.fallback, "max_batch": 8, "saturation_batches": 3, "seed": 0}
 LOAD = {"rarecache": {"model": "qwen2.5-coder-1.5b-instruct", "clients": 4, "requests": 2, "prompt_tokens": 128,
                       "max_new_tokens": 32},
         "poisson": dict(POISSON),  # --engine rarecache --poisson: the same experiment on our own server
@@ -96,7 +96,7 @@ def add_load_options(b) -> None:
     g.add_argument("--discard", type=int, default=None, help="first arrivals not counted (default: 5)")
     g.add_argument("--answer-tokens", type=int, default=None, help="the source's first answer (default: 16)")
     g.add_argument("--rho", type=float, default=None, help=f"default: {SERVED.rho:g}, the served default")
-    g.add_argument("--selector", default=None, help=selector_help())
+    g.add_argument("--selector", default=None, help=selector_help(vllm=True))
     g.add_argument("--max-batch", type=int, default=None,
                    help="vLLM's max_num_seqs per engine, or our service's max_batch (default: 8)")
     g.add_argument("--saturation-batches", type=int, default=None,
@@ -232,7 +232,7 @@ def add_store_soak(bench) -> None:
     b.add_argument("--max-new-tokens", type=int, default=16, help="tokens per answer (default: 16)")
     b.add_argument("--max-prompt-tokens", type=int, default=1024,
                    help="a conversation past this starts again under a new tenant (default: 1024)")
-    b.add_argument("--selector", default=SERVED.selector, help=selector_help())
+    b.add_argument("--selector", default=SERVED.fallback, help=selector_help(vllm=True))
     b.add_argument("--block-size", type=int, default=32, help="vLLM's block size (default: 32)")
     b.add_argument("--cache-gib", type=float, default=4.0, help="paged caches, split between the engines (default: 4)")
     b.add_argument("--store", default=None, help="a directory or redis://HOST:PORT/DB (default: a fresh directory)")

@@ -53,6 +53,7 @@ RECOMPUTE_SELECTORS = (RANK, RANDOM, SUFFIX_RANK)  # scored positions, recompute
 QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass)  # two passes around vLLM's tail
 NATIVE_SELECTORS = (SUFFIX,)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + QUERY_SELECTORS + NATIVE_SELECTORS
+ENGINE_DEFAULT = default_selector(ENGINE_SELECTORS)[0]  # the served default, or its fallback where it cannot run
 DEFAULT_RHO = SERVED.rho  # as `rarecache serve`
 KEYS = ("store", "store_bytes", "store_ttl", "model", "maps", "manifests", "rho", "selector", "seed", "capture",
         "accept_poor_map")
@@ -83,7 +84,7 @@ class Settings:
     config: ModelConfig
     peers: dict[str, Peer] = field(default_factory=dict)
     rho: float = DEFAULT_RHO
-    selector: str = SERVED.selector
+    selector: str = ENGINE_DEFAULT
     seed: int = 0
     capture: bool = True
     store_bytes: int | None = None  # a directory store's capacity (None: unbounded)
@@ -175,7 +176,7 @@ def read_settings(extra: Any, engine_model: str | Path | None, tensor_parallel: 
                                   where=f"maps[{name!r}] ({path})")
         peers[name] = Peer(name, Path(path), mapper, pinned)
     if selector is None:  # as `rarecache serve`: the served default
-        selector = default_selector(ENGINE_SELECTORS)[0]
+        selector = ENGINE_DEFAULT
     return Settings(str(store), model, identity, config, peers, rho, selector, seed, capture, store_bytes, ttl)
 
 

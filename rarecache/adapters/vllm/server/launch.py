@@ -119,7 +119,7 @@ def store_bytes(gib: float | None) -> int | None:
 @contextmanager
 def bench_service(source: str, target: str, map_path: Path, *, dtype: str, cache_dir: Path | None = None,
                   block_size: int = 32, kv_cache_bytes: int = 2 << 30, max_batch: int = 8,
-                  max_model_len: int | None = None, selector: str = SERVED.selector, store: str | Path | None = None,
+                  max_model_len: int | None = None, selector: str = SERVED.fallback, store: str | Path | None = None,
                   store_gib: float | None = None,
                   store_ttl: float | None = None) -> Iterator[tuple[Any, tuple[str, str], dict[str, Any]]]:
     """Both models in vLLM engines for the benches, the target taking handoffs from the source

@@ -17,7 +17,7 @@ from ....errors import RarecacheError
 from ....serve.settings import Budget, check_min_handoff
 from ....transfer.gate.policy import GatePolicy, gate_decides
 from ....transfer.handoff import HandoffConfig, check_rho
-from ..connector.core import check_selector
+from ..connector.core import ENGINE_DEFAULT, check_selector
 from ..rowstore.interface import CHUNK
 from .vllm_gate import check_vllm_gate, gate_rho
 
@@ -26,7 +26,7 @@ from .vllm_gate import check_vllm_gate, gate_rho
 class VllmServeConfig:
     store: str | Path  # the row store both engines share: a directory or redis://HOST:PORT/DB (rowstore/interface.py)
     rho: float = SERVED.rho  # the served default, as `rarecache serve`
-    selector: str = SERVED.selector
+    selector: str | None = None  # None: a gate's own, else ENGINE_DEFAULT (the served fallback: below)
     dtype: str = "auto"  # auto: bfloat16 on a GPU or a CPU with native bf16, else float32 (dtypes.py); resolved here
     max_batch: int = 8  # vLLM's max_num_seqs, per engine
     max_new_tokens: int = 1024  # the most one request may ask for
@@ -46,6 +46,9 @@ class VllmServeConfig:
     def __post_init__(self):
         object.__setattr__(self, "dtype", dtype_name(self.dtype, gpu_or_cpu()))
         check_rho(self.rho)
+        if self.selector is None:
+            gated = self.gate is not None and not self.gate.always_falls_back
+            object.__setattr__(self, "selector", self.gate.selector if gated else ENGINE_DEFAULT)
         check_selector(self.selector)
         check_min_handoff(self.min_handoff_tokens)
         if self.gate is not None:
