@@ -64,9 +64,10 @@ SERVED = ServedMap(
 
 # Below this many prompt tokens a server re-prefills instead of handing off (status fallback_reprefill, reason
 # short_prompt; serve --min-handoff-tokens, issue #54 item 4). Set by ADOPTION.md rule 10 from `bench handoff` of
-# the served configuration (docs/artifacts/bench-handoff-lengths.txt, bf16, AVX512 with AMX, 2 cores): 1.66x
-# sooner than the 1.5B's own prefill at T 256, 2.22x at 512, the first length of the grid at 2x or more. Below
-# it the fixed cost of mapping (7% of the prefill at 256) and an approximate answer buy little time.
+# the served configuration (docs/artifacts/bench-handoff-served-short.txt, attn-source-span, bf16, AVX512 with AMX,
+# 2 cores): 1.66x sooner than the 1.5B's own prefill at T 256, 2.19x at 512, the first length of the grid at 2x
+# or more (suffix read 1.66x and 2.22x). Below it the fixed cost of mapping (6.5% of the prefill at 256) and an
+# approximate answer buy little time.
 MIN_HANDOFF_TOKENS = 512
 
 
