@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .defaults import SERVED, served_map_file
+from .defaults import MIN_HANDOFF_TOKENS, SERVED, served_map_file
 from .dtypes import cpu_capability, dtype_name
 from .engine.generate import Generation, SamplingConfig, decode
 from .engine.llm import LLM
@@ -206,7 +206,9 @@ def run_demo(cfg: DemoConfig) -> int:
     print(file=sys.stderr)
     for i, text in enumerate(texts):
         shown = text if len(text) < 300 else f"{text[:120]} [... {len(text)} characters ...] {text[-60:]}"
-        print(f"=== prompt {i + 1} ({len(ids[i])} tokens): {shown}")
+        short = (f"; under {MIN_HANDOFF_TOKENS} tokens `rarecache serve` re-reads it instead of handing off"
+                 if len(ids[i]) < MIN_HANDOFF_TOKENS else "")
+        print(f"=== prompt {i + 1} ({len(ids[i])} tokens{short}): {shown}")
         for arm, outs in arms.answers.items():
             print(f"--- {arm}:")
             print(_indent(target.tokenizer.decode(outs[i].tokens)))
@@ -222,10 +224,12 @@ def run_demo(cfg: DemoConfig) -> int:
         print(f"{rho:>5g}{mark:<2}{n_rec:>5}/{n_prompt:<5} {t['map'] * 1e3:>8.0f} {t['score'] * 1e3:>9.0f} "
               f"{t['recompute'] * 1e3:>13.0f} {handoff_s * 1e3:>11.0f} {arms.prefill / handoff_s:>8.2f}x "
               f"{sum(agree) / len(agree):>10.0%}")
+    served = (f", as `rarecache serve` hands off prompts of {MIN_HANDOFF_TOKENS} tokens or more"
+              if cfg.selector == SERVED.selector else "")
     print(f"speed-up = the 1.5B's own prefill / (map + score + recompute), timed in this run; the 0.5B's prefill "
           f"({arms.rows[0][2]['source_prefill'] * 1e3:.0f} ms) is paid before the switch in a cascade. "
           "Agreement = generated tokens equal to the 1.5B alone at the same step. * the served budget "
-          f"({cfg.selector}{', as `rarecache serve` hands off' if cfg.selector == SERVED.selector else ''}).")
+          f"({cfg.selector}{served}).")
     print(f"demo finished in {time.perf_counter() - progress.start:.0f} s ({cfg.dtype}, CPU {cpu_capability()})")
     return 0
 
