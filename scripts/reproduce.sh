@@ -45,8 +45,8 @@ what() {  # the figure a step makes, and where the committed one is
     acc-gsm8k) echo "results table, GSM8K exact match (8-shot CoT, items 0-99): target / source / the served arm through" \
                     "v4 and v3 (research/fidelity/adopt/gsm8k; bf16; hours: every arm generates)";;
     acc-*) local t=${1#acc-}
-      echo "results table, ${t} (items 0-299): target / source / the handoff arms through v4 and v3, agreement and the" \
-           "delta's CI (research/fidelity/adopt/${t}; bf16)";;
+      echo "results table, ${t} (items 0-299): target / source / the handoff arms through v4 and v3 with the served arm and" \
+           "suffix 0.3 (served before it), agreement and the delta's CI (research/fidelity/adopt/${t}, research/fidelity/f32head/${t}; bf16)";;
     drift-coqa) echo "results table, CoQA: bpb per target turn, 50 stories switching every turn, no healing, through v4" \
                      "and v3 (research/fidelity/adopt/drift-coqa-v4b-50, research/gate/drift-coqa-v3-50; bf16)";;
     probe) echo "the fidelity probe through v4 and v3 (research/fidelity/adopt/probe; bf16; minutes)";;
@@ -72,9 +72,9 @@ what() {  # the figure a step makes, and where the committed one is
 }
 cmds() {  # the commands of a step, one per line, as they run (variables expand at run time)
   case $1 in
-    acc-*) local t=${1#acc-} arms="target source 0.2:suffix@v3 0.2:suffix@v4b 0.3:suffix@v4b 0.2:rank@v4b 0.3:rank@v4b"
+    acc-*) local t=${1#acc-} arms="target source 0.2:suffix@v3 0.2:suffix@v4b 0.3:suffix@v4b 0.2:rank@v4b 0.3:rank@v4b \$ARM@v4b"
       local more="--limit 300"
-      [ "$t" = gsm8k ] && arms="target source 0.2:suffix@v3 \$ARM@v4b" more="--limit 100 --batch 10"
+      [ "$t" = gsm8k ] && arms="target source 0.2:suffix@v3 0.3:suffix@v4b \$ARM@v4b" more="--limit 100 --batch 10"
       echo "\$RC eval run --task $t --source \$S --target \$T --map v3=\$V3 v4b=\$SERVED --arms $arms $more --dtype bfloat16 --out \$OUT/adopt-$t.jsonl"
       echo "\$RC eval report \$OUT/adopt-$t.jsonl > \$OUT/adopt-$t.report.md";;
     drift-coqa)
