@@ -2,7 +2,8 @@
 # Issue #54, ADOPTION.md rules 8-10 through the served map v4 (sha 7145adb2): what the seventh session ran and
 # what is left, in the order a session should spend its CPU. Every step continues the rows committed under
 # research/fidelity/longctx/ and research/fidelity/f32head/ (seed_from), so a fresh machine resumes, and a
-# finished step costs nothing. After a step, commit its files again (gzip -c X.jsonl > DIR/X.jsonl.gz, the meta
+# finished step costs nothing. research/fidelity/longctx/next/ holds a run's rows past the items the docs read
+# (committed at a session's end so that the next one continues them); publish them to longctx/ with the docs. After a step, commit its files again (gzip -c X.jsonl > DIR/X.jsonl.gz, the meta
 # and the report) and read the rules:
 #   python research/scripts/longctx_rules.py 8 research/fidelity/longctx/{retrieval,multidoc_qa}-2048.jsonl.gz
 #   python research/scripts/longctx_rules.py 9 research/fidelity/longctx/*-2048.jsonl.gz \
@@ -18,8 +19,8 @@ N=${N:-20}  # items per long-context task and length (rule 8a: 0-19 now; the iss
 . research/scripts/lib.sh
 L=research/fidelity/longctx; F=research/fidelity/f32head
 ARMS="target source 0.3:suffix@v4b 0.3:attn-source-span@v4b 0.3:query-w8@v4b"  # rule 9's three (rule8.md)
-run() {  # TASK LENGTH ITEMS OUT: one long-context run, continued
-  seed_from $E "$4" $L
+run() {  # TASK LENGTH ITEMS OUT: one long-context run, continued (from next/ first: rows past what the docs read)
+  seed_from $E "$4" $L/next $L
   rarecache eval run --task $1 --length $2 --source $S --target $T --map v4b=$V4 --arms $ARMS --limit $3 \
       --threads 1 --out $E/$4.jsonl > /dev/null
 }
