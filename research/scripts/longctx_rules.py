@@ -11,7 +11,8 @@ against the served arm's, exact McNemar on the items where exactly one of the tw
     python research/scripts/longctx_rules.py 9 RESULTS.jsonl[.gz] ... --served rho=0.3/suffix@v4b \
         --short research/fidelity/f32head/mmlu.jsonl.gz
 
-Only arms present on every item of every file are ranked, on the items where the target, the source and every\nranked arm (`--arms`, else every arm in the file) answered; n is printed per task.
+Only arms present on every item of every file are ranked, on the items where the target, the source and every
+ranked arm (`--arms`, else every arm in the file) answered; n is printed per task.
 """
 
 from __future__ import annotations
@@ -35,13 +36,9 @@ def task_rows(path: Path) -> tuple[str, list[dict]]:
     return f"{task}@{length}" if length else task, rows
 
 
-def complete_items(rows: list[dict], wanted: set | None = None) -> set:
-    """Items every arm of the file answered, or every one of `wanted` it holds (a run cut mid-item leaves some
-    arms short; an arm run on fewer items than the ranked ones must not shrink their n)."""
+def complete_items(rows: list[dict]) -> set:
+    """Items every arm of the file answered (a run cut mid-item leaves some arms short)."""
     arms = {r["arm"] for r in rows}
-    if wanted is not None:
-        arms &= wanted
-        rows = [r for r in rows if r["arm"] in arms]
     by_item: dict = {}
     for r in rows:
         by_item.setdefault(r["item"], set()).add(r["arm"])
@@ -67,9 +64,10 @@ def main() -> None:
     tables = {}
     for path in args.files:
         name, rows = task_rows(path)
-        wanted = set(FIXED) | set(args.arms) if args.arms else None
-        keep = complete_items(rows, wanted)
-        rows = [r for r in rows if r["item"] in keep and (wanted is None or r["arm"] in wanted)]
+        if args.arms:  # an arm run on fewer items than the ranked ones must not shrink their n
+            rows = [r for r in rows if r["arm"] in {*FIXED, *args.arms}]
+        keep = complete_items(rows)
+        rows = [r for r in rows if r["item"] in keep]
         metric = TASKS[rows[0]["task"]].metric
         tables[name] = (metric, rows, {s["arm"]: s for s in summarise(rows, metric, 0.0)})
     common = set.intersection(*(set(t[2]) for t in tables.values())) - set(FIXED)

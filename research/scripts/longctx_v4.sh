@@ -3,8 +3,9 @@
 # what is left, in the order a session should spend its CPU. Every step continues the rows committed under
 # research/fidelity/longctx/ and research/fidelity/f32head/ (seed_from), so a fresh machine resumes, and a
 # finished step costs nothing. research/fidelity/longctx/next/ holds a run's rows past the items the docs read
-# (committed at a session's end so that the next one continues them); publish them to longctx/ with the docs. After a step, commit its files again (gzip -c X.jsonl > DIR/X.jsonl.gz, the meta
-# and the report) and read the rules:
+# (committed at a session's end so that the next one continues them); publish them to longctx/ with the docs.
+# After a step, commit its files again (gzip -c X.jsonl > DIR/X.jsonl.gz, the meta and the report) and read the
+# rules:
 #   python research/scripts/longctx_rules.py 8 research/fidelity/longctx/{retrieval,multidoc_qa}-2048.jsonl.gz
 #   python research/scripts/longctx_rules.py 9 research/fidelity/longctx/*-2048.jsonl.gz \
 #       --arms rho=0.3/suffix@v4b rho=0.3/attn-source-span@v4b rho=0.3/query-w8@v4b \

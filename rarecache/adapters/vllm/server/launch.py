@@ -44,8 +44,8 @@ def serve_vllm(args, names: tuple[str, str], api_key: str | None, gate=None) -> 
     from .serving import VllmChatService, VllmServeConfig
 
     check_store_flags(args.store, args.store_gib, args.store_ttl)
-    rho, selector = (args.rho, args.selector) if gate is None else (
-        gate_rho(gate), args.selector if gate.always_falls_back else gate.selector)
+    rho, selector = (args.rho, args.selector) if gate is None else (  # (a gate's own selector: VllmServeConfig's)
+        gate_rho(gate), args.selector if gate.always_falls_back else None)
     fresh = args.store is None
     store = _store_path(args.store, "rarecache-rows-")
     try:
