@@ -185,7 +185,8 @@ def test_variants_equal_one_handoff_each(fitted):
     src = source.new_cache(1, n)
     out = source.forward(torch.tensor([ids]), torch.arange(n)[None], src,
                          capture=attention_capture(source, torch.tensor([n])))
-    names = ["query", "query-layer", "query-value", "query-span", "query-rank", "query-w8", "attn-source-span"]
+    names = ["query", "query-layer", "query-value", "query-span", "query-rank", "query-w8", "attn-source-span",
+             "attn-source-line", "attn-source-block"]
     variants = [("a", HandoffConfig.named(0.5, s)) for s in names] + [("a", HandoffConfig(0.5, "rank")),
                                                                       ("a", HandoffConfig(1.0, "query"))]
     cache, logits, results = handoff_variants(source, target, {"a": mapper}, ids, variants, src,

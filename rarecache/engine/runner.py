@@ -76,6 +76,9 @@ class Runner:
         if pack or (pack is None and packs_by_default(self.dtype, self.device)):
             self.pack()
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
+        # (V,) uint8 per token id: how its text sits in lines (models.tokenizer.LINE, ...), set by whoever holds
+        # the tokenizer (engine.llm.LLM); the selectors that pick whole lines or paragraphs read it
+        self.break_flags: torch.Tensor | None = None
 
     def pack(self) -> "Runner":
         """Prepack the linear weights in place (once). In float32 this swaps MKL's `F.linear` for oneDNN's

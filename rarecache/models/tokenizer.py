@@ -10,6 +10,7 @@ sandbox and cannot reach Python.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import RarecacheError
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+# a token's text in lines (`Tokenizer.break_flags`): it holds a line break, a blank line, starts or ends a line
+LINE, BLANK, STARTS_LINE, ENDS_LINE = 1, 2, 4, 8
 
 
 class Tokenizer:
@@ -64,6 +67,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def break_flags(self, size: int) -> list[int]:
+        """Per token id below `size`, how its text sits in lines (LINE | BLANK | STARTS_LINE | ENDS_LINE): what
+        the selectors that pick whole lines or paragraphs read (transfer/selectors.py); ids past the vocabulary
+        get 0."""
+        texts = self.tokenizer.decode_batch([[i] for i in range(min(size, self.vocab_size))],
+                                            skip_special_tokens=False)
+        flags = [LINE * ("\n" in t) | BLANK * bool(_BLANK.search(t)) | STARTS_LINE * bool(_STARTS.match(t))
+                 | ENDS_LINE * bool(_ENDS.search(t)) for t in texts]
+        return flags + [0] * (size - len(flags))
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat template applied to messages, as text."""
         if self._template is None:
@@ -80,6 +93,9 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # the template writes its own special tokens, so none are added on top (as transformers does)
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+_BLANK, _STARTS, _ENDS = re.compile(r"\n[ \t]*\n"), re.compile(r"[ \t]*\n"), re.compile(r"\n[ \t]*$")
 
 
 def _compile(template: str) -> jinja2.Template:

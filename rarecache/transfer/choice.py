@@ -9,6 +9,8 @@ scores again, so `select_top` takes any budget's set from them:
 - `in_turn`: two orders taken alternately (a position on both counts once, at its earlier turn);
 - `spans`: each pick brings its neighbours (a fact is a line, not a token): a position's key is
   the best key within `span` positions of it, ties broken by its own key;
+- `segments`: each pick brings its whole piece of text (`pieces`: a line or paragraph, cut to a length):
+  a position's key is the best key in its piece, ties broken by its own key;
 - `union_of_groups`: each group's (a layer's, a head's) top positions in turn, by the best place a
   position has in any group.
 Kept light (torch only) so the selectors and the two-pass recompute both build on it.
@@ -92,6 +94,25 @@ def spans(key: torch.Tensor, span: int, eligible: torch.Tensor) -> torch.Tensor:
         return lexicographic(k)
     pooled = F.max_pool1d(k[:, None], 2 * span + 1, stride=1, padding=span)[:, 0]  # (B, W)
     return lexicographic(pooled.masked_fill(~eligible, float("-inf")), k)
+
+
+def pieces(ends: torch.Tensor, cap: int) -> torch.Tensor:
+    """Piece ids (B, W), rising along each row, for consecutive positions cut after every `ends` (B, W) position
+    (a segment's last: its line break) and every `cap` positions within a segment."""
+    B, W = ends.shape
+    index = torch.arange(W, device=ends.device).expand(B, W)
+    opens = F.pad(ends[:, :-1], (1, 0), value=True)  # (B, W): a segment starts here
+    start = torch.where(opens, index, 0).cummax(1).values  # its segment's first position
+    return (((index - start) % cap) == 0).long().cumsum(1) - 1
+
+
+def segments(key: torch.Tensor, piece: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """Scores (B, W) in which each position of a high key brings its whole piece (`pieces`): a position's first
+    key is the best eligible key in its piece, its own key breaks ties (a budget cut inside a piece keeps the
+    piece's best). Ineligible positions come last."""
+    k = key.float().masked_fill(~eligible, float("-inf"))
+    best = torch.full_like(k, float("-inf")).scatter_reduce(1, piece, k, "amax")  # (B, W) per piece id
+    return lexicographic(best.gather(1, piece).masked_fill(~eligible, float("-inf")), k)
 
 
 def union_of_groups(att: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:

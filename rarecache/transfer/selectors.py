@@ -13,12 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from ..engine.cache import KVCache
 from ..engine.runner import AttnCapture, ForwardOutput, Runner
 from .. import registry
 from ..errors import RarecacheError
-from .choice import in_turn, lexicographic, order_rank, spans, union_of_groups
+from ..models.tokenizer import BLANK, ENDS_LINE, LINE, STARTS_LINE
+from .choice import in_turn, lexicographic, order_rank, pieces, segments, spans, union_of_groups
 from .mapper import Mapper
 
 ATTN_QUERIES = 32  # last queries whose attention is summed (the RaReCache paper, arXiv 2610.11358, §4.3)
@@ -249,6 +251,19 @@ def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 GROUPS = ("sum", "layer", "head")  # QueryConfig.group
+SEGMENTS = ("", "line", "block")  # QueryConfig.segment
+
+
+def text_ends(runner: Runner, tokens: torch.Tensor, kind: str) -> torch.Tensor:
+    """(B, n) bool: the positions of whole prompts `tokens` (B, n) whose token ends a line (`line`) or a
+    paragraph (`block`: a blank line, in one token or across two), read from the runner's `break_flags`."""
+    if runner.break_flags is None:
+        raise RarecacheError("this selector picks whole lines: it needs the model loaded with its tokenizer (LLM)")
+    f = runner.break_flags[tokens].long()  # (B, n)
+    if kind == "line":
+        return (f & LINE) != 0
+    ends_before = F.pad((f[:, :-1] & ENDS_LINE) != 0, (1, 0), value=False)  # (B, n): the previous token ends a line
+    return ((f & BLANK) != 0) | (ends_before & ((f & STARTS_LINE) != 0))
 
 
 @dataclass(frozen=True)
@@ -267,12 +282,15 @@ class QueryConfig:
     common: bool = False  # subtract the attention every window query gives a position (sinks, template, delimiters)
     sinks: int = 4  # the prompt's first positions are left out of the attention ranking (0: none)
     span: int = 0  # each pick brings this many neighbours on either side (a fact is a line, not a token)
+    segment: str = ""  # or each pick brings its whole line / block (paragraph), cut into pieces of at most `piece`
+    piece: int = 0
     rank: bool = False  # take rank disagreement's picks in turn with attention's
     source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
 
     def __post_init__(self):
         if self.group not in GROUPS or not 0 < self.layers <= 1 or not 0 <= self.window_share <= 1 or min(
-                self.window, self.sinks, self.span) < 0:
+                self.window, self.sinks, self.span) < 0 or self.segment not in SEGMENTS or (
+                bool(self.segment) != (self.piece > 0)) or (self.segment and self.span):
             raise RarecacheError(f"bad query selector settings {self}")
 
     def split(self, total: int, handed: int) -> int:
@@ -296,17 +314,29 @@ class QuerySelector(Selector):
         self.needs_source_attention = config.source
         self.needs_rank = config.rank
 
+    def ends(self, runner: Runner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """(B, W) bool: which handed-off positions end a segment (`segment` variants), else None."""
+        if not self.config.segment:
+            return None
+        ends = text_ends(runner, tokens, self.config.segment)  # (B, n)
+        return ends.gather(1, positions.clamp(min=0)) & (positions >= 0)
+
     def order(self, att: torch.Tensor, positions: torch.Tensor, forced: torch.Tensor | None = None,
-              rank: torch.Tensor | None = None) -> torch.Tensor:
+              rank: torch.Tensor | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
         """Scores (B, W), one order for every budget, from attention received att (B, G, W) per group (one
         group, a layer's or a (layer, head)'s) at positions (B, W): the `forced` ones first (pass 1's), then the
-        ranked ones, then the sinks, padding last."""
+        ranked ones, then the sinks, padding last. `ends` (B, W): where segments end (`segment` variants)."""
         cfg, pad = self.config, positions < 0
         eligible = ~pad & (positions >= cfg.sinks)
         if forced is not None:
             eligible &= ~forced
         key = union_of_groups(att, eligible) if att.shape[1] > 1 else att[:, 0].float()
-        key = spans(key, cfg.span, eligible)
+        if cfg.segment:
+            if ends is None:
+                raise ValueError(f"{self.name} orders by segments: pass where they end")
+            key = segments(key, pieces(ends, cfg.piece), eligible)
+        else:
+            key = spans(key, cfg.span, eligible)
         if cfg.rank:
             key = in_turn(key, rank, ~eligible)
         tier = eligible.float() - 2 * pad.float() + (2 * forced.float() if forced is not None else 0)
@@ -316,10 +346,12 @@ class QuerySelector(Selector):
         if self.two_pass:
             raise RuntimeError(f"{self.name} runs in two passes (transfer/query.py), not from one score")
         att = _at(ctx.source_attn, ctx.positions)[:, None]  # (B, 1, W)
-        return self.order(att, ctx.positions, rank=ctx.rank_scores() if self.config.rank else None)
+        return self.order(att, ctx.positions, rank=ctx.rank_scores() if self.config.rank else None,
+                          ends=self.ends(ctx.target, ctx.tokens, ctx.positions))
 
 
 SPAN = 8  # neighbours on either side in the span variants
+LINE_PIECE, BLOCK_PIECE = 64, 128  # the longest piece of a line / of a block the segment variants take at once
 QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:query-span@MAP`)
     registry.QUERY: QueryConfig(),
     registry.QUERY_LAYER: QueryConfig(group="layer"),
@@ -334,6 +366,8 @@ QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:que
     registry.QUERY_W8: QueryConfig(window=8),
     registry.QUERY_W64: QueryConfig(window=64),
     registry.ATTN_SOURCE_SPAN: QueryConfig(source=True, span=SPAN),
+    registry.ATTN_SOURCE_LINE: QueryConfig(source=True, segment="line", piece=LINE_PIECE),
+    registry.ATTN_SOURCE_BLOCK: QueryConfig(source=True, segment="block", piece=BLOCK_PIECE),
 }
 
 
