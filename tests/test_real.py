@@ -53,6 +53,21 @@ def test_tokenizer_and_chat_template_match(ours, reference):
         assert ours.tokenizer.encode_chat(MESSAGES, gen) == tok(text, add_special_tokens=False)["input_ids"]
 
 
+def test_the_runner_knows_where_lines_end(ours):
+    """The flags LLM gives its runner (the selectors that pick whole lines read them), on the real vocabulary:
+    where a line and a blank line end in code and between paragraphs."""
+    from rarecache.transfer.selectors import text_ends
+
+    text = 'X = 1\nNAME = "a"\n\n\ndef f(values):\n    return values\n\nDocument [2] Text.\n\nEnd'
+    ids = ours.tokenizer.encode(text)
+    pieces = [ours.tokenizer.decode([i]) for i in ids]
+    tokens = torch.tensor([ids])
+    lines = [pieces[i] for i in text_ends(ours.runner, tokens, "line")[0].nonzero().flatten().tolist()]
+    blocks = [pieces[i] for i in text_ends(ours.runner, tokens, "block")[0].nonzero().flatten().tolist()]
+    assert "".join(pieces) == text and all("\n" in p for p in lines) and len(lines) == 5, pieces
+    assert len(blocks) == 3 and all("\n\n" in p for p in blocks), pieces
+
+
 def test_logits_match_transformers(ours, reference):
     _, model = reference
     ids = ours.encode([{"role": "user", "content": PROMPT}])
