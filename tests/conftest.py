@@ -115,8 +115,8 @@ def fitted(pair_dir, tmp_path_factory):
     """(source runner, target runner, a map fitted source -> target, two prompts of 37 and 23 tokens)."""
     source, target = Runner.load(pair_dir / "src"), Runner.load(pair_dir / "tgt")
     tok, corpus = Tokenizer.from_dir(pair_dir / "src"), load_corpus(str(pair_dir / "corpus.txt"))
-    for runner in (source, target):  # as LLM sets them (the selectors that pick whole lines read them)
-        runner.break_flags = torch.tensor(tok.break_flags(runner.config.vocab_size), dtype=torch.uint8)
+    for runner in (source, target):  # as LLM does (the selectors that pick whole lines read it)
+        runner.learn_lines(tok)
     cfg = CalibrationConfig(tokens=700, heldout_tokens=0, seq_len=48, k=2, rank=5)
     mapper = Calibration(source, target, tok, corpus, cfg, tmp_path_factory.mktemp("fit") / "m").run(progress=False)
     prompts = [tok.encode(corpus.documents[-1])[:37], tok.encode(corpus.documents[-2])[:23]]

@@ -9,10 +9,20 @@ import pytest
 import torch
 
 from rarecache.errors import RarecacheError
-from rarecache.models.tokenizer import BLANK, ENDS_LINE, LINE, STARTS_LINE, Tokenizer
+from rarecache.models.tokenizer import BLANK, LEADING_BREAK, LINE, TRAILING_BREAK, Tokenizer, line_flags
 from rarecache.transfer.choice import budget, pieces, segments
 from rarecache.transfer.handoff import HandoffConfig, handoff
 from rarecache.transfer.selectors import SELECTORS, QueryConfig, text_ends
+
+
+@pytest.mark.parametrize("text, flags", [
+    ("a", 0), ("\n", LINE | LEADING_BREAK | TRAILING_BREAK), ("b\n", LINE | TRAILING_BREAK),
+    ("\n  ", LINE | LEADING_BREAK | TRAILING_BREAK), ("  \n", LINE | LEADING_BREAK | TRAILING_BREAK),
+    ("\n\n", LINE | BLANK | LEADING_BREAK | TRAILING_BREAK), (".\n\n", LINE | BLANK | TRAILING_BREAK),
+    ("\r\n\r\n", LINE | BLANK | LEADING_BREAK | TRAILING_BREAK), ("x\r\n", LINE | TRAILING_BREAK),
+    ("):\n   x", LINE), ("\n  \n  ", LINE | BLANK | LEADING_BREAK | TRAILING_BREAK), ("a\nb\nc", LINE)])
+def test_line_flags_of_a_text(text, flags):
+    assert line_flags(text) == flags
 
 
 def test_break_flags_say_how_a_token_sits_in_lines(tok_dir):
@@ -22,7 +32,7 @@ def test_break_flags_say_how_a_token_sits_in_lines(tok_dir):
     for i in range(tok.vocab_size):
         text = tok.decode([i], skip_special_tokens=False)
         if text == "\n":
-            assert flags[i] == LINE | STARTS_LINE | ENDS_LINE
+            assert flags[i] == LINE | LEADING_BREAK | TRAILING_BREAK
         elif "\n" not in text:
             assert flags[i] == 0, text
     newline = [i for i in range(tok.vocab_size) if tok.decode([i], skip_special_tokens=False) == "\n"]
@@ -38,14 +48,16 @@ class _Flags:
 
 def test_lines_and_blocks_end_where_the_text_says():
     # ids: 0 "a", 1 "\n", 2 "\n\n", 3 "b\n" (ends a line), 4 "  \n" (starts and ends one)
-    runner = _Flags([0, LINE | STARTS_LINE | ENDS_LINE, LINE | BLANK | STARTS_LINE | ENDS_LINE, LINE | ENDS_LINE,
-                     LINE | STARTS_LINE | ENDS_LINE])
+    runner = _Flags([0, LINE | LEADING_BREAK | TRAILING_BREAK, LINE | BLANK | LEADING_BREAK | TRAILING_BREAK, LINE | TRAILING_BREAK,
+                     LINE | LEADING_BREAK | TRAILING_BREAK])
     tokens = torch.tensor([[0, 3, 0, 2, 0, 3, 1, 0, 0, 4, 0]])
     assert text_ends(runner, tokens, "line")[0].nonzero().flatten().tolist() == [1, 3, 5, 6, 9]
     # a blank line in one token (3), or across two: "b\n" then "\n" (6); "a" then "  \n" is no blank line (9)
     assert text_ends(runner, tokens, "block")[0].nonzero().flatten().tolist() == [3, 6]
     with pytest.raises(RarecacheError, match="tokenizer"):
         text_ends(type("Bare", (), {"break_flags": None})(), tokens, "line")
+    with pytest.raises(ValueError, match="a line or a block"):
+        text_ends(runner, tokens, "para")
 
 
 def test_pieces_cut_after_each_end_and_at_the_cap():
@@ -68,7 +80,7 @@ def _slow_segments(key, ends, eligible, cap):
             for q in set(piece)}
     first = [best[piece[i]] if eligible[i] else float("-inf") for i in range(W)]
     own = [key[i] if eligible[i] else float("-inf") for i in range(W)]
-    return sorted(range(W), key=lambda i: (-first[i], -own[i], i))
+    return sorted(range(W), key=lambda i: (-first[i], piece[i], -own[i], i))  # a tie of pieces: the earlier
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -88,6 +100,10 @@ def test_settings_are_checked():
                 dict(segment="line", piece=8, span=2)):
         with pytest.raises(RarecacheError, match="bad query selector settings"):
             QueryConfig(source=True, **bad)
+    with pytest.raises(RarecacheError, match="bad query selector settings"):  # segments: one pass only
+        QueryConfig(segment="line", piece=8)
+    with pytest.raises(ValueError, match="pass where they end"):
+        SELECTORS["attn-source-line"].order(torch.ones(1, 1, 6), torch.arange(6)[None])
 
 
 @pytest.mark.parametrize("name", ["attn-source-line", "attn-source-block"])
@@ -119,3 +135,20 @@ def test_a_pick_brings_its_whole_piece(fitted, pair_dir, name):
     assert len(chosen) == k and longest <= chosen and n - 1 in chosen
     partial = [p for p, g in groups.items() if g & (chosen - {n - 1}) and not g <= chosen]
     assert len(partial) <= 1, (piece, sorted(chosen))
+
+
+def test_a_batch_is_its_rows(fitted, pair_dir):
+    """Two prompts of different lengths (the shorter padded) choose as one handoff each."""
+    source, target, mapper, _ = fitted
+    tok = Tokenizer.from_dir(pair_dir / "src")
+    texts = ["the quick brown fox\njumps over\n\nthe lazy dog\ndef add return\n\ntokens spaces the fox",
+             "lazy dog\n\njumps over the quick\nbrown fox"]
+    prompts = [tok.encode(t) for t in texts]
+    assert len(prompts[0]) != len(prompts[1])
+    for name in ("attn-source-line", "attn-source-block"):
+        cfg = HandoffConfig(0.4, name)
+        _, logits, res = handoff(source, target, mapper, prompts, cfg)
+        for b, ids in enumerate(prompts):
+            _, one_logits, one = handoff(source, target, mapper, [ids], cfg)
+            assert res.positions[b] == one.positions[0], name
+            torch.testing.assert_close(logits[b], one_logits[0], rtol=1e-4, atol=1e-4)

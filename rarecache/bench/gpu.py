@@ -26,7 +26,7 @@ from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
 from .ablate import median_time
 from .handoffbench import ceilings, synchronize
-from .shapes import CONFIGS, random_mapper, random_model
+from .shapes import CONFIGS, random_mapper, random_model, textless
 
 ROW_KEYS = ("T", "batch", "rho", "selector", "speedup_vs_best_prefill", "of_sparse_ceiling",
             "map_score_share_of_prefill")
@@ -152,10 +152,10 @@ def run(grid: Grid, device: str, dtype: torch.dtype, repeats: int, compile: bool
     """The whole grid -> the summary (`rows` of ROW_KEYS) and `detail` (every timing of every row);
     `write` is given the summary so far after every (T, batch)."""
     torch.manual_seed(0)
-    source = Runner(random_model(grid.shapes[0], dtype, device, max_layers))
+    source = textless(Runner(random_model(grid.shapes[0], dtype, device, max_layers)))
     model = random_model(grid.shapes[1], dtype, device, max_layers)
     hf = hf_twin(model, grid.shapes[1])  # before Runner packs our weights (CPU, bf16)
-    target = Runner(model)
+    target = textless(Runner(model))
     mapper = random_mapper(source, target, rank=rank)
     failures: list[str] = []
     if compile:

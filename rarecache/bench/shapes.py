@@ -43,7 +43,14 @@ CONFIGS: dict[str, dict] = {
 
 
 def random_runner(name: str, dtype: torch.dtype, device: str, max_layers: int | None = None) -> Runner:
-    return Runner(random_model(name, dtype, device, max_layers))
+    return textless(Runner(random_model(name, dtype, device, max_layers)))
+
+
+def textless(runner: Runner) -> Runner:
+    """A runner of random weights reads random tokens: no token breaks a line, so the selectors that recompute
+    whole lines cut their pieces by length alone (what they cost is what a bench times)."""
+    runner.break_flags = torch.zeros(runner.config.vocab_size, dtype=torch.uint8, device=runner.device)
+    return runner
 
 
 def random_model(name: str, dtype: torch.dtype, device: str, max_layers: int | None = None) -> torch.nn.Module:

@@ -85,7 +85,9 @@ def load_models(args, pack_target: bool | None = None):
     device = getattr(args, "device", "cpu")  # (the benches take --device)
     source = Runner.load(paths[0], dtype=DTYPES[args.dtype], device=device)
     target = Runner.load(paths[1], dtype=DTYPES[args.dtype], device=device, pack=pack_target)
-    return source, target, Tokenizer.from_dir(paths[0])
+    tokenizer = Tokenizer.from_dir(paths[0])
+    source.learn_lines(tokenizer), target.learn_lines(tokenizer)  # (the selectors that recompute whole lines)
+    return source, target, tokenizer
 
 
 def load_pair(args):

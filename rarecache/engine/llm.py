@@ -63,8 +63,7 @@ class LLM:
         if self.tokenizer.vocab_size > self.config.vocab_size:
             raise RarecacheError(f"{self.path}: tokenizer has {self.tokenizer.vocab_size} tokens, "
                                  f"the model only {self.config.vocab_size}")
-        self.runner.break_flags = torch.tensor(self.tokenizer.break_flags(self.config.vocab_size), dtype=torch.uint8,
-                                               device=self.runner.device)
+        self.runner.learn_lines(self.tokenizer)
 
     def _generation_eos(self) -> tuple[int, ...]:
         return generation_eos(self.path, self.config)

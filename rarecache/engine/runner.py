@@ -76,9 +76,16 @@ class Runner:
         if pack or (pack is None and packs_by_default(self.dtype, self.device)):
             self.pack()
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
-        # (V,) uint8 per token id: how its text sits in lines (models.tokenizer.LINE, ...), set by whoever holds
-        # the tokenizer (engine.llm.LLM); the selectors that pick whole lines or paragraphs read it
+        # (V,) uint8 per token id: how its text sits in lines (models.tokenizer.line_flags), from `learn_lines`;
+        # the selectors that pick whole lines or paragraphs read it
         self.break_flags: torch.Tensor | None = None
+
+    def learn_lines(self, tokenizer) -> "Runner":
+        """Take where each token of `tokenizer` (models.tokenizer.Tokenizer) breaks lines, for the selectors that
+        recompute whole lines or paragraphs (whoever loads the weights with their tokenizer calls this)."""
+        flags = tokenizer.break_flags(self.config.vocab_size)
+        self.break_flags = torch.tensor(flags, dtype=torch.uint8, device=self.device)
+        return self
 
     def pack(self) -> "Runner":
         """Prepack the linear weights in place (once). In float32 this swaps MKL's `F.linear` for oneDNN's

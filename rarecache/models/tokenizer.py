@@ -4,7 +4,8 @@ Uses the `tokenizers` library on tokenizer.json and renders the Jinja chat
 template the way transformers does (sandboxed environment, same filters and
 globals, special tokens passed in), so token ids and prompts match transformers
 without importing it. Templates are untrusted text: they run in Jinja's immutable
-sandbox and cannot reach Python.
+sandbox and cannot reach Python. It also says where each token's text breaks lines
+(`line_flags`), which the selectors that recompute whole lines or paragraphs read.
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ from tokenizers import Tokenizer as HFTokenizer
 from ..errors import RarecacheError
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
-# a token's text in lines (`Tokenizer.break_flags`): it holds a line break, a blank line, starts or ends a line
-LINE, BLANK, STARTS_LINE, ENDS_LINE = 1, 2, 4, 8
+# how a token's text sits in lines (`line_flags`): it holds a line break; a blank line; only blanks before its
+# first break (a blank line may end here, begun by the token before); only blanks after its last break
+LINE, BLANK, LEADING_BREAK, TRAILING_BREAK = 1, 2, 4, 8
+_BLANK = re.compile(r"\n[^\S\n]*\n")  # ([^\S\n]: spaces, tabs and carriage returns, not a line break)
+_LEADING, _TRAILING = re.compile(r"[^\S\n]*\n"), re.compile(r"\n[^\S\n]*$")
+
+
+def line_flags(text: str) -> int:
+    """LINE | BLANK | LEADING_BREAK | TRAILING_BREAK as they hold for `text`."""
+    return (LINE * ("\n" in text) | BLANK * bool(_BLANK.search(text)) | LEADING_BREAK * bool(_LEADING.match(text))
+            | TRAILING_BREAK * bool(_TRAILING.search(text)))
 
 
 class Tokenizer:
@@ -68,14 +78,12 @@ class Tokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def break_flags(self, size: int) -> list[int]:
-        """Per token id below `size`, how its text sits in lines (LINE | BLANK | STARTS_LINE | ENDS_LINE): what
-        the selectors that pick whole lines or paragraphs read (transfer/selectors.py); ids past the vocabulary
+        """Per token id below `size`, how its text sits in lines (`line_flags`): what the selectors that pick
+        whole lines or paragraphs read (transfer/selectors.py; `Runner.learn_lines`); ids past the vocabulary
         get 0."""
         texts = self.tokenizer.decode_batch([[i] for i in range(min(size, self.vocab_size))],
                                             skip_special_tokens=False)
-        flags = [LINE * ("\n" in t) | BLANK * bool(_BLANK.search(t)) | STARTS_LINE * bool(_STARTS.match(t))
-                 | ENDS_LINE * bool(_ENDS.search(t)) for t in texts]
-        return flags + [0] * (size - len(flags))
+        return [line_flags(t) for t in texts] + [0] * (size - min(size, self.vocab_size))
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat template applied to messages, as text."""
@@ -93,9 +101,6 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # the template writes its own special tokens, so none are added on top (as transformers does)
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-
-
-_BLANK, _STARTS, _ENDS = re.compile(r"\n[ \t]*\n"), re.compile(r"[ \t]*\n"), re.compile(r"\n[ \t]*$")
 
 
 def _compile(template: str) -> jinja2.Template:

@@ -108,11 +108,12 @@ def pieces(ends: torch.Tensor, cap: int) -> torch.Tensor:
 
 def segments(key: torch.Tensor, piece: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     """Scores (B, W) in which each position of a high key brings its whole piece (`pieces`): a position's first
-    key is the best eligible key in its piece, its own key breaks ties (a budget cut inside a piece keeps the
-    piece's best). Ineligible positions come last."""
+    key is the best eligible key in its piece, the earlier piece breaks a tie between pieces (they come whole,
+    not interleaved), its own key breaks ties within one (a budget cut inside a piece keeps the piece's best).
+    Ineligible positions come last."""
     k = key.float().masked_fill(~eligible, float("-inf"))
     best = torch.full_like(k, float("-inf")).scatter_reduce(1, piece, k, "amax")  # (B, W) per piece id
-    return lexicographic(best.gather(1, piece).masked_fill(~eligible, float("-inf")), k)
+    return lexicographic(best.gather(1, piece).masked_fill(~eligible, float("-inf")), -piece.float(), k)
 
 
 def union_of_groups(att: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:

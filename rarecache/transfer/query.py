@@ -115,8 +115,7 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
         forced = torch.zeros_like(positions, dtype=torch.bool)
         for b, (h, w) in enumerate(zip(handed, widths)):
             forced[b, h - w : h] = True
-        ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank,
-                           sel.ends(target, whole, positions))
+        ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank)
         scores = torch.where(torch.tensor(widths, device=positions.device)[:, None] > 0, ranked, scores)
         timings = {"pass1": t1 - t, "score": now(target.device) - t1}
     chosen = [positions[b, select_top(scores[b, :h], k - w)] for b, (h, k, w) in enumerate(zip(handed, totals, widths))]
@@ -145,6 +144,5 @@ def before_tail(target: Runner, cache: KVCache, whole: torch.Tensor, start: int,
     tail = torch.arange(start, P, device=whole.device)[None]  # (1, P - start)
     attn, valid = first_pass(target, cache, whole, tail, captured_layers(target, sel.config.layers))
     positions = torch.arange(start, device=whole.device)[None]  # (1, start): the claimed positions
-    scores = sel.order(received_by(sel, attn, valid, cache, positions), positions, None, rank,
-                       sel.ends(target, whole, positions))[0]
+    scores = sel.order(received_by(sel, attn, valid, cache, positions), positions, None, rank)[0]
     return scores.topk(min(k, start)).indices.sort().values

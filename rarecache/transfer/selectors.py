@@ -19,7 +19,7 @@ from ..engine.cache import KVCache
 from ..engine.runner import AttnCapture, ForwardOutput, Runner
 from .. import registry
 from ..errors import RarecacheError
-from ..models.tokenizer import BLANK, ENDS_LINE, LINE, STARTS_LINE
+from ..models.tokenizer import BLANK, LEADING_BREAK, LINE, TRAILING_BREAK
 from .choice import in_turn, lexicographic, order_rank, pieces, segments, spans, union_of_groups
 from .mapper import Mapper
 
@@ -257,13 +257,17 @@ SEGMENTS = ("", "line", "block")  # QueryConfig.segment
 def text_ends(runner: Runner, tokens: torch.Tensor, kind: str) -> torch.Tensor:
     """(B, n) bool: the positions of whole prompts `tokens` (B, n) whose token ends a line (`line`) or a
     paragraph (`block`: a blank line, in one token or across two), read from the runner's `break_flags`."""
+    if kind not in SEGMENTS[1:]:
+        raise ValueError(f"segments end at a line or a block, not {kind!r}")
     if runner.break_flags is None:
-        raise RarecacheError("this selector picks whole lines: it needs the model loaded with its tokenizer (LLM)")
-    f = runner.break_flags[tokens].long()  # (B, n)
+        raise RarecacheError("this selector recomputes whole lines, read from the tokenizer: load the model with "
+                             "its tokenizer (Runner.learn_lines)")
+    f = runner.break_flags[tokens.to(runner.break_flags.device)].long()  # (B, n)
     if kind == "line":
         return (f & LINE) != 0
-    ends_before = F.pad((f[:, :-1] & ENDS_LINE) != 0, (1, 0), value=False)  # (B, n): the previous token ends a line
-    return ((f & BLANK) != 0) | (ends_before & ((f & STARTS_LINE) != 0))
+    # (B, n): the token before ends on a line break with only blanks after it
+    trailing_before = F.pad((f[:, :-1] & TRAILING_BREAK) != 0, (1, 0), value=False)
+    return ((f & BLANK) != 0) | (trailing_before & ((f & LEADING_BREAK) != 0))
 
 
 @dataclass(frozen=True)
@@ -282,15 +286,16 @@ class QueryConfig:
     common: bool = False  # subtract the attention every window query gives a position (sinks, template, delimiters)
     sinks: int = 4  # the prompt's first positions are left out of the attention ranking (0: none)
     span: int = 0  # each pick brings this many neighbours on either side (a fact is a line, not a token)
-    segment: str = ""  # or each pick brings its whole line / block (paragraph), cut into pieces of at most `piece`
-    piece: int = 0
+    segment: str = ""  # or each pick brings its whole line / block (paragraph) ... (one-pass `source` only)
+    piece: int = 0  # ... cut into pieces of at most this many positions
     rank: bool = False  # take rank disagreement's picks in turn with attention's
     source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
 
     def __post_init__(self):
-        if self.group not in GROUPS or not 0 < self.layers <= 1 or not 0 <= self.window_share <= 1 or min(
-                self.window, self.sinks, self.span) < 0 or self.segment not in SEGMENTS or (
-                bool(self.segment) != (self.piece > 0)) or (self.segment and self.span):
+        shares = 0 < self.layers <= 1 and 0 <= self.window_share <= 1 and min(self.window, self.sinks, self.span) >= 0
+        segment = self.segment in SEGMENTS and bool(self.segment) == (self.piece > 0) and (
+            not self.segment or (self.source and not self.span))
+        if self.group not in GROUPS or not shares or not segment:
             raise RarecacheError(f"bad query selector settings {self}")
 
     def split(self, total: int, handed: int) -> int:
@@ -318,7 +323,7 @@ class QuerySelector(Selector):
         """(B, W) bool: which handed-off positions end a segment (`segment` variants), else None."""
         if not self.config.segment:
             return None
-        ends = text_ends(runner, tokens, self.config.segment)  # (B, n)
+        ends = text_ends(runner, tokens, self.config.segment).to(positions.device)  # (B, n)
         return ends.gather(1, positions.clamp(min=0)) & (positions >= 0)
 
     def order(self, att: torch.Tensor, positions: torch.Tensor, forced: torch.Tensor | None = None,
