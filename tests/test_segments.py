@@ -10,7 +10,7 @@ import torch
 
 from rarecache.errors import RarecacheError
 from rarecache.models.tokenizer import BLANK, LEADING_BREAK, LINE, TRAILING_BREAK, Tokenizer, line_flags
-from rarecache.transfer.choice import budget, pieces, segments
+from rarecache.transfer.choice import budget, order_rank, pieces, segments, spans
 from rarecache.transfer.handoff import HandoffConfig, handoff
 from rarecache.transfer.selectors import SELECTORS, QueryConfig, text_ends
 
@@ -96,8 +96,7 @@ def test_segments_match_the_slow_reference(seed):
 
 
 def test_settings_are_checked():
-    for bad in (dict(segment="para", piece=8), dict(segment="line"), dict(piece=8),
-                dict(segment="line", piece=8, span=2)):
+    for bad in (dict(segment="para", piece=8), dict(segment="line"), dict(piece=8)):
         with pytest.raises(RarecacheError, match="bad query selector settings"):
             QueryConfig(source=True, **bad)
     with pytest.raises(RarecacheError, match="bad query selector settings"):  # segments: one pass only
@@ -152,3 +151,25 @@ def test_a_batch_is_its_rows(fitted, pair_dir):
             _, one_logits, one = handoff(source, target, mapper, [ids], cfg)
             assert res.positions[b] == one.positions[0], name
             torch.testing.assert_close(logits[b], one_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_the_mix_takes_spans_and_blocks_in_turn(fitted, pair_dir):
+    """`attn-source-mix` (rule 12): its first k picks hold the span order's first k/2 and the block order's
+    first (k-1)/2 (a position on both counts once, so each may give more)."""
+    source, target, mapper, _ = fitted
+    tok = Tokenizer.from_dir(pair_dir / "src")
+    ids = tok.encode("the quick brown fox\njumps over\n\nthe lazy dog\ndef add return\n\ntokens spaces the "
+                     "fox\nlazy dog jumps over the quick\nbrown fox\n\nthe end of it all")
+    n = len(ids)
+    attn = torch.rand(1, n, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(n)[None]
+    sel = SELECTORS["attn-source-mix"]
+    mix = sel.order(attn[:, None], positions, ends=sel.ends(target, torch.tensor([ids]), positions))[0]
+    eligible = positions >= sel.config.sinks
+    by_span = order_rank(spans(attn, sel.config.span, eligible))[0]
+    by_block = order_rank(segments(attn, pieces(sel.ends(target, torch.tensor([ids]), positions),
+                                                sel.config.piece), eligible))[0]
+    assert not torch.equal(by_span, by_block)  # (the two orders differ here)
+    for k in range(1, n - sel.config.sinks):
+        first = set(mix.topk(k).indices.tolist())
+        assert first >= {i for i in range(n) if by_span[i] < k / 2 or by_block[i] < (k - 1) / 2}, k

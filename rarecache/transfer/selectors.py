@@ -287,14 +287,14 @@ class QueryConfig:
     sinks: int = 4  # the prompt's first positions are left out of the attention ranking (0: none)
     span: int = 0  # each pick brings this many neighbours on either side (a fact is a line, not a token)
     segment: str = ""  # or each pick brings its whole line / block (paragraph) ... (one-pass `source` only)
-    piece: int = 0  # ... cut into pieces of at most this many positions
+    piece: int = 0  # ... cut into pieces of at most this many positions; with `span` too: both orders in turn
     rank: bool = False  # take rank disagreement's picks in turn with attention's
     source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
 
     def __post_init__(self):
         shares = 0 < self.layers <= 1 and 0 <= self.window_share <= 1 and min(self.window, self.sinks, self.span) >= 0
         segment = self.segment in SEGMENTS and bool(self.segment) == (self.piece > 0) and (
-            not self.segment or (self.source and not self.span))
+            not self.segment or self.source)
         if self.group not in GROUPS or not shares or not segment:
             raise RarecacheError(f"bad query selector settings {self}")
 
@@ -339,7 +339,8 @@ class QuerySelector(Selector):
         if cfg.segment:
             if ends is None:
                 raise ValueError(f"{self.name} orders by segments: pass where they end")
-            key = segments(key, pieces(ends, cfg.piece), eligible)
+            whole = segments(key, pieces(ends, cfg.piece), eligible)
+            key = in_turn(spans(key, cfg.span, eligible), whole, ~eligible) if cfg.span else whole
         else:
             key = spans(key, cfg.span, eligible)
         if cfg.rank:
@@ -373,6 +374,7 @@ QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:que
     registry.ATTN_SOURCE_SPAN: QueryConfig(source=True, span=SPAN),
     registry.ATTN_SOURCE_LINE: QueryConfig(source=True, segment="line", piece=LINE_PIECE),
     registry.ATTN_SOURCE_BLOCK: QueryConfig(source=True, segment="block", piece=BLOCK_PIECE),
+    registry.ATTN_SOURCE_MIX: QueryConfig(source=True, span=SPAN, segment="block", piece=BLOCK_PIECE),
 }
 
 
