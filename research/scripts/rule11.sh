@@ -36,7 +36,8 @@ case ${1:?step 1, 12, 13 or 2} in
   12) for task in code_qa multidoc_qa; do run $task 2048 50 target source 0.3:attn-source-span@v4b 0.3:attn-source-mix@v4b; done;;
   13) P="target source 0.3:attn-source-span@v4b 0.3:attn-source-block@v4b"
      for task in code_qa multidoc_qa multiturn passage_qa_gen retrieval; do run $task 1024 100 $P; done
-     for task in retrieval multidoc_qa; do  # items 30-59 only, in their own files (no rows to seed)
+     for task in retrieval multidoc_qa; do  # items 30-59 only, in their own files (this rule's rows only)
+       seed_from $E r13-$task-4096 $D
        rarecache eval run --task $task --length 4096 --source $S --target $T --map v4b=$V4 --arms $P --start 30 \
            --limit 30 --threads 1 --out $E/r13-$task-4096.jsonl > /dev/null
      done
