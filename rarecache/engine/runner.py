@@ -76,15 +76,27 @@ class Runner:
         if pack or (pack is None and packs_by_default(self.dtype, self.device)):
             self.pack()
         self.rope = Rope(self.config.rope, self.config.head_dim, self.device)
-        # (V,) uint8 per token id: how its text sits in lines (models.tokenizer.line_flags), from `learn_lines`;
-        # the selectors that pick whole lines or paragraphs read it
-        self.break_flags: torch.Tensor | None = None
+        self._break_flags: torch.Tensor | None = None
+        self._lines_from = None  # the tokenizer `learn_lines` was given: its table is built when first read
+
+    @property
+    def break_flags(self) -> torch.Tensor | None:
+        """(V,) uint8 per token id: how its text sits in lines (models.tokenizer.line_flags), for the selectors
+        that pick whole lines or paragraphs; built from `learn_lines`' tokenizer on first read (decoding the
+        whole vocabulary: not a cost every load pays), None without one."""
+        if self._break_flags is None and self._lines_from is not None:
+            flags = self._lines_from.break_flags(self.config.vocab_size)
+            self._break_flags = torch.tensor(flags, dtype=torch.uint8, device=self.device)
+        return self._break_flags
+
+    @break_flags.setter
+    def break_flags(self, table: torch.Tensor | None) -> None:
+        self._break_flags = table
 
     def learn_lines(self, tokenizer) -> "Runner":
         """Take where each token of `tokenizer` (models.tokenizer.Tokenizer) breaks lines, for the selectors that
         recompute whole lines or paragraphs (whoever loads the weights with their tokenizer calls this)."""
-        flags = tokenizer.break_flags(self.config.vocab_size)
-        self.break_flags = torch.tensor(flags, dtype=torch.uint8, device=self.device)
+        self._lines_from, self._break_flags = tokenizer, None
         return self
 
     def pack(self) -> "Runner":
