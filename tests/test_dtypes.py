@@ -68,6 +68,8 @@ def machine(monkeypatch, kind: str) -> None:
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    for var in dtypes.ONEDNN_CAP_VARS:  # the machine's own oneDNN, uncapped
+        monkeypatch.delenv(var, raising=False)
 
 
 def expected(kind: str, where: str) -> str:
@@ -191,3 +193,21 @@ def test_a_bf16_stored_map_hands_off_the_same_rows_in_both_compute_dtypes(monkey
         assert f32.shape[3] > 10 and not torch.equal(f32, bf16)
         err = (bf16 - f32).norm() / f32.norm()
         assert err < 0.02, err  # bf16 keeps 8 mantissa bits (0.4% per rounding), over 3 source layers and the map
+
+
+def test_a_onednn_cap_below_bf16_makes_auto_pick_float32(monkeypatch):
+    """oneDNN capped at AVX2 multiplies bf16 at 0.2 GFLOP/s on an AMX CPU (float32 at ~120; measured on the
+    AMX Xeon of 2026-12-07 with ONEDNN_MAX_CPU_ISA=AVX2): the cap decides as the CPU's own features do."""
+    machine(monkeypatch, "amx")
+    assert resolve_dtype().dtype == "bfloat16"
+    for cap, want in (("AVX2", "float32"), ("avx512_core", "float32"), ("AVX512_CORE_BF16", "bfloat16"),
+                      ("AVX512_CORE_AMX", "bfloat16"), ("ALL", "bfloat16"), ("", "bfloat16")):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        choice = resolve_dtype()
+        assert choice.dtype == want, cap
+        assert ("oneDNN is capped at" in choice.reason) == (want == "float32"), cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # oneDNN's older name for the same cap
+    assert resolve_dtype() == DtypeChoice("float32", "oneDNN is capped at AVX2 (ONEDNN_MAX_CPU_ISA), which emulates "
+                                          "bf16 (AVX512)", "AVX512", "auto", "float32")
+    assert dtypes.native_bf16() == ()

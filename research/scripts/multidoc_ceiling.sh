@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Where does issue #54's multi-document QA bar (agreement >= 85%) sit? A diagnostic, not an adoption rule: no arm
+# here can become a default (two are oracles that read the 1.5B's own prefill). Items 0-49 of multidoc_qa at
+# T 2048, through the served map v4 (sha 7145adb2), each file started from the committed longctx records so only
+# the new arms run; resumable like every eval run.
+#   step bf16: the oracles at the served budget (attn-target: the positions the 1.5B's own prefill attends to
+#     from its last queries; l2-oracle: the rows the map gets most wrong) and the served selector at rho 0.5, 0.7
+#   step f32:  the 1.5B alone in float32, against its own bf16 answers: how much agreement rounding alone moves
+# Read: python research/scripts/longctx_rules.py 9 RUNS/mdceil/multidoc_qa-2048.jsonl --arms ...;
+#   python research/scripts/multidoc_ceiling.py (agreement of the float32 1.5B with its bf16 answers)
+#   nohup bash research/scripts/multidoc_ceiling.sh bf16 > ~/.cache/rarecache/runs/mdceil-bf16.log 2>&1 &
+set -euxo pipefail
+cd "$(dirname "$0")/../.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/mdceil; mkdir -p $E
+V4=rarecache/data/general-v4-64k.safetensors
+. research/scripts/lib.sh
+L=research/fidelity/longctx; D=research/fidelity/mdceil
+case ${1:?step bf16 or f32} in
+  bf16) seed_from $E multidoc_qa-2048 $D $L
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target source \
+         0.3:attn-source-span@v4b 0.3:attn-target@v4b 0.3:l2-oracle@v4b 0.5:attn-source-span@v4b \
+         0.7:attn-source-span@v4b --limit 50 --threads 1 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
+  f32) seed_from $E multidoc_qa-2048-f32 $D
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target \
+         --dtype float32 --limit 50 --threads 1 --out $E/multidoc_qa-2048-f32.jsonl > /dev/null;;
+esac
