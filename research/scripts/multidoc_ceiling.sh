@@ -6,6 +6,8 @@
 #   step bf16: the oracles at the served budget (attn-target: the positions the 1.5B's own prefill attends to
 #     from its last queries; l2-oracle: the rows the map gets most wrong) and the served selector at rho 0.5, 0.7
 #   step f32:  the 1.5B alone in float32, against its own bf16 answers: how much agreement rounding alone moves
+#   steps bf16b, f32b: the same on items 50-99 (l2-oracle left out: 20% on items 0-49), so the diagnostic covers
+#     the 100 items the served arm's 73% is read on
 # Read: python research/scripts/longctx_rules.py 9 RUNS/mdceil/multidoc_qa-2048.jsonl --arms ...;
 #   python research/scripts/multidoc_ceiling.py (agreement of the float32 1.5B with its bf16 answers)
 #   nohup bash research/scripts/multidoc_ceiling.sh bf16 > ~/.cache/rarecache/runs/mdceil-bf16.log 2>&1 &
@@ -24,4 +26,11 @@ case ${1:?step bf16 or f32} in
   f32) seed_from $E multidoc_qa-2048-f32 $D
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target \
          --dtype float32 --limit 50 --threads 1 --out $E/multidoc_qa-2048-f32.jsonl > /dev/null;;
+  bf16b) seed_from $E multidoc_qa-2048-b $D $L
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target source \
+         0.3:attn-source-span@v4b 0.3:attn-target@v4b 0.5:attn-source-span@v4b 0.7:attn-source-span@v4b \
+         --start 50 --limit 50 --threads 1 --out $E/multidoc_qa-2048-b.jsonl > /dev/null;;
+  f32b) seed_from $E multidoc_qa-2048-f32 $D
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target \
+         --dtype float32 --start 50 --limit 50 --threads 1 --out $E/multidoc_qa-2048-f32.jsonl > /dev/null;;
 esac
