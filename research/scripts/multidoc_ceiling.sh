@@ -8,6 +8,9 @@
 #   step f32:  the 1.5B alone in float32, against its own bf16 answers: how much agreement rounding alone moves
 #   steps bf16b, f32b: the same on items 50-99 (l2-oracle left out: 20% on items 0-49), so the diagnostic covers
 #     the 100 items the served arm's 73% is read on
+#   step taskmap: a map that has seen multi-document text: fitted on multidoc_qa's held-apart items (its calibration
+#     split, checked disjoint from the evaluated ones) with v4's settings, float32 weights; the served selector at
+#     rho 0.3 through it on items 0-99 (handoff rows only: target and source are the committed longctx rows)
 # Read: python research/scripts/longctx_rules.py 9 RUNS/mdceil/multidoc_qa-2048.jsonl --arms ...;
 #   python research/scripts/multidoc_ceiling.py (agreement of the float32 1.5B with its bf16 answers)
 #   nohup bash research/scripts/multidoc_ceiling.sh bf16 > ~/.cache/rarecache/runs/mdceil-bf16.log 2>&1 &
@@ -33,4 +36,9 @@ case ${1:?step bf16 or f32} in
   f32b) seed_from $E multidoc_qa-2048-f32 $D
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target \
          --dtype float32 --start 50 --limit 50 --threads 1 --out $E/multidoc_qa-2048-f32.jsonl > /dev/null;;
+  taskmap) MD=$E/multidoc-task-64k.safetensors
+     [ -f $MD ] || rarecache calibrate --source $S --target $T --task multidoc_qa --tokens 65536 --heldout-tokens 8192 \
+         --seq-len 2048 --token-inputs --exact-layer0 --dtype bfloat16 --out $MD
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map md=$MD \
+         --arms 0.3:attn-source-span@md --limit 100 --threads 1 --out $E/multidoc_qa-2048-taskmap.jsonl > /dev/null;;
 esac

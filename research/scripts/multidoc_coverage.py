@@ -17,8 +17,6 @@ import argparse
 import json
 from pathlib import Path
 
-from code_qa_coverage import char_offsets, tokens_in
-
 from rarecache.defaults import SERVED
 from rarecache.engine.generate import SamplingConfig
 from rarecache.engine.llm import LLM
@@ -29,6 +27,14 @@ from rarecache.transfer.pipeline import Pipeline
 
 S, T = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 PARTS = ("gold", "answer", "distractors", "question")
+
+
+def token_spans(target: LLM, messages: list[dict]) -> tuple[list[int], str, list[tuple[int, int]]]:
+    """The prompt's ids, its text and each token's character span in it (the tokenizer's own offsets: one
+    encode, where decoding every prefix would be quadratic)."""
+    text = target.tokenizer.render_chat(messages)
+    enc = target.tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    return list(enc.ids), text, list(enc.offsets)
 
 
 def spans(text: str, gold: list[tuple[str, str]], answer: str) -> dict[str, list[tuple[int, int]]]:
@@ -90,12 +96,11 @@ def main() -> None:
         for k, item in enumerate(task.items()[: args.items]):
             if item.id in done:
                 continue
-            ids = source.encode(list(item.messages))
-            text = target.tokenizer.decode(ids)
-            starts = char_offsets(target.tokenizer, ids)
-            q = questions[k]
-            where = {part: set().union(*(tokens_in(starts, a, b) for a, b in v))
-                     for part, v in spans(text, list(q.gold), item.gold[0]).items()}
+            ids, text, offsets = token_spans(target, list(item.messages))
+            if ids != source.encode(list(item.messages)):
+                raise SystemExit(f"{item.id}: the prompt's tokens differ from the handoff's")
+            where = {part: {i for i, (a, b) in enumerate(offsets) if any(a < hi and b > lo for lo, hi in v)}
+                     for part, v in spans(text, list(questions[k].gold), item.gold[0]).items()}
             if prompt_tokens.get(item.id) not in (None, len(ids)):  # the records' prompt is this one
                 raise SystemExit(f"{item.id}: {len(ids)} tokens here, {prompt_tokens[item.id]} in the records")
             row = {"item": item.id, "depth": item.extra["depth"], "tokens": len(ids),
