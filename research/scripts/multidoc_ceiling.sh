@@ -29,7 +29,11 @@ case ${1:?step bf16 or f32} in
   f32) seed_from $E multidoc_qa-2048-f32 $D
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target \
          --dtype float32 --limit 50 --threads 1 --out $E/multidoc_qa-2048-f32.jsonl > /dev/null;;
-  bf16b) seed_from $E multidoc_qa-2048-b $D $L
+  bf16b) [ -f $E/multidoc_qa-2048-b.jsonl ] || [ -f $D/multidoc_qa-2048-b.jsonl.gz ] || {  # from the served rows
+       gzip -dc $L/multidoc_qa-2048.jsonl.gz > $E/multidoc_qa-2048-b.jsonl
+       gzip -dc $L/multidoc_qa-2048.timings.jsonl.gz > $E/multidoc_qa-2048-b.timings.jsonl
+       sed "s|RUNS/|$R/|g" $L/multidoc_qa-2048.meta.json > $E/multidoc_qa-2048-b.meta.json; }
+     seed_from $E multidoc_qa-2048-b $D
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target source \
          0.3:attn-source-span@v4b 0.3:attn-target@v4b 0.5:attn-source-span@v4b 0.7:attn-source-span@v4b \
          --start 50 --limit 50 --threads 1 --out $E/multidoc_qa-2048-b.jsonl > /dev/null;;
