@@ -6,9 +6,9 @@ do not (AVX2: most rented and owned x86 machines) torch emulates it, and one 512
 ran at 0.7 GFLOP/s in bfloat16 against 84 in float32 on the same AVX2 core (issue #55). So: bfloat16 on
 CUDA and on CPUs that run bf16 matrix products natively, float32 elsewhere. Native is asked of torch
 itself (`torch.cpu._is_avx512_bf16_supported`, `_is_amx_tile_supported`), else read from the CPU's
-feature flags (/proc/cpuinfo `avx512_bf16`, `amx_bf16`); never from a list of CPU names. A machine whose
-oneDNN is capped below bf16 (`ONEDNN_MAX_CPU_ISA=AVX2`, as some containers set it) multiplies bf16 at
-0.2 GFLOP/s whatever its CPU has, so the cap counts too. A dtype the user
+feature flags (/proc/cpuinfo `avx512_bf16`, `amx_bf16`); never from a list of CPU names. oneDNN capped
+below bf16 by the environment (`ONEDNN_MAX_CPU_ISA=AVX2`) emulates bf16 whatever the CPU has (0.3 GFLOP/s on
+an AMX core), so the cap counts too. A dtype the user
 names (`--dtype bfloat16|float32`) is always obeyed; a command prints which dtype `auto` chose and why,
 and warns where bfloat16 was asked for on a machine that emulates it.
 
@@ -56,29 +56,25 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-# oneDNN's ISA names at or above which its CPU kernels multiply bf16 natively (and the ones lifting every cap)
-ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512",
-                    "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2")
-ONEDNN_UNCAPPED = ("", "ALL", "DEFAULT")
+# oneDNN's ISA names (oneDNN 3.x, `ONEDNN_MAX_CPU_ISA`) below the ones that multiply bf16 natively: a cap at one
+# of these emulates bf16. oneDNN lower-cases the value and ignores a name it does not know (no cap), as here.
+ONEDNN_BELOW_BF16 = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni")
 ONEDNN_CAP_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")  # oneDNN reads the first one set
 
 
-def onednn_cap() -> str:
-    """The ISA below bf16 that the environment caps oneDNN's CPU kernels at, upper case ("" when none does)."""
+def onednn_cap() -> tuple[str, str] | None:
+    """(variable, value) where the environment caps oneDNN's CPU kernels below bf16, else None."""
     import os
 
-    cap = next((os.environ[v].strip().upper() for v in ONEDNN_CAP_VARS if os.environ.get(v)), "")
-    return "" if cap in ONEDNN_UNCAPPED or cap in ONEDNN_BF16_ISAS else cap
+    var = next((v for v in ONEDNN_CAP_VARS if os.environ.get(v)), None)
+    return (var, os.environ[var]) if var and os.environ[var].lower() in ONEDNN_BELOW_BF16 else None
 
 
 def native_bf16() -> tuple[str, ...]:
-    """Which of this CPU's features multiply bf16 natively ("avx512_bf16", "amx"); () when none does, or when
-    oneDNN is capped below them (`onednn_cap`). torch's own queries, else (a torch without them) the kernel's
-    feature flags."""
+    """Which of this CPU's features multiply bf16 natively ("avx512_bf16", "amx"); () when none does.
+    torch's own queries, else (a torch without them) the kernel's feature flags."""
     import torch
 
-    if onednn_cap():
-        return ()
     probes = (("avx512_bf16", getattr(torch.cpu, "_is_avx512_bf16_supported", None)),
               ("amx", getattr(torch.cpu, "_is_amx_tile_supported", None)))
     if all(probe is not None for _, probe in probes):
@@ -107,10 +103,10 @@ def resolve_dtype(asked: str = "auto", device: str = "cpu") -> DtypeChoice:
     capability = cpu_capability()
     if str(device).split(":")[0] == "cuda":
         best, why = "bfloat16", "CUDA runs bf16 natively"
-    elif features := native_bf16():
+    elif (features := native_bf16()) and (cap := onednn_cap()):
+        best, why = "float32", f"{cap[0]}={cap[1]} caps oneDNN below this CPU's native bf16 ({capability})"
+    elif features:
         best, why = "bfloat16", f"this CPU runs bf16 natively ({capability}, {'+'.join(features)})"
-    elif cap := onednn_cap():
-        best, why = "float32", f"oneDNN is capped at {cap} ({ONEDNN_CAP_VARS[0]}), which emulates bf16 ({capability})"
     else:
         best, why = "float32", f"this CPU has no native bf16 ({capability})"
     if asked == "auto":

@@ -11,8 +11,10 @@
 #   step taskmap: a map that has seen multi-document text: fitted on multidoc_qa's held-apart items (its calibration
 #     split, checked disjoint from the evaluated ones) with v4's settings, float32 weights; the served selector at
 #     rho 0.3 through it on items 0-99 (handoff rows only: target and source are the committed longctx rows)
-# Read: python research/scripts/longctx_rules.py 9 RUNS/mdceil/multidoc_qa-2048.jsonl --arms ...;
-#   python research/scripts/multidoc_ceiling.py (agreement of the float32 1.5B with its bf16 answers)
+# Read: rarecache eval report RUNS/mdceil/multidoc_qa-2048.jsonl (and -b, -taskmap); the float32 file's answers
+#   against the bf16 target rows of the same items (research/fidelity/mdceil/mdceil.md says how it was read).
+# The taskmap step's map is not committed (calibration is deterministic on one machine only): a fresh machine
+#   fits it again and its eval starts over rather than continuing the committed rows.
 #   nohup bash research/scripts/multidoc_ceiling.sh bf16 > ~/.cache/rarecache/runs/mdceil-bf16.log 2>&1 &
 set -euxo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,7 +23,7 @@ R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/mdceil; mkdir -p $E
 V4=rarecache/data/general-v4-64k.safetensors
 . research/scripts/lib.sh
 L=research/fidelity/longctx; D=research/fidelity/mdceil
-case ${1:?step bf16 or f32} in
+case ${1:?step bf16, f32, bf16b, f32b or taskmap} in
   bf16) seed_from $E multidoc_qa-2048 $D $L
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target source \
          0.3:attn-source-span@v4b 0.3:attn-target@v4b 0.3:l2-oracle@v4b 0.5:attn-source-span@v4b \
@@ -45,4 +47,5 @@ case ${1:?step bf16 or f32} in
          --seq-len 2048 --token-inputs --exact-layer0 --dtype bfloat16 --out $MD
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map md=$MD \
          --arms 0.3:attn-source-span@md --limit 100 --threads 1 --out $E/multidoc_qa-2048-taskmap.jsonl > /dev/null;;
+  *) echo "unknown step $1: bf16, f32, bf16b, f32b or taskmap" >&2; exit 2;;
 esac
