@@ -8,6 +8,7 @@
 #   step f32:  the 1.5B alone in float32, against its own bf16 answers: how much agreement rounding alone moves
 #   steps bf16b, f32b: the same on items 50-99 (l2-oracle left out: 20% on items 0-49), so the diagnostic covers
 #     the 100 items the served arm's 73% is read on
+#   step 4096: the oracle at T 4096 (items 0-29, the served arm's committed rows beside it)
 #   step taskmap: a map that has seen multi-document text: fitted on multidoc_qa's held-apart items (its calibration
 #     split, checked disjoint from the evaluated ones) with v4's settings, float32 weights; the served selector at
 #     rho 0.3 through it on items 0-99 (handoff rows only: target and source are the committed longctx rows)
@@ -23,7 +24,7 @@ R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/mdceil; mkdir -p $E
 V4=rarecache/data/general-v4-64k.safetensors
 . research/scripts/lib.sh
 L=research/fidelity/longctx; D=research/fidelity/mdceil
-case ${1:?step bf16, f32, bf16b, f32b or taskmap} in
+case ${1:?step bf16, f32, bf16b, f32b, 4096 or taskmap} in
   bf16) seed_from $E multidoc_qa-2048 $D $L
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms target source \
          0.3:attn-source-span@v4b 0.3:attn-target@v4b 0.3:l2-oracle@v4b 0.5:attn-source-span@v4b \
@@ -47,5 +48,8 @@ case ${1:?step bf16, f32, bf16b, f32b or taskmap} in
          --seq-len 2048 --token-inputs --exact-layer0 --dtype bfloat16 --out $MD
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map md=$MD \
          --arms 0.3:attn-source-span@md --limit 100 --threads 1 --out $E/multidoc_qa-2048-taskmap.jsonl > /dev/null;;
-  *) echo "unknown step $1: bf16, f32, bf16b, f32b or taskmap" >&2; exit 2;;
+  4096) seed_from $E multidoc_qa-4096 $D $L
+     rarecache eval run --task multidoc_qa --length 4096 --source $S --target $T --map v4b=$V4 --arms target source \
+         0.3:attn-source-span@v4b 0.3:attn-target@v4b --limit 30 --threads 2 --out $E/multidoc_qa-4096.jsonl > /dev/null;;
+  *) echo "unknown step $1: bf16, f32, bf16b, f32b, 4096 or taskmap" >&2; exit 2;;
 esac
