@@ -61,6 +61,20 @@ def spans(item, text: str) -> dict[str, tuple[int, int]]:
     return {"name": (at + line.index("=") + 2, at + len(line)), "definition": (at, at + len(line)), **whole}
 
 
+def recomputed_shares(pipe: Pipeline, messages: list[dict], where: dict[str, set[int]], selector: str,
+                      rho: float) -> dict[str, float]:
+    """Run the handoff the eval runs (one generated token) and return, per part of the prompt (`where`: its token
+    indices), the share of its tokens either pass recomputed."""
+    _, result = pipe.generate([messages], HandoffConfig(rho=rho, selector=selector), SamplingConfig(max_new_tokens=1))
+    chosen = set(result.positions[0]) | set(result.first_pass[0] if result.first_pass else [])
+    return {part: len(v & chosen) / max(len(v), 1) for part, v in where.items()}
+
+
+def arm_label(rho: float, selector: str) -> str:
+    """The arm's name in the committed eval records (through v4, labelled v4b)."""
+    return f"rho={rho:g}/{selector}@v4b"
+
+
 def summarise(path: Path) -> None:
     """Mean share recomputed per selector, item kind and outcome (lost: F1 below the target's)."""
     rows = [json.loads(line) for line in path.open()]
@@ -99,7 +113,6 @@ def main() -> None:
         for r in load_results(args.records):
             f1[(r["item"], r["arm"])] = float(r["f1"])
             prompt_tokens[r["item"]] = r.get("prompt_tokens")
-    one = SamplingConfig(max_new_tokens=1)
     with args.out.open("w") as out:
         for item in task.items()[: args.items]:
             ids = source.encode(list(item.messages))
@@ -111,10 +124,8 @@ def main() -> None:
             row = {"item": item.id, "kind": item.extra["kind"], "gold": item.gold[0], "tokens": len(ids),
                    **{f"{k}_tokens": len(v) for k, v in where.items()}}
             for sel in args.selectors:
-                _, result = pipe.generate([list(item.messages)], HandoffConfig(rho=args.rho, selector=sel), one)
-                chosen = set(result.positions[0]) | set(result.first_pass[0] if result.first_pass else [])
-                arm = f"rho={args.rho:g}/{sel}@v4b"
-                row[sel] = {k: len(v & chosen) / max(len(v), 1) for k, v in where.items()}
+                arm = arm_label(args.rho, sel)
+                row[sel] = recomputed_shares(pipe, list(item.messages), where, sel, args.rho)
                 row[sel]["lost"] = (f1.get((item.id, arm)) is not None
                                     and f1[(item.id, arm)] < f1.get((item.id, "target"), 0.0))
             out.write(json.dumps(row) + "\n")

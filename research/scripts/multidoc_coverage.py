@@ -17,12 +17,12 @@ import argparse
 import json
 from pathlib import Path
 
+from code_qa_coverage import arm_label, recomputed_shares
+
 from rarecache.defaults import SERVED
-from rarecache.engine.generate import SamplingConfig
 from rarecache.engine.llm import LLM
 from rarecache.eval.results import load_results
 from rarecache.eval.tasks import open_task
-from rarecache.transfer.handoff import HandoffConfig
 from rarecache.transfer.pipeline import Pipeline
 
 S, T = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
@@ -94,7 +94,6 @@ def main() -> None:
             pred[(r["item"], r["arm"])] = r["prediction"]  # normalised as the records are
             prompt_tokens[r["item"]] = r.get("prompt_tokens")
     done = {json.loads(line)["item"] for line in args.out.open()} if args.out.exists() else set()
-    one = SamplingConfig(max_new_tokens=1)
     with args.out.open("a") as out:
         for k, item in enumerate(task.items()[: args.items]):
             if item.id in done:
@@ -107,12 +106,10 @@ def main() -> None:
             if prompt_tokens.get(item.id) not in (None, len(ids)):  # the records' prompt is this one
                 raise SystemExit(f"{item.id}: {len(ids)} tokens here, {prompt_tokens[item.id]} in the records")
             row = {"item": item.id, "depth": item.extra["depth"], "tokens": len(ids),
-                   **{f"{k}_tokens": len(v) for k, v in where.items()}}
+                   **{f"{part}_tokens": len(v) for part, v in where.items()}}
             for sel in args.selectors:
-                _, result = pipe.generate([list(item.messages)], HandoffConfig(rho=args.rho, selector=sel), one)
-                chosen = set(result.positions[0]) | set(result.first_pass[0] if result.first_pass else [])
-                arm = f"rho={args.rho:g}/{sel}@v4b"
-                row[sel] = {k: len(v & chosen) / max(len(v), 1) for k, v in where.items()}
+                arm = arm_label(args.rho, sel)
+                row[sel] = recomputed_shares(pipe, list(item.messages), where, sel, args.rho)
                 if (item.id, arm) in pred and (item.id, "target") in pred:
                     row[sel]["agreed"] = pred[(item.id, arm)] == pred[(item.id, "target")]
             out.write(json.dumps(row) + "\n")
