@@ -109,7 +109,9 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     src_cache, src_attn = _source_prefill(source, prompts, cfg)
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
-    passes = ("pass1", "pass2") if cfg.scorer.two_pass else ()  # both timed inside recompute, and apart
+    passes = ()  # a query-aware selector's passes, timed inside recompute and apart
+    if cfg.scorer.two_pass:
+        passes = ("pass1", "refine", "pass2") if cfg.scorer.config.refine else ("pass1", "pass2")
     cell = Cell(T, rho, batch, [], {k: [] for k in ("map", "score", "recompute", *passes)}, {})
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
         mapper.tensors(side, mapper.dtype_for(target), target.device)

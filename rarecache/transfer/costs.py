@@ -147,12 +147,18 @@ def recompute_flops(cfg, positions: list[int]) -> int:
 def describe_recompute(cfg, length: int, chosen: list[int], first: list[int] | None = None) -> str:
     """What a handoff of a `length`-position prompt recomputed, every pass counted: a two-pass selector's
     first pass (`first`, the newest positions) and its second (`chosen`, which holds them again), against the
-    target's own prefill of the prompt (`cfg`: the target's config)."""
+    target's own prefill of the prompt (`cfg`: the target's config). A refining variant lists its window
+    twice in `first` (pass 1's and the refining pass's)."""
     first = first or []
     own = recompute_flops(cfg, list(range(length)))
     spent = recompute_flops(cfg, chosen) + recompute_flops(cfg, first)
     count = len(chosen) + len(first)
-    if first:
+    w = len(set(first))
+    if first and len(first) > w:
+        how = (f"3 passes, {len(first)} + {len(chosen)} = {count} of {length} positions: pass 1 the newest {w}, "
+               f"a refining pass those again and part of {len(chosen) - w} the question reads, the last pass "
+               f"those {w} again and the rest")
+    elif first:
         how = (f"2 passes, {len(first)} + {len(chosen)} = {count} of {length} positions: pass 1 the newest "
                f"{len(first)}, pass 2 those again and {len(chosen) - len(first)} the question reads")
     else:

@@ -43,6 +43,7 @@ POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the 
 # LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
 # FLOP-matched to ρ
 SCHEDULES = (POSITIONS, LAYER_PREFIX)
+PASSES = ("pass1", "refine", "pass2")  # a query-aware selector's recompute passes, timed apart (refine: if it has one)
 
 
 def check_rho(rho, where: str = "rho") -> float:
@@ -98,7 +99,9 @@ class HandoffResult:
     handed_off: list[tuple[int, int]]  # [target_kept, end) of the positions that came from the map
     prefix_layers: int | None = None  # layer-prefix: layers the target ran for every position
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
-    first_pass: list[list[int]] | None = None  # two-pass selectors: pass 1's positions (inside `positions`)
+    # two-pass selectors: pass 1's positions (inside `positions`), listed again for a refining pass (which
+    # recomputed them too): the passes before the last, as many times as they recomputed them
+    first_pass: list[list[int]] | None = None
 
     def recomputed(self, b: int = 0) -> int:
         """Positions request b recomputed through all the target's layers, every pass counted."""
@@ -242,12 +245,14 @@ def _two_pass(target: Runner, m: Mapped, cfg: HandoffConfig):
     """A query-aware selector's two passes over the mapped cache (transfer/query.py), both in the budget."""
     handed = [n - s for s, n in zip(m.target_kept, m.lengths)]
     logits, p = two_pass(target, m.cache, m.whole, m.positions, handed, cfg.scorer, cfg.rho, m.rank)
-    timings = {**m.timings, "pass1": p.timings["pass1"], "pass2": p.timings["pass2"]}
+    passes = [k for k in PASSES if k in p.timings]
+    timings = {**m.timings, **{k: p.timings[k] for k in passes}}
     timings["score"] += p.timings.get("score", 0.0)
-    timings["recompute"] = p.timings["pass1"] + p.timings["pass2"]
-    return m.cache, logits, HandoffResult([c.tolist() for c in p.chosen], [p.scores[b, :h].cpu() for b, h in
+    timings["recompute"] = sum(p.timings[k] for k in passes)
+    done = [p.recomputed(b) for b in range(len(handed))]
+    return m.cache, logits, HandoffResult([d[0] for d in done], [p.scores[b, :h].cpu() for b, h in
                                           enumerate(handed)], list(zip(m.target_kept, m.lengths)), timings=timings,
-                                          first_pass=[f.tolist() for f in p.first])
+                                          first_pass=[d[1] for d in done])
 
 
 def _layer_prefix(target: Runner, prompts, cfg, cache, toks, positions, target_kept, timings):
@@ -345,34 +350,44 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
         t = _now(target)
         ctx = SelectionContext(source, target, fits[v][1], whole, positions, cache, centred, source_attn,
                                cfg.seed, target_prefill)
-        sel, extra = cfg.scorer, {}
+        sel, extra, base = cfg.scorer, {}, cache
         if sel.two_pass:  # pass 2 is a direct recompute of its set from the mapped cache: it joins the batch
             row, done, extra = _first_pass_of(target, firsts, id(fits[v][1]), cache, whole, positions, sel, cfg.rho)
             t = _now(target)
+            if sel.config.refine:  # its refining pass writes a copy of the mapped cache: the last pass starts there
+                base = target.new_cache(1, n)
+                base.copy_prefix(cache, n)
             p = choose(target, row, whole, positions, [n], sel, cfg.rho, ctx.rank_scores() if sel.needs_rank
-                       else None, done)
-            chosen, scores, extra = p.chosen[0], p.scores[0], {**extra, "first": p.first[0].tolist()}
+                       else None, done, refined=base)
+            kept, first = p.recomputed(0)
+            chosen, scores = p.chosen[0], p.scores[0]
+            extra = {**extra, "first": first, "recomputed": kept, **({"refine": p.timings["refine"]}
+                                                                if "refine" in p.timings else {})}
         else:
             scores = sel.scores(ctx)[0]  # (n,)
             chosen = select_top(scores, budget(cfg.rho, n))
-        groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), _now(target) - t, extra))
+        score_s = _now(target) - t - extra.get("refine", 0.0)
+        groups.setdefault(len(chosen), []).append((v, chosen, scores.cpu(), score_s, extra, base))
 
     for k, group in groups.items():  # one recompute per budget
         t = _now(target)
         batch = target.new_cache(len(group), n)
-        for g, (v, *_) in enumerate(group):
-            batch.row(g).copy_prefix(mapped[id(fits[v][1])][0], n)
+        for g, (*_, base) in enumerate(group):
+            batch.row(g).copy_prefix(base, n)
         pos = torch.stack([c for _, c, *_ in group])  # (G, k)
         lg = target.forward(whole[0][pos], pos, batch).logits  # (G, V)
         recompute_s = _now(target) - t
-        for g, (v, chosen, scores, score_s, extra) in enumerate(group):
+        for g, (v, chosen, scores, score_s, extra, _) in enumerate(group):
             out.row(v).copy_prefix(batch.row(g), n)
             logits[v] = lg[g]
             timings = {"map": mapped[id(fits[v][1])][2], "score": score_s, "recompute": recompute_s,
                        "recompute_batch": len(group)}
-            first = None
-            if "first" in extra:  # both passes: pass 1 (shared by the variants with its window) and pass 2
-                timings.update(pass1=extra["pass1"], pass2=recompute_s, recompute=extra["pass1"] + recompute_s)
-                first = [extra["first"]]
-            results[v] = HandoffResult([chosen.tolist()], [scores], [(0, n)], timings=timings, first_pass=first)
+            first, positions_done = None, chosen.tolist()
+            if "first" in extra:  # every pass: pass 1 (shared by the variants with its window), a refining
+                # pass (its own), the last pass (the budget's batch)
+                passes = {"pass1": extra["pass1"], **({"refine": extra["refine"]} if "refine" in extra else {}),
+                          "pass2": recompute_s}
+                timings.update(passes, recompute=sum(passes.values()))
+                first, positions_done = [extra["first"]], extra["recomputed"]
+            results[v] = HandoffResult([positions_done], [scores], [(0, n)], timings=timings, first_pass=first)
     return out, logits, results

@@ -18,6 +18,14 @@ direct sparse recompute of pass 2's set from the mapped cache: pass 1 only chose
 bit for bit). That is also why `handoff_variants` may run pass 2 in a shared batch, and why vLLM
 may run the newest positions itself (`before_tail`: pass 1 is the engine's tail computed by our
 Runner over the mapped rows, pass 2 the chosen claimed rows, then vLLM's own prefill of the tail).
+
+A refining variant (`QueryConfig.refine`) reads twice. Pass 1's attention comes from queries computed
+over mapped rows and lands on mapped keys, so it is a blurred copy of what the target's own prefill
+reads. A refining pass recomputes the window and the top share m of the picks, the window's attention
+is read again over those rows, and the last pass recomputes the window and the rest of the picks by
+that second reading. The refining pass's rows stay (they are not recomputed again), so its result is
+staged: exactly a direct sparse recompute of (its picks + the window) from the mapped cache, then one of
+(the rest + the window) from that (tested bit for bit), with w + (w + m) + (w + rest) = ⌈ρ·T⌉.
 """
 
 from __future__ import annotations
@@ -34,12 +42,22 @@ from .selectors import QuerySelector
 
 @dataclass
 class Passes:
-    """What a two-pass selector chose for a batch, before pass 2 runs."""
+    """What a two-pass selector chose for a batch, before its last pass runs."""
 
-    chosen: list[torch.Tensor]  # per row: pass 2's positions, ascending (pass 1's among them)
+    chosen: list[torch.Tensor]  # per row: the last pass's positions, ascending (pass 1's among them)
     first: list[torch.Tensor]  # per row: pass 1's positions, ascending (empty: one pass)
     scores: torch.Tensor  # (B, W) the order over the handed-off positions (higher first)
     timings: dict[str, float] = field(default_factory=dict)
+    kept: list[torch.Tensor] | None = None  # refining variants, per row: the picks the refining pass recomputed
+
+    def recomputed(self, b: int) -> tuple[list[int], list[int]]:
+        """Row b's positions whose rows the passes leave recomputed (ascending), and the window's positions
+        each earlier pass recomputed again (pass 1's; a refining pass's too): every position counted once per
+        pass, as `HandoffResult` records them."""
+        kept = self.kept[b] if self.kept is not None else self.chosen[b][:0]
+        first = self.first[b].tolist()
+        again = first if len(kept) else []  # the refining pass recomputed the window too
+        return sorted(self.chosen[b].tolist() + kept.tolist()), first + again
 
 
 def captured_layers(target: Runner, share: float) -> frozenset[int]:
@@ -99,14 +117,17 @@ def newest(positions: torch.Tensor, handed: list[int], widths: list[int]) -> tor
 
 def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
            sel: QuerySelector, rho: float, rank: torch.Tensor | None = None,
-           done: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None) -> Passes:
-    """Pass 1 over `cache` (the mapped cache: its window rows become pass 1's) and pass 2's sets for
+           done: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None, refined: KVCache | None = None
+           ) -> Passes:
+    """Pass 1 over `cache` (the mapped cache: its window rows become pass 1's) and the last pass's sets for
     handed-off positions (B, W) (the first handed[b] of row b), whole prompts (B, n). `rank` (B, W): rank
-    disagreement, for `rank` variants. `done`: pass 1's capture, when the caller ran it on this cache."""
+    disagreement, for `rank` variants. `done`: pass 1's capture, when the caller ran it on this cache.
+    A refining variant runs its refining pass into `refined` (default `cache`): the last pass starts there."""
     totals, widths = plan(sel, rho, handed)
     window = newest(positions, handed, widths)  # (B, w)
     timings = {"pass1": 0.0}
     scores = positions.float()  # one pass: the newest first (every position when the budget covers them)
+    kept = None
     if any(widths):
         t = now(target.device)
         attn, valid = done if done is not None else first_pass(target, cache, whole, window,
@@ -118,8 +139,43 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
         ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank)
         scores = torch.where(torch.tensor(widths, device=positions.device)[:, None] > 0, ranked, scores)
         timings = {"pass1": t1 - t, "score": now(target.device) - t1}
-    chosen = [positions[b, select_top(scores[b, :h], k - w)] for b, (h, k, w) in enumerate(zip(handed, totals, widths))]
-    return Passes(chosen, [window[b, :w] for b, w in enumerate(widths)], scores, timings)
+        if sel.config.refine:
+            kept, scores = refine(target, cache if refined is None else refined, whole, positions, handed, totals,
+                                  widths, sel, scores, forced, rank, timings)
+    chosen = []
+    for b, (h, k, w) in enumerate(zip(handed, totals, widths)):
+        m = 0 if kept is None else len(kept[b])
+        picked = positions[b, select_top(scores[b, :h], k - w - (w if m else 0))]  # the window, kept ones, rest
+        chosen.append(picked[~torch.isin(picked, kept[b])] if m else picked)
+    return Passes(chosen, [window[b, :w] for b, w in enumerate(widths)], scores, timings, kept)
+
+
+def refine(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
+           totals: list[int], widths: list[int], sel: QuerySelector, ranked: torch.Tensor, forced: torch.Tensor,
+           rank: torch.Tensor | None, timings: dict[str, float]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The refining pass, row by row into `cache`: the window and the top m of pass 1's order `ranked` (B, W),
+    then the window's attention read again over them -> (per row the m kept picks, ascending; the order (B, W)
+    with the window and the kept picks first). A row whose budget leaves no picks to refine keeps `ranked`."""
+    t = now(target.device)
+    kept, scores = [], ranked.clone()
+    layers = captured_layers(target, sel.config.layers)
+    for b, (h, k, w) in enumerate(zip(handed, totals, widths)):
+        m = sel.config.refined(k, w)
+        if not m:
+            kept.append(positions[b, :0])
+            continue
+        top = positions[b, select_top(ranked[b, :h], w + m)]  # (w + m,) ascending: the window last
+        row = cache.row(b)
+        rows = torch.arange(m, m + w, device=top.device)[None]  # (1, w): the window's queries
+        attn = target.forward(whole[b : b + 1, top], top[None], row, logits_at=None,
+                              capture=AttnCapture(layers, rows)).attn
+        again = forced[b : b + 1] | torch.isin(positions[b : b + 1], top)  # (1, W)
+        valid = torch.ones(1, w, dtype=torch.bool, device=top.device)
+        att = received_by(sel, attn, valid, row, positions[b : b + 1])
+        scores[b] = sel.order(att, positions[b : b + 1], again, None if rank is None else rank[b : b + 1])[0]
+        kept.append(top[:m])
+    timings["refine"] = now(target.device) - t
+    return kept, scores
 
 
 def two_pass(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],

@@ -276,7 +276,10 @@ class QueryConfig:
 
     Pass 1 recomputes the newest `window` positions (the question and the answer header) over the
     mapped cache and reads the target's attention from them; pass 2 recomputes the newest again and the
-    positions they attend to most. Both count in the budget (`split`)."""
+    positions they attend to most. Both count in the budget (`split`). With `refine`, a pass between them
+    recomputes the window and the top share of the picks, the window's attention is read again over those
+    rows (nearer the target's own reading than over mapped rows alone), and the last pass recomputes the
+    window and the rest of the picks from it; the refining pass's picks keep its rows (`refined`)."""
 
     window: int = 32  # pass 1: the newest positions ...
     window_share: float = 0.25  # ... at most this share of the budget
@@ -290,9 +293,11 @@ class QueryConfig:
     piece: int = 0  # ... cut into pieces of at most this many positions; with `span` too: both orders in turn
     rank: bool = False  # take rank disagreement's picks in turn with attention's
     source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
+    refine: float = 0.0  # a refining pass recomputes this share of the picks and the window, then reads again
 
     def __post_init__(self):
         shares = 0 < self.layers <= 1 and 0 <= self.window_share <= 1 and min(self.window, self.sinks, self.span) >= 0
+        shares &= 0 <= self.refine < 1 and not (self.refine and self.source)
         segment = self.segment in SEGMENTS and bool(self.segment) == (self.piece > 0) and (
             not self.segment or self.source)
         if self.group not in GROUPS or not shares or not segment:
@@ -305,6 +310,13 @@ class QueryConfig:
         if self.source or total >= handed:
             return 0
         return max(0, min(self.window, int(self.window_share * total), (total - 1) // 2))
+
+    def refined(self, total: int, window: int) -> int:
+        """The picks a refining pass recomputes for a budget of `total` with pass 1's `window` (0: none), where
+        pass 1 (w) + the refining pass (w + m) + the last pass (w + the rest) = total."""
+        if not (self.refine and window):
+            return 0
+        return int(self.refine * max(0, total - 3 * window))
 
 
 class QuerySelector(Selector):
@@ -375,6 +387,7 @@ QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:que
     registry.ATTN_SOURCE_LINE: QueryConfig(source=True, segment="line", piece=LINE_PIECE),
     registry.ATTN_SOURCE_BLOCK: QueryConfig(source=True, segment="block", piece=BLOCK_PIECE),
     registry.ATTN_SOURCE_MIX: QueryConfig(source=True, span=SPAN, segment="block", piece=BLOCK_PIECE),
+    registry.QUERY_REFINE: QueryConfig(window=8, refine=0.5),
 }
 
 

@@ -50,7 +50,9 @@ from .sharding import HeadRange
 
 
 RECOMPUTE_SELECTORS = (RANK, RANDOM, SUFFIX_RANK)  # scored positions, recomputed by our Runner
-QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass)  # two passes around vLLM's tail
+# two passes around vLLM's tail; a refining variant's middle pass keeps rows a third stage would have to build
+# before vLLM's tail (not built here: those run in our engine only)
+QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass and not s.config.refine)
 NATIVE_SELECTORS = (SUFFIX,)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + QUERY_SELECTORS + NATIVE_SELECTORS
 ENGINE_DEFAULT = default_selector(ENGINE_SELECTORS)[0]  # the served default, or its fallback where it cannot run
@@ -118,6 +120,9 @@ def check_selector(name: Any, where: str = "selector") -> str:
         why = "needs the source's attention, which the row store does not hold"
     elif sel is not None and sel.oracle:
         why = "is an oracle (it reads the target's own prefill): not for serving"
+    elif sel is not None and sel.two_pass:
+        why = ("keeps a refining pass's rows, a third stage before vLLM's tail that this adapter does not build "
+               "(the two-pass variants run)")
     elif name == LAYER_PREFIX:
         why = "is a schedule that runs the first layers for every position; the vLLM adapter has positions only"
     else:

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# ADOPTION.md rule 14: `query-refine` (a refining pass reads the question's attention again) at rho 0.3 through
+# v4 (sha 7145adb2), beside the served span's committed rows, each file started from them so only the new arm runs.
+#   step screen: rule 14 (i), multidoc_qa T 2048 items 0-49 (rows from research/fidelity/mdceil)
+#   step 4096:   rule 14 (ii), multidoc_qa T 4096 items 30-59 (rows from research/fidelity/rule11, rule 13's)
+#   step 1024:   rule 14 (ii), multidoc_qa T 1024 items 0-99 (rows from research/fidelity/rule11)
+# Read: python research/scripts/longctx_rules.py 9 RUNS/refine/<file> --arms <span> <refine> --served <span>
+#   nohup bash research/scripts/refine.sh screen > ~/.cache/rarecache/runs/refine-screen.log 2>&1 &
+set -euxo pipefail
+cd "$(dirname "$0")/../.."
+S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
+R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/refine; mkdir -p $E
+V4=rarecache/data/general-v4-64k.safetensors
+. research/scripts/lib.sh
+D=research/fidelity/refine
+from() {  # from NAME DIR [FILE]: start RUNS/refine/NAME from DIR's FILE (default NAME), unless committed here
+  local f=${3:-$1}
+  [ ! -f $E/$1.jsonl ] || return 0
+  if [ -f $D/$1.jsonl.gz ]; then seed_from $E $1 $D; return 0; fi
+  gzip -dc $2/$f.jsonl.gz > $E/$1.jsonl
+  gzip -dc $2/$f.timings.jsonl.gz > $E/$1.timings.jsonl
+  sed "s|RUNS/|$R/|g" $2/$f.meta.json > $E/$1.meta.json
+}
+ARMS="target source 0.3:attn-source-span@v4b 0.3:query-refine@v4b"
+case ${1:?step screen, 4096 or 1024} in
+  screen) from multidoc_qa-2048 research/fidelity/mdceil
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms $ARMS \
+         --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
+  4096) from multidoc_qa-4096 research/fidelity/rule11 r13-multidoc_qa-4096
+     rarecache eval run --task multidoc_qa --length 4096 --source $S --target $T --map v4b=$V4 --arms $ARMS \
+         --start 30 --limit 30 --threads 2 --out $E/multidoc_qa-4096.jsonl > /dev/null;;
+  1024) from multidoc_qa-1024 research/fidelity/rule11
+     rarecache eval run --task multidoc_qa --length 1024 --source $S --target $T --map v4b=$V4 --arms $ARMS \
+         --limit 100 --threads 2 --out $E/multidoc_qa-1024.jsonl > /dev/null;;
+  *) echo "unknown step $1: screen, 4096 or 1024" >&2; exit 2;;
+esac
