@@ -4,6 +4,7 @@
 #   step screen: rule 14 (i), multidoc_qa T 2048 items 0-49 (rows from research/fidelity/mdceil)
 #   step 4096:   rule 14 (ii), multidoc_qa T 4096 items 30-59 (rows from research/fidelity/rule11, rule 13's)
 #   step 1024:   rule 14 (ii), multidoc_qa T 1024 items 0-99 (rows from research/fidelity/rule11)
+#   step decompose: a diagnostic (no rule): `attn-source` on step screen's items
 # Read: python research/scripts/longctx_rules.py 9 RUNS/refine/<file> --arms <span> <refine> --served <span>
 #   nohup bash research/scripts/refine.sh screen > ~/.cache/rarecache/runs/refine-screen.log 2>&1 &
 set -euxo pipefail
@@ -22,7 +23,7 @@ from() {  # from NAME DIR [FILE]: start RUNS/refine/NAME from DIR's FILE (defaul
   sed "s|RUNS/|$R/|g" $2/$f.meta.json > $E/$1.meta.json
 }
 ARMS="target source 0.3:attn-source-span@v4b 0.3:query-refine@v4b"
-case ${1:?step screen, 4096 or 1024} in
+case ${1:?step screen, 4096, 1024 or decompose} in
   screen) from multidoc_qa-2048 research/fidelity/mdceil
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms $ARMS \
          --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
@@ -32,5 +33,9 @@ case ${1:?step screen, 4096 or 1024} in
   1024) from multidoc_qa-1024 research/fidelity/rule11
      rarecache eval run --task multidoc_qa --length 1024 --source $S --target $T --map v4b=$V4 --arms $ARMS \
          --limit 100 --threads 2 --out $E/multidoc_qa-1024.jsonl > /dev/null;;
-  *) echo "unknown step $1: screen, 4096 or 1024" >&2; exit 2;;
+  decompose) # a diagnostic after rule 14 (i) failed, no rule: the oracle's recipe (plain top tokens, sinks ranked)
+     # with the 0.5B's attention (`attn-source`), beside the span (the same attention with +-8 spans, sinks out)
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 \
+         --arms $ARMS 0.3:attn-source@v4b --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
+  *) echo "unknown step $1: screen, 4096, 1024 or decompose" >&2; exit 2;;
 esac
