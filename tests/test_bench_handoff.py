@@ -269,21 +269,24 @@ def test_bench_handoff_times_the_selector_it_names_and_refuses_bad_ones(fitted, 
         assert "no CUDA GPU" in capsys.readouterr().err
 
 
-def test_bench_handoff_reports_both_passes_of_a_two_pass_selector(fitted, pair_dir, tmp_path, capsys):
-    """--selector query: the recompute phase is both passes, each also reported; the handoff's time counts both."""
+@pytest.mark.parametrize("selector", ["query", "query-refine"])
+def test_bench_handoff_reports_both_passes_of_a_two_pass_selector(fitted, pair_dir, tmp_path, capsys, selector):
+    """--selector query: the recompute phase is both passes, each also reported; the handoff's time counts both
+    (and a refining variant's refining pass)."""
     from rarecache.cli import main
 
     _, _, mapper, _ = fitted
     mapper.save(tmp_path / "m.safetensors")
     assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
                  str(tmp_path / "m.safetensors"), "--lengths", "48", "--rhos", "0.5", "--batches", "2",
-                 "--repeats", "1", "--dtype", "float32", "--selector", "query", "--no-summary"]) == 0
+                 "--repeats", "1", "--dtype", "float32", "--selector", selector, "--no-summary"]) == 0
     out = capsys.readouterr().out
     (row,) = json.loads(out.strip().splitlines()[-1])["rows"]
-    assert row["pass1_ms"] > 0 and row["pass2_ms"] > 0
-    assert abs(row["recompute_ms"] - (row["pass1_ms"] + row["pass2_ms"])) < 1e-6
+    refined = row.get("refine_ms", 0.0)
+    assert row["pass1_ms"] > 0 and row["pass2_ms"] > 0 and (refined > 0) == (selector == "query-refine")
+    assert abs(row["recompute_ms"] - (row["pass1_ms"] + refined + row["pass2_ms"])) < 1e-6
     assert abs(row["handoff_ms"] - (row["map_ms"] + row["score_ms"] + row["recompute_ms"])) < 1e-6
-    assert "recompute = pass 1" in out
+    assert "recompute = pass 1" in out and ("+ refining pass" in out) == (selector == "query-refine")
 
 
 @pytest.mark.parametrize("selector", ["attn-source", "attn-source-span"])

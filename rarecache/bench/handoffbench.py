@@ -3,10 +3,11 @@
 For each prompt length T, budget ρ and batch size: the target's prefill of the
 prompts and the handoff's map, score and recompute phases are timed in the same
 run (one warm-up, then repeats; median and spread); a two-pass selector's recompute
-is both its passes, also reported apart (`pass1_ms`, `pass2_ms`). The source prefill is not
-counted: in a cascade the source has already paid it. The FLOP ceiling of seed
-000 eq. 11 is printed in its dense-mask form (ρT x T attention) and its
-sparse-causal form (½ρT x T), with the fraction of the sparse ceiling reached.
+is both its passes, also reported apart (`pass1_ms`, `pass2_ms`; a refining variant's
+`refine_ms` too). The source prefill is not counted: in a cascade the source has
+already paid it. The FLOP ceiling of seed 000 eq. 11 is printed in its dense-mask
+form (ρT x T attention) and its sparse-causal form (½ρT x T), with the fraction of
+the sparse ceiling reached.
 
 The rank score's arithmetic runs inside the map phase (`Mapper.apply_scored`), so
 "map" includes it and "score" is the choice of positions; map + score is the fixed
