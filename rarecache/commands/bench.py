@@ -166,7 +166,8 @@ def cmd_bench_handoff(args) -> int:
                       f"{r['map_mib']:>5.0f}")
             if "pass1_ms" in r:  # a two-pass selector: its recompute is both passes
                 refined = f" + refining pass {r['refine_ms']:.1f} ms" if "refine_ms" in r else ""
-                table_row(f"{'':>14} recompute = pass 1 {r['pass1_ms']:.1f} ms{refined} + pass 2 {r['pass2_ms']:.1f} ms")
+                table_row(f"{'':>14} recompute = pass 1 {r['pass1_ms']:.1f} ms{refined} "
+                          f"+ pass 2 {r['pass2_ms']:.1f} ms")
     header = {"bench": "handoff", "pair": pair, "selector": args.selector, "dtype": args.dtype, "map_dtype": map_dtype,
               "packed": target.packed, "device": args.device, "cpu": cpu, "threads": threads,
               "memory": memory_kind(args.device)}
