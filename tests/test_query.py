@@ -157,6 +157,18 @@ def test_sinks_are_left_out_of_the_attention_ranking(fitted):
     # the attention they drew
 
 
+def test_the_raw_span_ranks_the_sinks_with_their_span():
+    """`attn-source-span-raw` is the served span with the first positions ranked like any other (sinks draw the
+    most attention, so position 0 and its 8 neighbours come first); the served span puts them last."""
+    pos = torch.arange(40)[None]
+    att = torch.zeros(1, 1, 40)
+    att[0, 0, 0], att[0, 0, 30] = 9.0, 5.0
+    raw = SELECTORS["attn-source-span-raw"].order(att, pos)[0].argsort(descending=True).tolist()
+    assert raw[0] == 0 and set(raw[:9]) == set(range(9)) and raw[9] == 30
+    served = SELECTORS["attn-source-span"].order(att, pos)[0].argsort(descending=True).tolist()
+    assert served[0] == 30 and served[-4:] == [0, 1, 2, 3]
+
+
 def test_a_span_after_kept_rows(fitted):
     """A later turn: only [k, n) is handed off; the window is its newest, the budget its ⌈ρ·(n − k)⌉, and
     the target's own rows before k stay."""

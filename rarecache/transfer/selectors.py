@@ -388,6 +388,7 @@ QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:que
     registry.ATTN_SOURCE_BLOCK: QueryConfig(source=True, segment="block", piece=BLOCK_PIECE),
     registry.ATTN_SOURCE_MIX: QueryConfig(source=True, span=SPAN, segment="block", piece=BLOCK_PIECE),
     registry.QUERY_REFINE: QueryConfig(window=8, refine=0.5),
+    registry.ATTN_SOURCE_SPAN_RAW: QueryConfig(source=True, span=SPAN, sinks=0),  # the sinks ranked, with spans
 }
 
 
