@@ -278,13 +278,14 @@ def test_bench_handoff_reports_both_passes_of_a_two_pass_selector(fitted, pair_d
     _, _, mapper, _ = fitted
     mapper.save(tmp_path / "m.safetensors")
     assert main(["bench", "handoff", "--source", str(pair_dir / "src"), "--target", str(pair_dir / "tgt"), "--map",
-                 str(tmp_path / "m.safetensors"), "--lengths", "48", "--rhos", "0.5", "--batches", "2",
+                 str(tmp_path / "m.safetensors"), "--lengths", "48", "--rhos", "0.5", "1.0", "--batches", "2",
                  "--repeats", "1", "--dtype", "float32", "--selector", selector, "--no-summary"]) == 0
     out = capsys.readouterr().out
-    (row,) = json.loads(out.strip().splitlines()[-1])["rows"]
+    row, whole = json.loads(out.strip().splitlines()[-1])["rows"]
     refined = row.get("refine_ms", 0.0)
     assert row["pass1_ms"] > 0 and row["pass2_ms"] > 0 and (refined > 0) == (selector == "query-refine")
     assert abs(row["recompute_ms"] - (row["pass1_ms"] + refined + row["pass2_ms"])) < 1e-6
+    assert whole["rho"] == 1.0 and whole["pass1_ms"] == whole.get("refine_ms", 0.0) == 0.0  # one pass: the prefill
     assert abs(row["handoff_ms"] - (row["map_ms"] + row["score_ms"] + row["recompute_ms"])) < 1e-6
     assert "recompute = pass 1" in out and ("+ refining pass" in out) == (selector == "query-refine")
 

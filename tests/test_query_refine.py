@@ -103,6 +103,19 @@ def test_handoff_records_and_costs_count_every_pass(fitted):
                            f"pass 1 the newest {w}, a refining pass those again")
 
 
+@pytest.mark.parametrize("rho", [0.1, 0.15, 0.3, 0.5])
+def test_a_batch_is_its_rows(fitted, rho):
+    """Rows of different lengths in one batch, some refined and some not (a budget too small for a window or for
+    picks to refine): each row's sets, passes and logits are its own handoff's, and each spends its own budget."""
+    source, target, mapper, prompts = fitted
+    _, logits, res = handoff(source, target, mapper, prompts, HandoffConfig(rho, NAME))
+    for b, ids in enumerate(prompts):
+        _, lg, alone = handoff(source, target, mapper, [ids], HandoffConfig(rho, NAME))
+        assert alone.positions[0] == res.positions[b] and alone.first_pass[0] == res.first_pass[b]
+        assert res.recomputed(b) == budget(rho, len(ids))
+        torch.testing.assert_close(lg[0], logits[b], atol=1e-4, rtol=0)
+
+
 def test_variants_equal_one_handoff_each(fitted):
     """Beside a two-pass variant sharing its window (`query-w8`), in one evaluation: the same sets, passes, logits
     and rows as a handoff each (the refining pass writes its own copy, and its last pass starts there)."""

@@ -314,7 +314,8 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     each map runs once and its output is shared; variants with the same budget recompute
     together as one batch (one pass over the target's weights instead of one per variant). A two-pass
     selector's first pass runs once per map and window, on a copy of the mapped cache; its second is a
-    direct recompute of its set from the mapped cache (transfer/query.py), so it joins its budget's batch.
+    direct recompute of its set from the mapped cache (transfer/query.py), so it joins its budget's batch
+    (a refining variant's from its own copy, which its refining pass wrote).
 
     `source_cache` (batch one) holds the source's own rows for the whole prompt; `source_attn`
     (1, n) is its captured attention (attn-source), `target_prefill` the target's own prefill
@@ -337,7 +338,7 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
     out = target.new_cache(len(variants), n)
     logits = torch.empty(len(variants), target.config.vocab_size, device=target.device)
     results: list[HandoffResult | None] = [None] * len(variants)
-    groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float, dict]]] = {}
+    groups: dict[int, list[tuple[int, torch.Tensor, torch.Tensor | None, float, dict, KVCache]]] = {}
     firsts: dict[tuple, tuple] = {}  # two-pass selectors: pass 1 per (fit, window, layers), run once
     for v, (label, cfg) in enumerate(variants):
         cache, centred, map_s = mapped[id(fits[v][1])]
@@ -353,16 +354,16 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
         sel, extra, base = cfg.scorer, {}, cache
         if sel.two_pass:  # pass 2 is a direct recompute of its set from the mapped cache: it joins the batch
             row, done, extra = _first_pass_of(target, firsts, id(fits[v][1]), cache, whole, positions, sel, cfg.rho)
-            t = _now(target)
             if sel.config.refine:  # its refining pass writes a copy of the mapped cache: the last pass starts there
-                base = target.new_cache(1, n)
+                base = target.new_cache(1, n)  # (a handoff refines in place: the copy is not timed)
                 base.copy_prefix(cache, n)
+            t = _now(target)
             p = choose(target, row, whole, positions, [n], sel, cfg.rho, ctx.rank_scores() if sel.needs_rank
                        else None, done, refined=base)
-            kept, first = p.recomputed(0)
+            done_positions, first = p.recomputed(0)
             chosen, scores = p.chosen[0], p.scores[0]
-            extra = {**extra, "first": first, "recomputed": kept, **({"refine": p.timings["refine"]}
-                                                                if "refine" in p.timings else {})}
+            extra = {**extra, "first": first, "recomputed": done_positions,
+                     **({"refine": p.timings["refine"]} if "refine" in p.timings else {})}
         else:
             scores = sel.scores(ctx)[0]  # (n,)
             chosen = select_top(scores, budget(cfg.rho, n))

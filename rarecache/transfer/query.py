@@ -125,7 +125,8 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
     A refining variant runs its refining pass into `refined` (default `cache`): the last pass starts there."""
     totals, widths = plan(sel, rho, handed)
     window = newest(positions, handed, widths)  # (B, w)
-    timings = {"pass1": 0.0}
+    refines = {"refine": 0.0} if sel.config.refine else {}  # a refining variant's pass is always timed (0: none ran)
+    timings = {"pass1": 0.0, **refines}
     scores = positions.float()  # one pass: the newest first (every position when the budget covers them)
     kept = None
     if any(widths):
@@ -138,7 +139,7 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
             forced[b, h - w : h] = True
         ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank)
         scores = torch.where(torch.tensor(widths, device=positions.device)[:, None] > 0, ranked, scores)
-        timings = {"pass1": t1 - t, "score": now(target.device) - t1}
+        timings = {"pass1": t1 - t, "score": now(target.device) - t1, **refines}
         if sel.config.refine:
             kept, scores = refine(target, cache if refined is None else refined, whole, positions, handed, totals,
                                   widths, sel, scores, forced, rank, timings)
@@ -153,7 +154,8 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
 def refine(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
            totals: list[int], widths: list[int], sel: QuerySelector, ranked: torch.Tensor, forced: torch.Tensor,
            rank: torch.Tensor | None, timings: dict[str, float]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The refining pass, row by row into `cache`: the window and the top m of pass 1's order `ranked` (B, W),
+    """The refining pass, one forward per row (batches are a server's rare case: `Pipeline` hands requests off one
+    at a time) into `cache`: the window and the top m of pass 1's order `ranked` (B, W),
     then the window's attention read again over them -> (per row the m kept picks, ascending; the order (B, W)
     with the window and the kept picks first). A row whose budget leaves no picks to refine keeps `ranked`."""
     t = now(target.device)
@@ -181,7 +183,8 @@ def refine(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
 def two_pass(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
              sel: QuerySelector, rho: float, rank: torch.Tensor | None = None) -> tuple[torch.Tensor, Passes]:
     """Both passes over the mapped `cache` (arguments as `choose`) -> the last logits (B, V) and the passes;
-    `cache` ends as a direct sparse recompute of pass 2's set from the mapped cache."""
+    `cache` ends as a direct sparse recompute of pass 2's set from the mapped cache (a refining variant: of the
+    refining pass's set, then of the last pass's from there; the module docstring)."""
     passes = choose(target, cache, whole, positions, handed, sel, rho, rank)
     t = now(target.device)
     tokens, pos = subset(whole, passes.chosen)

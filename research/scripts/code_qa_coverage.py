@@ -29,18 +29,17 @@ from rarecache.transfer.pipeline import Pipeline
 S, T = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 
 
-def char_offsets(tokenizer, ids: list[int]) -> list[int]:
-    """Start offset of each token in the decoded text (byte-level BPE decodes token by token on ASCII)."""
-    starts, text = [], ""
-    for i in range(len(ids)):
-        starts.append(len(text))
-        text = tokenizer.decode(ids[: i + 1])
-    return starts + [len(text)]
+def token_spans(target: LLM, messages: list[dict]) -> tuple[list[int], str, list[tuple[int, int]]]:
+    """The prompt's ids, its text and each token's character span in it (the tokenizer's own offsets: one
+    encode, where decoding every prefix would be quadratic)."""
+    text = target.tokenizer.render_chat(messages)
+    enc = target.tokenizer.tokenizer.encode(text, add_special_tokens=False)
+    return list(enc.ids), text, list(enc.offsets)
 
 
-def tokens_in(starts: list[int], lo: int, hi: int) -> set[int]:
+def tokens_in(offsets: list[tuple[int, int]], lo: int, hi: int) -> set[int]:
     """Token indices whose text overlaps characters [lo, hi)."""
-    return {i for i in range(len(starts) - 1) if starts[i] < hi and starts[i + 1] > lo}
+    return {i for i, (a, b) in enumerate(offsets) if a < hi and b > lo}
 
 
 def spans(item, text: str) -> dict[str, tuple[int, int]]:
@@ -115,10 +114,10 @@ def main() -> None:
             prompt_tokens[r["item"]] = r.get("prompt_tokens")
     with args.out.open("w") as out:
         for item in task.items()[: args.items]:
-            ids = source.encode(list(item.messages))
-            text = target.tokenizer.decode(ids)
-            starts = char_offsets(target.tokenizer, ids)
-            where = {k: tokens_in(starts, *v) for k, v in spans(item, text).items()}
+            ids, text, offsets = token_spans(target, list(item.messages))
+            if ids != source.encode(list(item.messages)):
+                raise SystemExit(f"{item.id}: the prompt's tokens differ from the handoff's")
+            where = {k: tokens_in(offsets, *v) for k, v in spans(item, text).items()}
             if prompt_tokens.get(item.id) not in (None, len(ids)):  # the records' prompt is this one
                 raise SystemExit(f"{item.id}: {len(ids)} tokens here, {prompt_tokens[item.id]} in the records")
             row = {"item": item.id, "kind": item.extra["kind"], "gold": item.gold[0], "tokens": len(ids),

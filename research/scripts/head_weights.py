@@ -39,7 +39,7 @@ def features(source: LLM, target: LLM, ids: list[int]) -> tuple[torch.Tensor, to
     """The 0.5B's attention per (layer, head) from its last queries (G, n), and the oracle's score (n,)."""
     n = len(ids)
     tok, pos = torch.tensor([ids]), torch.arange(n)[None]
-    rows = (torch.tensor([n]) [:, None] + torch.arange(-ATTN_QUERIES, 0)).clamp(min=0)
+    rows = (torch.tensor([n])[:, None] + torch.arange(-ATTN_QUERIES, 0)).clamp(min=0)
     src = source.runner
     out = src.forward(tok, pos, src.new_cache(1, n), logits_at=None,
                       capture=AttnCapture(frozenset(range(src.num_layers)), rows))

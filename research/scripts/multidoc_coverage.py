@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from code_qa_coverage import arm_label, recomputed_shares
+from code_qa_coverage import arm_label, recomputed_shares, token_spans
 
 from rarecache.defaults import SERVED
 from rarecache.engine.llm import LLM
@@ -27,14 +27,6 @@ from rarecache.transfer.pipeline import Pipeline
 
 S, T = "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"
 PARTS = ("gold", "answer", "distractors", "question")
-
-
-def token_spans(target: LLM, messages: list[dict]) -> tuple[list[int], str, list[tuple[int, int]]]:
-    """The prompt's ids, its text and each token's character span in it (the tokenizer's own offsets: one
-    encode, where decoding every prefix would be quadratic)."""
-    text = target.tokenizer.render_chat(messages)
-    enc = target.tokenizer.tokenizer.encode(text, add_special_tokens=False)
-    return list(enc.ids), text, list(enc.offsets)
 
 
 def spans(text: str, gold: list[tuple[str, str]], answer: str) -> dict[str, list[tuple[int, int]]]:

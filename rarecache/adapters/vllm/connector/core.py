@@ -120,7 +120,7 @@ def check_selector(name: Any, where: str = "selector") -> str:
         why = "needs the source's attention, which the row store does not hold"
     elif sel is not None and sel.oracle:
         why = "is an oracle (it reads the target's own prefill): not for serving"
-    elif sel is not None and sel.two_pass:
+    elif sel is not None and sel.two_pass and sel.config.refine:
         why = ("keeps a refining pass's rows, a third stage before vLLM's tail that this adapter does not build "
                "(the two-pass variants run)")
     elif name == LAYER_PREFIX:
