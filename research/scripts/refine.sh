@@ -7,6 +7,7 @@
 #   step 1024:   rule 14 (ii), multidoc_qa T 1024 items 0-99 (rows from research/fidelity/rule11)
 #   step decompose: a diagnostic (no rule): `attn-source` on step screen's items
 #   step sinks:  rule 15 (i), `attn-source-span-raw` on step screen's items
+#   step window: a diagnostic (no rule): `query` (window 32) and the oracle at rho 0.2 on step screen's items
 # Read: python research/scripts/longctx_rules.py 9 RUNS/refine/<file> --arms <span> <refine> --served <span>
 #   nohup bash research/scripts/refine.sh screen > ~/.cache/rarecache/runs/refine-screen.log 2>&1 &
 set -euxo pipefail
@@ -25,7 +26,7 @@ from() {  # from NAME DIR [FILE]: start RUNS/refine/NAME from DIR's FILE (defaul
   sed "s|RUNS/|$R/|g" $2/$f.meta.json > $E/$1.meta.json
 }
 ARMS="target source 0.3:attn-source-span@v4b 0.3:query-refine@v4b"
-case ${1:?step screen, 4096, 1024, decompose or sinks} in
+case ${1:?step screen, 4096, 1024, decompose, sinks or window} in
   screen) from multidoc_qa-2048 research/fidelity/mdceil
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms $ARMS \
          --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
@@ -43,5 +44,9 @@ case ${1:?step screen, 4096, 1024, decompose or sinks} in
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 \
          --arms $ARMS 0.3:attn-source@v4b 0.3:attn-source-span-raw@v4b --limit 50 --threads 2 \
          --out $E/multidoc_qa-2048.jsonl > /dev/null;;
-  *) echo "unknown step $1: screen, 4096, 1024, decompose or sinks" >&2; exit 2;;
+  window) # a diagnostic after rules 14-15 (no rule): `query` (window 32 over mapped rows) and the oracle at rho 0.2
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 \
+         --arms $ARMS 0.3:attn-source@v4b 0.3:attn-source-span-raw@v4b 0.3:query@v4b 0.2:attn-target@v4b \
+         --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
+  *) echo "unknown step $1: screen, 4096, 1024, decompose, sinks or window" >&2; exit 2;;
 esac
