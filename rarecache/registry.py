@@ -30,9 +30,10 @@ QUERY_VALUE, QUERY_COMMON, QUERY_RAW, QUERY_SPAN = "query-value", "query-common"
 QUERY_LAYER_SPAN, QUERY_RANK, QUERY_W8, QUERY_W64 = "query-layer-span", "query-rank", "query-w8", "query-w64"
 ATTN_SOURCE_SPAN, ATTN_SOURCE_LINE, ATTN_SOURCE_BLOCK = "attn-source-span", "attn-source-line", "attn-source-block"
 ATTN_SOURCE_MIX, QUERY_REFINE, ATTN_SOURCE_SPAN_RAW = "attn-source-mix", "query-refine", "attn-source-span-raw"
+QUERY_BLEND = "query-blend"
 QUERY_VARIANTS = (QUERY, QUERY_LAYER, QUERY_HEAD, QUERY_ALL, QUERY_VALUE, QUERY_COMMON, QUERY_RAW, QUERY_SPAN,
                   QUERY_LAYER_SPAN, QUERY_RANK, QUERY_W8, QUERY_W64, ATTN_SOURCE_SPAN, ATTN_SOURCE_LINE,
-                  ATTN_SOURCE_BLOCK, ATTN_SOURCE_MIX, QUERY_REFINE, ATTN_SOURCE_SPAN_RAW)
+                  ATTN_SOURCE_BLOCK, ATTN_SOURCE_MIX, QUERY_REFINE, ATTN_SOURCE_SPAN_RAW, QUERY_BLEND)
 GSM8K_BPB, ARC_CHALLENGE, MMLU = "gsm8k_bpb", "arc_challenge", "mmlu"
 COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
 MULTIDOC_QA, MULTITURN = "multidoc_qa", "multiturn"  # (their data pools are keyed by task: eval/tasks/longctx_data.py)

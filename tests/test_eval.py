@@ -109,7 +109,7 @@ def test_arm_parsing():
                                            "query-layer, query-head, query-all, query-value, query-common, query-raw, "
                                            "query-span, query-layer-span, query-rank, query-w8, query-w64, "
                                            "attn-source-span, attn-source-line, attn-source-block, attn-source-mix, "
-                                           "query-refine, attn-source-span-raw, layer-prefix$"),
+                                           "query-refine, attn-source-span-raw, query-blend, layer-prefix$"),
                          ("x:rank", r"^bad arm 'x:rank': use target, source, RHO:SELECTOR\[@MAP\] \(e.g. 0.3:rank\) or ladder:SELECTOR\[@MAP\]$"),
                          ("2:rank", r"^rho must be a number in \[0, 1\], got 2.0$"),
                          ("0.3:rank@nope", "^arm '0.3:rank@nope' names map 'nope'; the run's maps: task$")):

@@ -154,7 +154,7 @@ def test_bad_settings_are_clear_errors():
         HandoffConfig(rho=1.5)
     with pytest.raises(RarecacheError, match="unknown selector"):
         HandoffConfig(selector="magic")
-    with pytest.raises(RarecacheError, match=r"unknown selector 'layer-prefix'; .*attn-source-span-raw \(layer-prefix "
+    with pytest.raises(RarecacheError, match=r"unknown selector 'layer-prefix'; .*query-blend \(layer-prefix "
                                              r"is a schedule: schedule='layer-prefix'\)$"):
         HandoffConfig(selector="layer-prefix")
     with pytest.raises(RarecacheError, match="unknown schedule 'magic'; choose from positions, layer-prefix$"):
@@ -166,7 +166,7 @@ def test_bad_settings_are_clear_errors():
                                              r"query-common, query-raw, query-span, query-layer-span, query-rank, "
                                              r"query-w8, query-w64, attn-source-span, attn-source-line, "
                                              r"attn-source-block, attn-source-mix, query-refine, attn-source-span-raw, "
-                                             r"layer-prefix$"):
+                                             r"query-blend, layer-prefix$"):
         HandoffConfig.named(0.3, "magic")
     with pytest.raises(RarecacheError, match=r"^rho must be a number in \[0, 1\], got 1.5$"):
         HandoffConfig.named(1.5, "magic")

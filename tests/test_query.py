@@ -169,6 +169,40 @@ def test_the_raw_span_ranks_the_sinks_with_their_span():
     assert served[0] == 30 and served[-4:] == [0, 1, 2, 3]
 
 
+def test_the_blend_sums_the_two_signals_shares(fitted):
+    """`query-blend`: pass 1's attention and the source's, each over what the ranked positions (not the window, not
+    the sinks) receive, summed, then the served arm's ±8 spans; by hand, through a handoff."""
+    from rarecache.transfer.choice import spans as span_order
+    from rarecache.transfer.query import first_pass, newest, received_by
+    from rarecache.transfer.selectors import attention_capture, received
+
+    source, target, mapper, prompts = fitted
+    ids = prompts[0]
+    n, rho = len(ids), 0.5
+    sel = SELECTORS["query-blend"]
+    assert sel.two_pass and sel.needs_source_attention
+    _, _, res = handoff(source, target, mapper, [ids], HandoffConfig(rho, "query-blend"))
+    src = source.new_cache(1, n)
+    out = source.forward(torch.tensor([ids]), torch.arange(n)[None], src,
+                         capture=attention_capture(source, torch.tensor([n])))
+    src_att = received(out.attn, n)  # (1, n)
+    _, mapped, _ = _mapped(fitted, ids)
+    total = budget(rho, n)
+    w = sel.config.split(total, n)
+    pos = torch.arange(n)[None]
+    attn, valid = first_pass(target, mapped, torch.tensor([ids]), newest(pos, [n], [w]), captured_layers(target, 0.25))
+    tgt_att = received_by(sel, attn, valid, mapped, pos)[:, 0]  # (1, n)
+    ranked = (pos >= 4) & (pos < n - w)
+    share = lambda x: (x * ranked) / (x * ranked).sum()  # noqa: E731
+    key = span_order(share(tgt_att) + share(src_att), 8, ranked)[0].masked_fill(~ranked[0], float("-inf"))
+    others = key.topk(total - 2 * w).indices.tolist()
+    assert res.positions[0] == sorted(others + list(range(n - w, n))) and res.first_pass == [list(range(n - w, n))]
+    with pytest.raises(ValueError, match="blends in the source's attention"):
+        sel.order(tgt_att[:, None], pos)
+    with pytest.raises(RarecacheError, match="bad query selector settings"):
+        QueryConfig(blend=True, group="layer")
+
+
 def test_a_span_after_kept_rows(fitted):
     """A later turn: only [k, n) is handed off; the window is its newest, the budget its ⌈ρ·(n − k)⌉, and
     the target's own rows before k stay."""
@@ -198,7 +232,7 @@ def test_variants_equal_one_handoff_each(fitted):
     out = source.forward(torch.tensor([ids]), torch.arange(n)[None], src,
                          capture=attention_capture(source, torch.tensor([n])))
     names = ["query", "query-layer", "query-value", "query-span", "query-rank", "query-w8", "attn-source-span",
-             "attn-source-line", "attn-source-block"]
+             "attn-source-line", "attn-source-block", "query-blend"]
     variants = [("a", HandoffConfig.named(0.5, s)) for s in names] + [("a", HandoffConfig(0.5, "rank")),
                                                                       ("a", HandoffConfig(1.0, "query"))]
     cache, logits, results = handoff_variants(source, target, {"a": mapper}, ids, variants, src,

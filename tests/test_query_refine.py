@@ -140,6 +140,8 @@ def test_variants_equal_one_handoff_each(fitted):
 def test_the_vllm_adapter_refuses_it_clearly():
     from rarecache.adapters.vllm.connector.core import ENGINE_SELECTORS, check_selector
 
-    assert NAME not in ENGINE_SELECTORS and "query-w8" in ENGINE_SELECTORS
+    assert NAME not in ENGINE_SELECTORS and "query-w8" in ENGINE_SELECTORS and "query-blend" not in ENGINE_SELECTORS
+    with pytest.raises(RarecacheError, match="query-blend.*needs the source's attention"):
+        check_selector("query-blend")
     with pytest.raises(RarecacheError, match="query-refine.*keeps a refining pass's rows"):
         check_selector(NAME)

@@ -37,7 +37,7 @@ from ..registry import LAYER_PREFIX
 from .choice import budget, now, select_top, subset
 from .mapper import Mapper
 from .query import captured_layers, choose, first_pass, newest, plan, two_pass
-from .selectors import ATTN_QUERIES, SELECTORS, SelectionContext, Selector, forward_received
+from .selectors import ATTN_QUERIES, SELECTORS, SelectionContext, Selector, forward_received, read_at
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
 # LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
@@ -244,7 +244,8 @@ def handoff(source: Runner, target: Runner, mapper: Mapper, prompts: list[list[i
 def _two_pass(target: Runner, m: Mapped, cfg: HandoffConfig):
     """A query-aware selector's two passes over the mapped cache (transfer/query.py), both in the budget."""
     handed = [n - s for s, n in zip(m.target_kept, m.lengths)]
-    logits, p = two_pass(target, m.cache, m.whole, m.positions, handed, cfg.scorer, cfg.rho, m.rank)
+    source = None if m.source_attn is None else read_at(m.source_attn, m.positions)  # (B, W): a blend's
+    logits, p = two_pass(target, m.cache, m.whole, m.positions, handed, cfg.scorer, cfg.rho, m.rank, source)
     passes = [k for k in PASSES if k in p.timings]
     timings = {**m.timings, **{k: p.timings[k] for k in passes}}
     timings["score"] += p.timings.get("score", 0.0)
@@ -359,7 +360,8 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
                 base.copy_prefix(cache, n)
             t = _now(target)
             p = choose(target, row, whole, positions, [n], sel, cfg.rho, ctx.rank_scores() if sel.needs_rank
-                       else None, done, refined=base)
+                       else None, done, refined=base,
+                       source=read_at(source_attn, positions) if sel.needs_source_attention else None)
             done_positions, first = p.recomputed(0)
             chosen, scores = p.chosen[0], p.scores[0]
             extra = {**extra, "first": first, "recomputed": done_positions,

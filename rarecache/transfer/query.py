@@ -117,12 +117,13 @@ def newest(positions: torch.Tensor, handed: list[int], widths: list[int]) -> tor
 
 def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
            sel: QuerySelector, rho: float, rank: torch.Tensor | None = None,
-           done: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None, refined: KVCache | None = None
-           ) -> Passes:
+           done: tuple[dict[int, torch.Tensor], torch.Tensor] | None = None, refined: KVCache | None = None,
+           source: torch.Tensor | None = None) -> Passes:
     """Pass 1 over `cache` (the mapped cache: its window rows become pass 1's) and the last pass's sets for
     handed-off positions (B, W) (the first handed[b] of row b), whole prompts (B, n). `rank` (B, W): rank
     disagreement, for `rank` variants. `done`: pass 1's capture, when the caller ran it on this cache.
-    A refining variant runs its refining pass into `refined` (default `cache`): the last pass starts there."""
+    A refining variant runs its refining pass into `refined` (default `cache`): the last pass starts there.
+    `source` (B, W): the source's attention at the positions, for `blend` variants."""
     totals, widths = plan(sel, rho, handed)
     window = newest(positions, handed, widths)  # (B, w)
     refines = {"refine": 0.0} if sel.config.refine else {}  # a refining variant's pass is always timed (0: none ran)
@@ -137,7 +138,7 @@ def choose(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
         forced = torch.zeros_like(positions, dtype=torch.bool)
         for b, (h, w) in enumerate(zip(handed, widths)):
             forced[b, h - w : h] = True
-        ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank)
+        ranked = sel.order(received_by(sel, attn, valid, cache, positions), positions, forced, rank, source=source)
         scores = torch.where(torch.tensor(widths, device=positions.device)[:, None] > 0, ranked, scores)
         timings = {"pass1": t1 - t, "score": now(target.device) - t1, **refines}
         if sel.config.refine:
@@ -181,11 +182,12 @@ def refine(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch
 
 
 def two_pass(target: Runner, cache: KVCache, whole: torch.Tensor, positions: torch.Tensor, handed: list[int],
-             sel: QuerySelector, rho: float, rank: torch.Tensor | None = None) -> tuple[torch.Tensor, Passes]:
+             sel: QuerySelector, rho: float, rank: torch.Tensor | None = None, source: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, Passes]:
     """Both passes over the mapped `cache` (arguments as `choose`) -> the last logits (B, V) and the passes;
     `cache` ends as a direct sparse recompute of pass 2's set from the mapped cache (a refining variant: of the
     refining pass's set, then of the last pass's from there; the module docstring)."""
-    passes = choose(target, cache, whole, positions, handed, sel, rho, rank)
+    passes = choose(target, cache, whole, positions, handed, sel, rho, rank, source=source)
     t = now(target.device)
     tokens, pos = subset(whole, passes.chosen)
     logits = target.forward(tokens, pos, cache).logits

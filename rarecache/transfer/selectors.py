@@ -90,7 +90,7 @@ def received(attn: dict[int, torch.Tensor], width: int) -> torch.Tensor:
     return out
 
 
-def _at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def read_at(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """values (B, S) read at positions (B, W) (padding reads 0)."""
     return values.gather(1, positions.clamp(min=0)) * (positions >= 0)
 
@@ -138,7 +138,7 @@ class SourceAttention(Selector):
     needs_source_attention = True
 
     def scores(self, ctx):
-        return _at(ctx.source_attn, ctx.positions)
+        return read_at(ctx.source_attn, ctx.positions)
 
 
 class Suffix(Selector):
@@ -164,7 +164,7 @@ class AttentionTimesRank(Selector):
     needs_rank = True
 
     def scores(self, ctx):
-        return _row_share(_at(ctx.source_attn, ctx.positions)) * _row_share(ctx.rank_scores())
+        return _row_share(read_at(ctx.source_attn, ctx.positions)) * _row_share(ctx.rank_scores())
 
 
 class AttentionPlusRank(Selector):
@@ -174,7 +174,7 @@ class AttentionPlusRank(Selector):
     needs_rank = True
 
     def scores(self, ctx):
-        return _row_share(_at(ctx.source_attn, ctx.positions)) + _row_share(ctx.rank_scores())
+        return _row_share(read_at(ctx.source_attn, ctx.positions)) + _row_share(ctx.rank_scores())
 
 
 class SuffixPlusAttention(Selector):
@@ -188,7 +188,7 @@ class SuffixPlusAttention(Selector):
     needs_source_attention = True
 
     def scores(self, ctx):
-        return _newest_in_turn_with(ctx.positions, _at(ctx.source_attn, ctx.positions))
+        return _newest_in_turn_with(ctx.positions, read_at(ctx.source_attn, ctx.positions))
 
 
 def _newest_in_turn_with(positions: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -213,7 +213,7 @@ class TargetAttention(Selector):
     """The attention the target's own prefill gives a position (an oracle: registry.py lists it so)."""
 
     def scores(self, ctx):
-        return _at(ctx.target_prefill()[1], ctx.positions)
+        return read_at(ctx.target_prefill()[1], ctx.positions)
 
 
 class L2Oracle(Selector):
@@ -294,10 +294,12 @@ class QueryConfig:
     rank: bool = False  # take rank disagreement's picks in turn with attention's
     source: bool = False  # one pass: the source's attention from its last queries (attn-source's), no pass 1
     refine: float = 0.0  # a refining pass recomputes this share of the picks and the window, then reads again
+    blend: bool = False  # two passes: the target's attention and the source's (attn-source's), each a share, summed
 
     def __post_init__(self):
         shares = 0 < self.layers <= 1 and 0 <= self.window_share <= 1 and min(self.window, self.sinks, self.span) >= 0
         shares &= 0 <= self.refine < 1 and not (self.refine and self.source)
+        shares &= not self.blend or (not (self.source or self.refine) and self.group == "sum")
         segment = self.segment in SEGMENTS and bool(self.segment) == (self.piece > 0) and (
             not self.segment or self.source)
         if self.group not in GROUPS or not shares or not segment:
@@ -328,7 +330,7 @@ class QuerySelector(Selector):
     def __init__(self, name: str, config: QueryConfig):
         self.name, self.config = name, config
         self.two_pass = not config.source
-        self.needs_source_attention = config.source
+        self.needs_source_attention = config.source or config.blend
         self.needs_rank = config.rank
 
     def ends(self, runner: Runner, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -339,14 +341,20 @@ class QuerySelector(Selector):
         return ends.gather(1, positions.clamp(min=0)) & (positions >= 0)
 
     def order(self, att: torch.Tensor, positions: torch.Tensor, forced: torch.Tensor | None = None,
-              rank: torch.Tensor | None = None, ends: torch.Tensor | None = None) -> torch.Tensor:
+              rank: torch.Tensor | None = None, ends: torch.Tensor | None = None,
+              source: torch.Tensor | None = None) -> torch.Tensor:
         """Scores (B, W), one order for every budget, from attention received att (B, G, W) per group (one
         group, a layer's or a (layer, head)'s) at positions (B, W): the `forced` ones first (pass 1's), then the
-        ranked ones, then the sinks, padding last. `ends` (B, W): where segments end (`segment` variants)."""
+        ranked ones, then the sinks, padding last. `ends` (B, W): where segments end (`segment` variants);
+        `source` (B, W): the source's attention at the positions (`blend` variants)."""
         cfg, pad = self.config, positions < 0
         eligible = ~pad & (positions >= cfg.sinks)
         if forced is not None:
             eligible &= ~forced
+        if cfg.blend:  # each signal as a share of what the ranked positions receive, summed
+            if source is None:
+                raise ValueError(f"{self.name} blends in the source's attention: pass it")
+            att = (_row_share(att[:, 0] * eligible) + _row_share(source * eligible))[:, None]
         key = union_of_groups(att, eligible) if att.shape[1] > 1 else att[:, 0].float()
         if cfg.segment:
             if ends is None:
@@ -363,7 +371,7 @@ class QuerySelector(Selector):
     def scores(self, ctx):
         if self.two_pass:
             raise RuntimeError(f"{self.name} runs in two passes (transfer/query.py), not from one score")
-        att = _at(ctx.source_attn, ctx.positions)[:, None]  # (B, 1, W)
+        att = read_at(ctx.source_attn, ctx.positions)[:, None]  # (B, 1, W)
         return self.order(att, ctx.positions, rank=ctx.rank_scores() if self.config.rank else None,
                           ends=self.ends(ctx.target, ctx.tokens, ctx.positions))
 
@@ -389,6 +397,7 @@ QUERY_VARIANTS = {  # registry name -> settings: each screened by name (`0.3:que
     registry.ATTN_SOURCE_MIX: QueryConfig(source=True, span=SPAN, segment="block", piece=BLOCK_PIECE),
     registry.QUERY_REFINE: QueryConfig(window=8, refine=0.5),
     registry.ATTN_SOURCE_SPAN_RAW: QueryConfig(source=True, span=SPAN, sinks=0),  # the sinks ranked, with spans
+    registry.QUERY_BLEND: QueryConfig(window=8, blend=True, span=SPAN),
 }
 
 

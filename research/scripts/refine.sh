@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ADOPTION.md rules 14-15: `query-refine` (a refining pass reads the question's attention again) and
+# ADOPTION.md rules 14-16: `query-refine` (a refining pass reads the question's attention again) and
 # `attn-source-span-raw` (the sinks ranked) at rho 0.3 through
 # v4 (sha 7145adb2), beside the served span's committed rows, each file started from them so only the new arm runs.
 #   step screen: rule 14 (i), multidoc_qa T 2048 items 0-49 (rows from research/fidelity/mdceil)
@@ -8,6 +8,7 @@
 #   step decompose: a diagnostic (no rule): `attn-source` on step screen's items
 #   step sinks:  rule 15 (i), `attn-source-span-raw` on step screen's items
 #   step window: a diagnostic (no rule): `query` (window 32) and the oracle at rho 0.2 on step screen's items
+#   step blend:  rule 16 (i), `query-blend` on step screen's items
 # Read: python research/scripts/longctx_rules.py 9 RUNS/refine/<file> --arms <span> <refine> --served <span>
 #   nohup bash research/scripts/refine.sh screen > ~/.cache/rarecache/runs/refine-screen.log 2>&1 &
 set -euxo pipefail
@@ -26,7 +27,7 @@ from() {  # from NAME DIR [FILE]: start RUNS/refine/NAME from DIR's FILE (defaul
   sed "s|RUNS/|$R/|g" $2/$f.meta.json > $E/$1.meta.json
 }
 ARMS="target source 0.3:attn-source-span@v4b 0.3:query-refine@v4b"
-case ${1:?step screen, 4096, 1024, decompose, sinks or window} in
+case ${1:?step screen, 4096, 1024, decompose, sinks, window or blend} in
   screen) from multidoc_qa-2048 research/fidelity/mdceil
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 --arms $ARMS \
          --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
@@ -48,5 +49,9 @@ case ${1:?step screen, 4096, 1024, decompose, sinks or window} in
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 \
          --arms $ARMS 0.3:attn-source@v4b 0.3:attn-source-span-raw@v4b 0.3:query@v4b 0.2:attn-target@v4b \
          --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
-  *) echo "unknown step $1: screen, 4096, 1024, decompose, sinks or window" >&2; exit 2;;
+  blend) # ADOPTION.md rule 16 (i): `query-blend`, on step screen's items
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v4b=$V4 \
+         --arms $ARMS 0.3:attn-source@v4b 0.3:attn-source-span-raw@v4b 0.3:query@v4b 0.2:attn-target@v4b \
+         0.3:query-blend@v4b --limit 50 --threads 2 --out $E/multidoc_qa-2048.jsonl > /dev/null;;
+  *) echo "unknown step $1: screen, 4096, 1024, decompose, sinks, window or blend" >&2; exit 2;;
 esac

@@ -51,8 +51,10 @@ from .sharding import HeadRange
 
 RECOMPUTE_SELECTORS = (RANK, RANDOM, SUFFIX_RANK)  # scored positions, recomputed by our Runner
 # two passes around vLLM's tail; a refining variant's middle pass keeps rows a third stage would have to build
-# before vLLM's tail (not built here: those run in our engine only)
-QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items() if s.two_pass and not s.config.refine)
+# before vLLM's tail (not built here: those run in our engine only); a blend reads the source's attention, which
+# the row store does not hold
+QUERY_SELECTORS = tuple(n for n, s in SELECTORS.items()
+                        if s.two_pass and not (s.config.refine or s.needs_source_attention))
 NATIVE_SELECTORS = (SUFFIX,)  # the newest positions, recomputed by vLLM itself
 ENGINE_SELECTORS = RECOMPUTE_SELECTORS + QUERY_SELECTORS + NATIVE_SELECTORS
 ENGINE_DEFAULT = default_selector(ENGINE_SELECTORS)[0]  # the served default, or its fallback where it cannot run
