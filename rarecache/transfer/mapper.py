@@ -247,7 +247,7 @@ class Mapper:
                      positions: torch.Tensor, dtype: torch.dtype | None = None, rank: bool = True,
                      tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """`apply` keeping only what a handoff's selector reads: the rank-disagreement score (B, T) when
-        `rank` (equal to `selectors.rank_scores` of `apply`'s output), else nothing (None)."""
+        `rank` (equal to `rank_scores` of `apply`'s output), else nothing (None)."""
         return map_into(self, source, source_cache, target, target_cache, positions,
                         dtype or self.dtype_for(target), rank=rank, own=self.own_rows(target, tokens, positions))[1]
 
@@ -263,6 +263,24 @@ class Mapper:
         write_rows(target, target_cache, positions, out["k"][0], out["v"][0])
         self.write_own(target, target_cache, positions, own)
         return {side: z for side, (_, z) in out.items()}
+
+
+def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W),
+    z the map's centred outputs (`centred`, per side). Layers computed exactly (`Mapper.exact_layers`) carry
+    no map error and are left out."""
+    total = 0
+    first = mapper.exact_layers
+    for side, zs in centred.items():  # zs (Lt, B, W, dt)
+        zs = zs[first:]
+        Lt, B, W, dt = zs.shape
+        basis = mapper.sides[side].basis[first:].to(zs.device, zs.dtype)  # (Lt, dt, r)
+        acc = torch.promote_types(zs.dtype, torch.float32)  # norms accumulate in at least float32
+        proj = torch.bmm(zs.reshape(Lt, B * W, dt), basis)  # (Lt, B·W, r), in the map's dtype
+        energy = torch.linalg.vector_norm(zs, dim=-1, dtype=acc).square()  # (Lt, B, W)
+        inside = torch.linalg.vector_norm(proj, dim=-1, dtype=acc).square().view(Lt, B, W)
+        total = total + (energy - inside).sum(0)
+    return total
 
 
 def _nonzero(powers: dict[str, float]) -> dict[str, float]:

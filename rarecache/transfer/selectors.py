@@ -21,7 +21,7 @@ from .. import registry
 from ..errors import RarecacheError
 from ..models.tokenizer import BLANK, LEADING_BREAK, LINE, TRAILING_BREAK
 from .choice import in_turn, lexicographic, order_rank, pieces, segments, spans, union_of_groups
-from .mapper import Mapper
+from .mapper import Mapper, rank_scores  # (rank disagreement: the map's own score)
 
 ATTN_QUERIES = 32  # last queries whose attention is summed (the RaReCache paper, arXiv 2610.11358, §4.3)
 
@@ -230,24 +230,6 @@ class L2Oracle(Selector):
             t = true.gather(3, idx).float().transpose(2, 3).flatten(3)
             err = err + ((m - t).norm(dim=-1) / t.norm(dim=-1).clamp(min=1e-6)).mean(0)
         return err / 2
-
-
-def rank_scores(mapper: Mapper, centred: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Rank disagreement s = Σ over target layers and sides of ‖z‖² − ‖z V_r‖², per position (B, W),
-    z the map's centred outputs (`centred`, per side). Layers computed exactly (`Mapper.exact_layers`) carry
-    no map error and are left out."""
-    total = 0
-    first = mapper.exact_layers
-    for side, zs in centred.items():  # zs (Lt, B, W, dt)
-        zs = zs[first:]
-        Lt, B, W, dt = zs.shape
-        basis = mapper.sides[side].basis[first:].to(zs.device, zs.dtype)  # (Lt, dt, r)
-        acc = torch.promote_types(zs.dtype, torch.float32)  # norms accumulate in at least float32
-        proj = torch.bmm(zs.reshape(Lt, B * W, dt), basis)  # (Lt, B·W, r), in the map's dtype
-        energy = torch.linalg.vector_norm(zs, dim=-1, dtype=acc).square()  # (Lt, B, W)
-        inside = torch.linalg.vector_norm(proj, dim=-1, dtype=acc).square().view(Lt, B, W)
-        total = total + (energy - inside).sum(0)
-    return total
 
 
 GROUPS = ("sum", "layer", "head")  # QueryConfig.group
