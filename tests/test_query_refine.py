@@ -12,23 +12,9 @@ from rarecache.transfer.handoff import HandoffConfig, budget, handoff, handoff_v
 from rarecache.transfer.query import captured_layers, first_pass, newest, received_by, two_pass
 from rarecache.transfer.selectors import SELECTORS, QueryConfig, attention_capture, received
 
+from .test_query import _copy, _mapped
+
 NAME = "query-refine"
-
-
-def _mapped(fitted, ids):
-    source, target, mapper, _ = fitted
-    n = len(ids)
-    src = source.new_cache(1, n)
-    source.forward(torch.tensor([ids]), torch.arange(n)[None], src, logits_at=None)
-    cache = target.new_cache(1, n)
-    mapper.apply(source, src, target, cache, torch.arange(n)[None], tokens=torch.tensor([ids]))
-    return cache
-
-
-def _copy(target, cache, n):
-    out = target.new_cache(1, n)
-    out.copy_prefix(cache, n)
-    return out
 
 
 @pytest.mark.parametrize("total, window, want", [(19, 4, 3), (12, 3, 1), (9, 3, 0), (10, 0, 0), (615, 8, 295)])
@@ -49,7 +35,7 @@ def test_the_result_is_two_direct_sparse_recomputes_in_turn(fitted, rho):
     _, target, _, prompts = fitted
     ids = prompts[0]
     n = len(ids)
-    mapped = _mapped(fitted, ids)
+    _, mapped, _ = _mapped(fitted, ids)
     sel = SELECTORS[NAME]
     whole, pos = torch.tensor([ids]), torch.arange(n)[None]
     staged = _copy(target, mapped, n)

@@ -32,6 +32,7 @@ from ..defaults import SERVED
 from ..engine.runner import Runner
 from ..transfer.handoff import HandoffConfig, handoff
 from ..transfer.mapper import SIDES, Mapper
+from ..transfer.query import timed_passes
 from ..transfer.selectors import forward_received
 from .memory import Peak, footprint, measure
 
@@ -110,9 +111,7 @@ def time_cell(source: Runner, target: Runner, mapper: Mapper, T: int, rho: float
     src_cache, src_attn = _source_prefill(source, prompts, cfg)
     tokens = torch.tensor(prompts, device=target.device)
     pos = torch.arange(T, device=target.device).expand(batch, T)
-    passes = ()  # a query-aware selector's passes, timed inside recompute and apart
-    if cfg.scorer.two_pass:
-        passes = ("pass1", "refine", "pass2") if cfg.scorer.config.refine else ("pass1", "pass2")
+    passes = timed_passes(cfg.scorer)  # a query-aware selector's passes, timed inside recompute and apart
     cell = Cell(T, rho, batch, [], {k: [] for k in ("map", "score", "recompute", *passes)}, {})
     for side in SIDES:  # the map's tensors in the handoff's dtype, cast once before anything is measured
         mapper.tensors(side, mapper.dtype_for(target), target.device)

@@ -36,14 +36,13 @@ from ..errors import RarecacheError
 from ..registry import LAYER_PREFIX
 from .choice import budget, now, select_top, subset
 from .mapper import Mapper
-from .query import captured_layers, choose, first_pass, newest, plan, two_pass
+from .query import captured_layers, choose, first_pass, newest, plan, timed_passes, two_pass
 from .selectors import ATTN_QUERIES, SELECTORS, SelectionContext, Selector, forward_received, read_at
 
 POSITIONS = "positions"  # the selector's ⌈ρ·T⌉ positions through all the target's layers
 # LAYER_PREFIX (registry.py, where selectors are named): the target's first m layers for every position, m
 # FLOP-matched to ρ
 SCHEDULES = (POSITIONS, LAYER_PREFIX)
-PASSES = ("pass1", "refine", "pass2")  # a query-aware selector's recompute passes, timed apart (refine: if it has one)
 
 
 def check_rho(rho, where: str = "rho") -> float:
@@ -246,7 +245,7 @@ def _two_pass(target: Runner, m: Mapped, cfg: HandoffConfig):
     handed = [n - s for s, n in zip(m.target_kept, m.lengths)]
     source = None if m.source_attn is None else read_at(m.source_attn, m.positions)  # (B, W): a blend's
     logits, p = two_pass(target, m.cache, m.whole, m.positions, handed, cfg.scorer, cfg.rho, m.rank, source)
-    passes = [k for k in PASSES if k in p.timings]
+    passes = timed_passes(cfg.scorer)
     timings = {**m.timings, **{k: p.timings[k] for k in passes}}
     timings["score"] += p.timings.get("score", 0.0)
     timings["recompute"] = sum(p.timings[k] for k in passes)
@@ -364,8 +363,7 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
                        source=read_at(source_attn, positions) if sel.needs_source_attention else None)
             done_positions, first = p.recomputed(0)
             chosen, scores = p.chosen[0], p.scores[0]
-            extra = {**extra, "first": first, "recomputed": done_positions,
-                     **({"refine": p.timings["refine"]} if "refine" in p.timings else {})}
+            extra = {**extra, "first": first, "recomputed": done_positions, "refine": p.timings.get("refine", 0.0)}
         else:
             scores = sel.scores(ctx)[0]  # (n,)
             chosen = select_top(scores, budget(cfg.rho, n))
@@ -388,8 +386,8 @@ def handoff_variants(source: Runner, target: Runner, mappers: dict[str, Mapper],
             first, positions_done = None, chosen.tolist()
             if "first" in extra:  # every pass: pass 1 (shared by the variants with its window), a refining
                 # pass (its own), the last pass (the budget's batch)
-                passes = {"pass1": extra["pass1"], **({"refine": extra["refine"]} if "refine" in extra else {}),
-                          "pass2": recompute_s}
+                earlier = timed_passes(variants[v][1].scorer)[:-1]
+                passes = {**{k: extra[k] for k in earlier}, "pass2": recompute_s}
                 timings.update(passes, recompute=sum(passes.values()))
                 first, positions_done = [extra["first"]], extra["recomputed"]
             results[v] = HandoffResult([positions_done], [scores], [(0, n)], timings=timings, first_pass=first)

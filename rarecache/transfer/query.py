@@ -60,6 +60,14 @@ class Passes:
         return sorted(self.chosen[b].tolist() + kept.tolist()), first + again
 
 
+def timed_passes(sel) -> tuple[str, ...]:
+    """The recompute passes a handoff by selector `sel` times apart, in order (none for a one-pass selector):
+    `Passes.timings` holds each of them, the last ("pass2") added by whoever runs it."""
+    if sel is None or not sel.two_pass:
+        return ()
+    return ("pass1", "refine", "pass2") if sel.config.refine else ("pass1", "pass2")
+
+
 def captured_layers(target: Runner, share: float) -> frozenset[int]:
     """The top `share` of the target's layers (at least one), as `selectors.attention_capture` reads them."""
     L = target.num_layers
