@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from multidoc_coverage import S, T, spans, token_spans
+from multidoc_coverage import S, T, item_parts
 
 from rarecache.defaults import SERVED
 from rarecache.engine.llm import LLM
@@ -90,9 +90,7 @@ def main() -> None:
     rows = []
     with args.out.open("w") as out:
         for k, item in enumerate(task.items()[: args.items]):
-            ids, text, offsets = token_spans(target, list(item.messages))
-            where = {part: {i for i, (a, b) in enumerate(offsets) if any(a < hi and b > lo for lo, hi in v)}
-                     for part, v in spans(text, list(questions[k].gold), item.gold[0]).items()}
+            ids, where = item_parts(target, item, questions[k])
             x, y = features(source, target, ids)
             n, K = len(ids), budget(args.rho, len(ids))
             pos = torch.arange(n)[None]

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from code_qa_coverage import arm_label, recomputed_shares, token_spans
+from code_qa_coverage import arm_label, recomputed_shares, token_spans, tokens_in
 
 from rarecache.defaults import SERVED
 from rarecache.engine.llm import LLM
@@ -46,6 +46,14 @@ def spans(text: str, gold: list[tuple[str, str]], answer: str) -> dict[str, list
         raise SystemExit(f"the answer {answer!r} is not in the gold documents as written")
     return {"gold": [d for d, g in zip(docs, is_gold) if g], "answer": found,
             "distractors": [d for d, g in zip(docs, is_gold) if not g], "question": [(ask, len(text))]}
+
+
+def item_parts(target: LLM, item, question) -> tuple[list[int], dict[str, set[int]]]:
+    """An item's prompt ids and the token indices of each of its parts (`spans`), `question` its HotpotQA
+    question (the task's `_questions("eval")`, in item order)."""
+    ids, text, offsets = token_spans(target, list(item.messages))
+    parts = spans(text, list(question.gold), item.gold[0])
+    return ids, {part: set().union(*(tokens_in(offsets, lo, hi) for lo, hi in v)) for part, v in parts.items()}
 
 
 def summarise(path: Path) -> None:
@@ -90,11 +98,9 @@ def main() -> None:
         for k, item in enumerate(task.items()[: args.items]):
             if item.id in done:
                 continue
-            ids, text, offsets = token_spans(target, list(item.messages))
+            ids, where = item_parts(target, item, questions[k])
             if ids != source.encode(list(item.messages)):
                 raise SystemExit(f"{item.id}: the prompt's tokens differ from the handoff's")
-            where = {part: {i for i, (a, b) in enumerate(offsets) if any(a < hi and b > lo for lo, hi in v)}
-                     for part, v in spans(text, list(questions[k].gold), item.gold[0]).items()}
             if prompt_tokens.get(item.id) not in (None, len(ids)):  # the records' prompt is this one
                 raise SystemExit(f"{item.id}: {len(ids)} tokens here, {prompt_tokens[item.id]} in the records")
             row = {"item": item.id, "depth": item.extra["depth"], "tokens": len(ids),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from multidoc_coverage import S, T, spans, token_spans
+from multidoc_coverage import S, T, item_parts
 
 from rarecache.defaults import SERVED
 from rarecache.engine.llm import LLM
@@ -132,9 +132,7 @@ def main() -> None:
         for k, item in enumerate(task.items()[: args.items]):
             if item.id in done:
                 continue
-            ids, text, offsets = token_spans(target, list(item.messages))
-            where = {part: {i for i, (a, b) in enumerate(offsets) if any(a < hi and b > lo for lo, hi in v)}
-                     for part, v in spans(text, list(questions[k].gold), item.gold[0]).items()}
+            ids, where = item_parts(target, item, questions[k])
             sets, oracle = candidates(pipe, ids, args.rho)
             n = len(ids)
             content = torch.zeros(n, dtype=torch.bool)
