@@ -37,7 +37,9 @@ QUERY_VARIANTS = (QUERY, QUERY_LAYER, QUERY_HEAD, QUERY_ALL, QUERY_VALUE, QUERY_
 GSM8K_BPB, ARC_CHALLENGE, MMLU = "gsm8k_bpb", "arc_challenge", "mmlu"
 COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
 MULTIDOC_QA, MULTITURN = "multidoc_qa", "multiturn"  # (their data pools are keyed by task: eval/tasks/longctx_data.py)
-GENERAL, GENERAL_V2, GENERAL_V3 = "general", "general-v2", "general-v3"
+RETRIEVAL, CODE_QA, PASSAGE_QA_GEN = "retrieval", "code_qa", "passage_qa_gen"
+LONG_TASKS = (RETRIEVAL, MULTIDOC_QA, CODE_QA, MULTITURN, PASSAGE_QA_GEN)  # the long-context suite
+GENERAL, GENERAL_V2, GENERAL_V3, GENERAL_V4 = "general", "general-v2", "general-v3", "general-v4"
 
 
 class Names:
@@ -119,15 +121,16 @@ TASKS = Names("task", {
     COQA_PASSAGE: f"{_TASKS}.coqa:CoQAPassage",
     "wiki_ppl": f"{_TASKS}.wiki_ppl:WikiPerplexity",
     # the long-context suite (eval/tasks/longctx.py): built at --length 1024, 2048 or 4096
-    "retrieval": f"{_TASKS}.retrieval:Retrieval",
+    RETRIEVAL: f"{_TASKS}.retrieval:Retrieval",
     MULTIDOC_QA: f"{_TASKS}.documents:MultiDocQA",
-    "code_qa": f"{_TASKS}.code_qa:CodeQA",
+    CODE_QA: f"{_TASKS}.code_qa:CodeQA",
     MULTITURN: f"{_TASKS}.retrieval:MultiTurn",
-    "passage_qa_gen": f"{_TASKS}.documents:PassageQAGen",
+    PASSAGE_QA_GEN: f"{_TASKS}.documents:PassageQAGen",
 })
 
 PRESETS = Names("preset", {
     GENERAL: "rarecache.eval.mix:SERVED_COMPONENTS",  # the served map's mix: one of the others
     GENERAL_V2: "rarecache.eval.mix:COMPONENTS",
     GENERAL_V3: "rarecache.eval.mix:COMPONENTS_V3",
+    GENERAL_V4: "rarecache.eval.mix:COMPONENTS_V4",  # v3 + the long-context tasks' held-apart items (a candidate)
 })

@@ -18,6 +18,7 @@ documents, and the corpus fingerprint recorded in the map identifies it.
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -27,23 +28,27 @@ from pathlib import Path
 
 from ..errors import RarecacheError
 from ..packages import fetch_package_file
-from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, PRESETS
+from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, GENERAL_V4, LONG_TASKS, PRESETS
 from ..transfer.fitting.corpus import BUILTINS, Corpus, exllama_docs
 from .data import long_context_json, olmo_documents
 from .disjoint import Doc, doc_lines, evaluated_lines
+from .mix_long import long_documents
 
 NAME = GENERAL  # the served mix's preset
 SEED = 20261201
 SEQ_LEN = 1024  # calibration sequence length: a few-shot chain runs to ~1,000 tokens, as GSM8K's prompts do
+SEQ_LEN_LONG = 2048  # general-v4's: its long share's items are whole at 1k and 2k tokens (eval/mix_long.py)
 SHARPEN = (1.0, 0.5)  # plain transfer's keys', values' sharpening power (Mapper.plain; chosen in RESULTS.md 8)
 
 
 @dataclass(frozen=True)
 class Component:
     name: str
-    weight: int  # documents of this component per round of the interleave
+    weight: float  # documents of this component per round of the interleave
     about: str
-    build: Callable[[Path | None], list[tuple[str, Doc]]]  # (id, document) pairs
+    build: Callable[[Path | None], list[tuple[str, Doc]]] | None  # (id, document) pairs
+    # or built from the evaluated tasks themselves -> (pairs, the task template lines they may share)
+    from_tasks: Callable[[dict[str, object]], tuple[list[tuple[str, Doc]], set[str]]] | None = None
 
 
 def _user(text: str) -> dict[str, str]:
@@ -286,7 +291,13 @@ COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-MIXES = {GENERAL_V2: COMPONENTS, GENERAL_V3: COMPONENTS_V3}  # (their names: registry.PRESETS)
+# v3 and the long-context tasks' held-apart items, whole, at 1k and 2k tokens (eval/mix_long.py): a candidate.
+# One component per task, so that every task has its share of any prefix; 2 documents a round in all.
+COMPONENTS_V4 = COMPONENTS_V3 + tuple(
+    Component(f"long-{t}", 2 / len(LONG_TASKS), f"{t}'s held-apart items at 1k and 2k tokens, prompt and gold reply",
+              None, functools.partial(long_documents, names=(t,))) for t in LONG_TASKS)
+MIXES = {GENERAL_V2: COMPONENTS, GENERAL_V3: COMPONENTS_V3, GENERAL_V4: COMPONENTS_V4}  # (names: registry.PRESETS)
+SEQ_LENS = {GENERAL_V4: SEQ_LEN_LONG}  # a mix's calibration sequence length, where not SEQ_LEN
 SERVED_MIX = GENERAL_V3  # what `--preset general` means: the mix of the served map (defaults.SERVED)
 SERVED_COMPONENTS = MIXES[SERVED_MIX]
 # The corpus name a mix's maps record (MapInfo), where it is not the mix's: v2's maps were made when v2 was
@@ -305,6 +316,11 @@ def mix_name(preset: str = NAME) -> str:
 def preset_of(recorded: str) -> str:
     """The preset that makes again a map recording corpus name `recorded` (RECORDED_AS read backwards)."""
     return {v: k for k, v in RECORDED_AS.items()}.get(recorded, recorded)
+
+
+def seq_len(preset: str = NAME) -> int:
+    """The calibration sequence length of a preset's maps (`calibrate --preset` without --seq-len)."""
+    return SEQ_LENS.get(mix_name(preset), SEQ_LEN)
 
 
 def components(preset: str = NAME) -> tuple[Component, ...]:
@@ -330,15 +346,15 @@ def general_corpus(tasks: dict[str, object], cache_dir: Path | None = None,
                    preset: str = NAME) -> tuple[Corpus, int]:
     """The general mix (`preset`: `general` or one of MIXES) as a chat corpus, documents in their fixed
     interleaved order, without any document that shares a line with an evaluated item of `tasks` (MMLU's
-    high-school mathematics holds MATH problems, for one). Returns the corpus and how many documents were
-    dropped."""
+    high-school mathematics holds MATH problems, for one; a component built from the tasks themselves may share
+    their template lines, eval/mix_long.py). Returns the corpus and how many documents were dropped."""
     evaluated = evaluated_lines(tasks)
     pools, dropped = {}, 0
     name = mix_name(preset)
     mix = MIXES[name]
     for c in mix:
-        docs = c.build(cache_dir)
-        kept = [(i, d) for i, d in docs if not doc_lines(d) & evaluated]
+        docs, template = c.from_tasks(tasks) if c.from_tasks else (c.build(cache_dir), set())
+        kept = [(i, d) for i, d in docs if not doc_lines(d) & (evaluated - template)]
         dropped += len(docs) - len(kept)
         random.Random(f"{SEED}:{c.name}").shuffle(kept)
         pools[c.name] = kept
