@@ -39,7 +39,8 @@ COQA_BPB, COQA_PASSAGE = "coqa_bpb", "coqa_passage"
 MULTIDOC_QA, MULTITURN = "multidoc_qa", "multiturn"  # (their data pools are keyed by task: eval/tasks/longctx_data.py)
 RETRIEVAL, CODE_QA, PASSAGE_QA_GEN = "retrieval", "code_qa", "passage_qa_gen"
 LONG_TASKS = (RETRIEVAL, MULTIDOC_QA, CODE_QA, MULTITURN, PASSAGE_QA_GEN)  # the long-context suite
-GENERAL, GENERAL_V2, GENERAL_V3, GENERAL_V4 = "general", "general-v2", "general-v3", "general-v4"
+GENERAL, GENERAL_V2, GENERAL_V3 = "general", "general-v2", "general-v3"
+GENERAL_V4, GENERAL_V5 = "general-v4", "general-v5"
 
 
 class Names:
@@ -133,4 +134,5 @@ PRESETS = Names("preset", {
     GENERAL_V2: "rarecache.eval.mix:COMPONENTS",
     GENERAL_V3: "rarecache.eval.mix:COMPONENTS_V3",
     GENERAL_V4: "rarecache.eval.mix:COMPONENTS_V4",  # v3 + the long-context tasks' held-apart items (a candidate)
+    GENERAL_V5: "rarecache.eval.mix:COMPONENTS_V5",  # the same, four times the long share (a candidate)
 })

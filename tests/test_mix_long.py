@@ -86,13 +86,14 @@ def test_the_mix_keeps_template_lines_and_drops_any_other_shared_line(monkeypatc
     assert mix.general_corpus({"retrieval": toy}, preset="general-v4")[0].ids == ()
 
 
-def test_v4_is_v3_and_one_long_component_per_task_two_documents_a_round():
-    v3, v4 = mix.components("general-v3"), mix.components("general-v4")
-    assert v4[: len(v3)] == v3
-    long = v4[len(v3):]
+@pytest.mark.parametrize("preset,weight", [("general-v4", 2), ("general-v5", 8)])
+def test_v4_and_v5_are_v3_and_one_long_component_per_task(preset, weight):
+    v3, v = mix.components("general-v3"), mix.components(preset)
+    assert v[: len(v3)] == v3
+    long = v[len(v3):]
     assert [c.name for c in long] == [f"long-{t}" for t in LONG_TASKS]
-    assert sum(c.weight for c in long) == pytest.approx(2) and all(c.build is None and c.from_tasks for c in long)
-    assert mix.seq_len("general-v4") == 2048 and mix.seq_len("general-v3") == mix.seq_len("general") == 1024
+    assert sum(c.weight for c in long) == pytest.approx(weight) and all(c.build is None and c.from_tasks for c in long)
+    assert mix.seq_len(preset) == 2048 and mix.seq_len("general-v3") == mix.seq_len("general") == 1024
     # without the tasks (nothing to build the items with) the long share is empty and v3's documents come first
     assert all(c.from_tasks({}) == ([], set()) for c in long)
 

@@ -39,14 +39,14 @@ def _add_calibrate(sub) -> None:
                         "checked disjoint from every task's evaluated items, instead of --corpus; it is general-v3: "
                         "multi-turn reading conversations, unevaluated few-shot tasks, math, code, prose (that "
                         "much is general-v2, the mix served before) and few-shot chains of GSM8K's held-apart "
-                        "word problems (docs/RESULTS.md 8, 8.3); general-v4 (a candidate) adds the long-context "
-                        "tasks' held-apart items, whole at 1k and 2k tokens")
+                        "word problems (docs/RESULTS.md 8, 8.3); general-v4 and -v5 (candidates) add the long-context "
+                        "tasks' held-apart items, whole at 1k and 2k tokens, 2 and 8 documents a round")
     p.add_argument("--tokens", type=int, default=65536, help="calibration positions for the fit (default: 65536)")
     p.add_argument("--heldout-tokens", type=int, default=8192,
                    help="positions from later documents for held-out R2 (default: 8192; 0 = none)")
     p.add_argument("--seq-len", type=int, default=None,
                    help="tokens per calibration sequence (default: 512; 1024 with a --preset, whose few-shot "
-                        "chains are that long; 2048 with general-v4, whose long items are)")
+                        "chains are that long; 2048 with general-v4 and -v5, whose long items are)")
     p.add_argument("--stride", type=int, default=1, help="sample every STRIDE-th position (default: 1)")
     p.add_argument("--skip-first", type=int, default=0, help="leave out the first N positions (default: 0)")
     p.add_argument("--k", type=int, default=8, help="source layers per target layer (default: 8)")

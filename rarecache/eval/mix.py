@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ..errors import RarecacheError
 from ..packages import fetch_package_file
-from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, GENERAL_V4, LONG_TASKS, PRESETS
+from ..registry import GENERAL, GENERAL_V2, GENERAL_V3, GENERAL_V4, GENERAL_V5, LONG_TASKS, PRESETS
 from ..transfer.fitting.corpus import BUILTINS, Corpus, exllama_docs
 from .data import long_context_json, olmo_documents
 from .disjoint import Doc, doc_lines, evaluated_lines
@@ -291,13 +291,21 @@ COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-# v3 and the long-context tasks' held-apart items, whole, at 1k and 2k tokens (eval/mix_long.py): a candidate.
-# One component per task, so that every task has its share of any prefix; 2 documents a round in all.
-COMPONENTS_V4 = COMPONENTS_V3 + tuple(
-    Component(f"long-{t}", 2 / len(LONG_TASKS), f"{t}'s held-apart items at 1k and 2k tokens, prompt and gold reply",
-              None, functools.partial(long_documents, names=(t,))) for t in LONG_TASKS)
-MIXES = {GENERAL_V2: COMPONENTS, GENERAL_V3: COMPONENTS_V3, GENERAL_V4: COMPONENTS_V4}  # (names: registry.PRESETS)
-SEQ_LENS = {GENERAL_V4: SEQ_LEN_LONG}  # a mix's calibration sequence length, where not SEQ_LEN
+# v3 and the long-context tasks' held-apart items, whole, at 1k and 2k tokens (eval/mix_long.py).
+def long_share(weight: float) -> tuple[Component, ...]:
+    """One component per long-context task, so that every task has its share of any prefix; `weight` documents
+    a round in all."""
+    return tuple(Component(f"long-{t}", weight / len(LONG_TASKS),
+                           f"{t}'s held-apart items at 1k and 2k tokens, prompt and gold reply",
+                           None, functools.partial(long_documents, names=(t,))) for t in LONG_TASKS)
+
+
+# v3 and the long share at 2 documents a round of 16 (~30% of a calibration's tokens), or 8 of 22 (~2/3): candidates.
+COMPONENTS_V4 = COMPONENTS_V3 + long_share(2)
+COMPONENTS_V5 = COMPONENTS_V3 + long_share(8)
+MIXES = {GENERAL_V2: COMPONENTS, GENERAL_V3: COMPONENTS_V3, GENERAL_V4: COMPONENTS_V4,
+         GENERAL_V5: COMPONENTS_V5}  # (their names: registry.PRESETS)
+SEQ_LENS = {GENERAL_V4: SEQ_LEN_LONG, GENERAL_V5: SEQ_LEN_LONG}  # a mix's calibration sequence length, if not SEQ_LEN
 SERVED_MIX = GENERAL_V3  # what `--preset general` means: the mix of the served map (defaults.SERVED)
 SERVED_COMPONENTS = MIXES[SERVED_MIX]
 # The corpus name a mix's maps record (MapInfo), where it is not the mix's: v2's maps were made when v2 was

@@ -5,6 +5,8 @@
 #              held-apart items, 131,072 tokens of 2,048-token sequences, v4's other settings; stored in bf16), then
 #              `attn-source-span` and `query-w8` at rho 0.3 through it on multidoc_qa T 2048 items 0-99; the target's
 #              and v4's rows are research/fidelity/mdceil's (read with them merged).
+#   step v11:  ADOPTION.md rule 18 (i): the same with v11 (the general-v5 mix: the long share at 8 documents a round
+#              of 22, 262,144 tokens)
 #   step diag: a diagnostic (no rule; the map is fitted on the task's held-apart items, so it cannot be adopted):
 #              `query-w8` through the task map (sha 57edb4d7, research/fidelity/mdceil) on multidoc_qa T 2048
 #              items 0-99, beside the span through it (mdceil's taskmap rows) and both through v4.
@@ -16,7 +18,14 @@ S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/longmap; mkdir -p $E
 MD=$R/mdceil/multidoc-task-64k.safetensors
 V10=$E/general-v10-128k.safetensors; V10B=$E/general-v10-128k-bf16.safetensors
-case ${1:?step v10 or diag} in
+V11=$E/general-v11-256k.safetensors; V11B=$E/general-v11-256k-bf16.safetensors
+case ${1:?step v10, v11 or diag} in
+  v11) [ -f $V11 ] || rarecache calibrate --source $S --target $T --preset general-v5 --tokens 262144 \
+         --heldout-tokens 8192 --token-inputs --exact-layer0 --dtype bfloat16 --out $V11
+     [ -f $V11B ] || rarecache refit --map $V11 --weights-dtype bfloat16 --out $V11B
+     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v11=$V11B \
+         --arms 0.3:attn-source-span@v11 0.3:query-w8@v11 --limit 100 --threads 2 \
+         --out $E/multidoc_qa-2048-v11.jsonl > /dev/null;;
   v10) [ -f $V10 ] || rarecache calibrate --source $S --target $T --preset general-v4 --tokens 131072 \
          --heldout-tokens 8192 --token-inputs --exact-layer0 --dtype bfloat16 --out $V10
      [ -f $V10B ] || rarecache refit --map $V10 --weights-dtype bfloat16 --out $V10B
@@ -33,5 +42,5 @@ case ${1:?step v10 or diag} in
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map md=$MD \
          --arms 0.3:attn-source-span@md 0.3:query-w8@md --limit 100 --threads 2 \
          --out $E/multidoc_qa-2048-taskmap.jsonl > /dev/null;;
-  *) echo "unknown step $1: v10 or diag" >&2; exit 2;;
+  *) echo "unknown step $1: v10, v11 or diag" >&2; exit 2;;
 esac
