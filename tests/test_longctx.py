@@ -308,8 +308,10 @@ def test_eval_run_on_the_tiny_pair_records_what_the_summary_reads(cache, small, 
 def test_real_items_fit_their_lengths_and_share_no_line_with_the_general_mix():
     """On the pinned data and the bundled tokenizer: every task at every length within slack(T) under T, its
     calibration pool disjoint, and no document of the served map's calibration mix (general-v3) sharing a line
-    with any of its items, so registering the tasks leaves the mix (and its recorded fingerprint) as it was."""
+    with any of its items, so registering the tasks leaves the mix (and its recorded fingerprint) as it was; the
+    candidate mixes' long share holds no evaluated item nor any of their answers."""
     from rarecache.eval.mix import general_corpus
+    from rarecache.eval.mix_long import long_documents
     from rarecache.models.store import pull
 
     tok = Tokenizer.from_dir(pull("qwen2.5-coder-0.5b-instruct"))
@@ -321,3 +323,11 @@ def test_real_items_fit_their_lengths_and_share_no_line_with_the_general_mix():
             assert L - longctx.slack(L) <= len(tok.encode_chat(list(item.messages))) <= L, item.id
     _, dropped = general_corpus(tasks, None, "general-v3")
     assert dropped == 0
+    # general-v4's long share (eval/mix_long.py): held-apart items only, and no evaluated item's own answer in it
+    # (the values, identifiers and facts retrieval, code QA and multiturn ask for; short ones like years aside)
+    docs, _ = long_documents(tasks)
+    assert docs and not {i for i, _ in docs} & {i.id for task in tasks.values() for i in task.items()}
+    answers = {a for name in ("retrieval", "code_qa", "multiturn") for i in tasks[name].items()
+               for a in ([i.gold] if isinstance(i.gold, str) else i.gold) if len(a) >= 6}
+    text = "\n".join(m["content"] for _, d in docs for m in d)
+    assert len(answers) > 500 and not [a for a in answers if a in text]

@@ -115,3 +115,9 @@ def test_a_map_whose_documents_hold_an_evaluated_item_is_refused_whatever_its_co
     Toy().check_map(mapper(["squad:Oxygen:35", "multidoc_qa-cal-T2048-0003"]), items)  # held-apart ids: fine
     with pytest.raises(RarecacheError, match="1 evaluated item"):
         Toy().check_map(mapper(["squad:Oxygen:35", "e-1"]), items)
+
+
+def test_the_long_tasks_named_in_the_registry_are_the_long_context_tasks():
+    from rarecache.eval.tasks import LONG_CONTEXT, TASKS, LongContextTask
+
+    assert LONG_TASKS == LONG_CONTEXT == tuple(n for n, t in TASKS.items() if issubclass(t, LongContextTask))

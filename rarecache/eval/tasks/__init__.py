@@ -5,6 +5,7 @@ named where a task name goes."""
 from pathlib import Path
 
 from ...errors import RarecacheError
+from ...registry import LONG_TASKS as LONG_CONTEXT
 from ...registry import TASKS as TASK_NAMES
 from .base import Item, Task
 from .custom import FileTask
@@ -12,7 +13,8 @@ from .longctx import LongContextTask
 
 TASKS: dict[str, type[Task]] = {name: TASK_NAMES.load(name) for name in TASK_NAMES}
 
-LONG_CONTEXT = tuple(n for n, t in TASKS.items() if issubclass(t, LongContextTask))
+# LONG_CONTEXT (registry.LONG_TASKS, named there so that the calibration mix can read it without importing tasks) is
+# every LongContextTask registered (tested)
 
 
 def open_task(spec: str, cache_dir: Path | None = None, tokenizer=None, calibration: Path | None = None,
