@@ -291,7 +291,6 @@ COMPONENTS_V3 = COMPONENTS + (
     Component("word", 1, "few-shot chains of GSM8K held-apart word problems in GSM8K's layout, then one to solve",
               _word_chains),
 )
-# v3 and the long-context tasks' held-apart items, whole, at 1k and 2k tokens (eval/mix_long.py).
 def long_share(weight: float) -> tuple[Component, ...]:
     """One component per long-context task, so that every task has its share of any prefix; `weight` documents
     a round in all."""

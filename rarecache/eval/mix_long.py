@@ -5,7 +5,9 @@ handoff pays for are 2k-4k tokens of documents, files and conversations, then a 
 multi-document QA's own held-apart items, with the same recompute, keeps 86% of the 1.5B's multidoc answers where the
 served map keeps 79% (research/LOG.md §20). `general-v4` (eval/mix.py) adds this share to v3's mix so that one map
 serves both: every long-context task's calibration items at the lengths a calibration sequence holds, each its prompt
-with the gold answer as the reply.
+with the gold answer as the reply. Screened as v10 (2 documents a round) and v11 (8, `general-v5`): neither reached the
+task map's figure (81% and 80%; research/fidelity/ADOPTION.md rules 17-18), so both mixes stay candidates, kept so
+that their maps can be made again.
 
 Disjointness: the items come from each task's calibration pool, whose sources (paragraphs, essay and code lines,
 keys) are checked apart from every evaluated item's (`calibration_corpus`). The mix's line rule (eval/disjoint.py)
