@@ -12,29 +12,13 @@ only those arms (the maps they name stay in the meta).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import sys
 from pathlib import Path
 
+from rarecache.eval.results import load_results, results_stem, run_record, sibling
+
 SAME = ("task", "task_file", "source", "target", "dtype", "seed")
-
-
-def stem(path: Path) -> str:
-    name = str(path)
-    for ext in (".jsonl.gz", ".jsonl"):
-        if name.endswith(ext):
-            return name[: -len(ext)]
-    sys.exit(f"{path}: not a results file (.jsonl or .jsonl.gz)")
-
-
-def read(path: str) -> list[dict]:
-    for name in (path + ".gz", path) if not path.endswith(".gz") else (path,):
-        if Path(name).is_file():
-            opener = gzip.open if name.endswith(".gz") else open
-            with opener(name, "rt") as f:
-                return [json.loads(line) for line in f if line.strip()]
-    return []
 
 
 def main() -> None:
@@ -47,8 +31,9 @@ def main() -> None:
     lo, hi = (int(x) for x in args.items.split(":")) if args.items else (0, 10 ** 9)
     meta, rows, timings = None, {}, {}
     for path in args.inputs:
-        s = stem(path)
-        m = json.load(open(s + ".meta.json"))
+        m = run_record(path)
+        if not m:
+            sys.exit(f"{path}: no run record beside it ({results_stem(path)}.meta.json)")
         if meta is None:
             meta = m
         else:
@@ -58,20 +43,19 @@ def main() -> None:
             for label, info in m["maps"].items():
                 if meta["maps"].setdefault(label, info)["sha256"] != info["sha256"]:
                     sys.exit(f"{path}: map label {label} names another file than in the files before it")
-        for kind, into in (("", rows), (".timings", timings)):
-            for r in read(s + kind + ".jsonl"):
+        for into, part in ((rows, path), (timings, sibling(path, ".timings.jsonl"))):
+            for r in load_results(part) if part.is_file() else []:
                 if not lo <= int(r["item"].rsplit("-", 1)[1]) < hi or args.arms and r["arm"] not in args.arms:
                     continue
                 key = (r["item"], r["arm"])
-                if kind == "" and key in into and into[key] != r:
+                if into is rows and key in into and into[key] != r:
                     sys.exit(f"{path}: row {key} differs from an earlier file's")
                 into.setdefault(key, r)
-    o = stem(args.out)
-    with open(o + ".jsonl", "w") as f:
+    with open(args.out, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows.values())
-    with open(o + ".timings.jsonl", "w") as f:
+    with open(sibling(args.out, ".timings.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in timings.values())
-    json.dump(meta, open(o + ".meta.json", "w"), indent=1)
+    json.dump(meta, open(sibling(args.out, ".meta.json"), "w"), indent=1)
     print(f"{len(rows)} rows of {len({k[0] for k in rows})} items, arms: {sorted({k[1] for k in rows})}")
 
 
