@@ -80,18 +80,21 @@ v3_map() {
   if [ ! -f "$f" ]; then mkdir -p "$REBUILT" && git show "$V3_FROM" > "$f.part" && mv "$f.part" "$f"; fi
   echo "$f"
 }
-# seed_from E NAME DIR...: before a run writes E/NAME.jsonl (E under RUNS), start it from the first DIR holding
-# NAME.jsonl.gz (a session's rows committed under research/fidelity/..., else the base records a candidate's runs
-# are added to), its meta's RUNS/ paths pointed back at this machine's RUNS. An E/NAME.jsonl that exists, or a
-# NAME no DIR holds, is left alone. Its committed timings come back with it.
-seed_from() {
-  local e=$1 name=$2 d runs; runs=$(dirname "$e"); shift 2
+# seed_as E NAME DIR FILE: before a run writes E/NAME.jsonl (E under RUNS), start it from DIR's committed FILE
+# (FILE.jsonl.gz, its timings when committed, its meta with the RUNS/ paths pointed back at this machine's RUNS).
+# An E/NAME.jsonl that exists is left alone.
+seed_as() {
+  local e=$1 name=$2 d=$3 f=$4 runs; runs=$(dirname "$e")
   [ ! -f "$e/$name.jsonl" ] || return 0
+  gzip -dc "$d/$f.jsonl.gz" > "$e/$name.jsonl"
+  sed "s|RUNS/|$runs/|g" "$d/$f.meta.json" > "$e/$name.meta.json"
+  [ ! -f "$d/$f.timings.jsonl.gz" ] || gzip -dc "$d/$f.timings.jsonl.gz" > "$e/$name.timings.jsonl"
+}
+# seed_from E NAME DIR...: seed_as from the first DIR holding NAME.jsonl.gz (a session's rows committed under
+# research/fidelity/..., else the base records a candidate's runs are added to); a NAME no DIR holds is left alone.
+seed_from() {
+  local e=$1 name=$2 d; shift 2
   for d in "$@"; do
-    [ -f "$d/$name.jsonl.gz" ] || continue
-    gzip -dc "$d/$name.jsonl.gz" > "$e/$name.jsonl"
-    sed "s|RUNS/|$runs/|g" "$d/$name.meta.json" > "$e/$name.meta.json"
-    [ ! -f "$d/$name.timings.jsonl.gz" ] || gzip -dc "$d/$name.timings.jsonl.gz" > "$e/$name.timings.jsonl"
-    return 0
+    if [ -f "$d/$name.jsonl.gz" ]; then seed_as "$e" "$name" "$d" "$name"; return 0; fi
   done
 }

@@ -20,38 +20,28 @@ cd "$(dirname "$0")/../.."
 S=qwen2.5-coder-0.5b-instruct; T=qwen2.5-coder-1.5b-instruct
 R=${RUNS:-$HOME/.cache/rarecache/runs}; E=$R/longmap; mkdir -p $E
 MD=$R/mdceil/multidoc-task-64k.safetensors
-V10=$E/general-v10-128k.safetensors; V10B=$E/general-v10-128k-bf16.safetensors
-V11=$E/general-v11-256k.safetensors; V11B=$E/general-v11-256k-bf16.safetensors
+. research/scripts/lib.sh
+general_map() {  # general_map LABEL PRESET TOKENS: calibrate RUNS/longmap/general-LABEL (stored in bf16) on the
+  # preset's mix with v4's other settings, then rule 17/18 (i)'s screen through it
+  local f=$E/general-$1-$(($3 / 1024))k
+  [ -f $f.safetensors ] || rarecache calibrate --source $S --target $T --preset $2 --tokens $3 \
+      --heldout-tokens 8192 --token-inputs --exact-layer0 --dtype bfloat16 --out $f.safetensors
+  [ -f $f-bf16.safetensors ] || rarecache refit --map $f.safetensors --weights-dtype bfloat16 --out $f-bf16.safetensors
+  rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map $1=$f-bf16.safetensors \
+      --arms 0.3:attn-source-span@$1 0.3:query-w8@$1 --limit 100 --threads 2 --out $E/multidoc_qa-2048-$1.jsonl > /dev/null
+}
 case ${1:?step v10, v11, diag-unseen or diag} in
-  v11) [ -f $V11 ] || rarecache calibrate --source $S --target $T --preset general-v5 --tokens 262144 \
-         --heldout-tokens 8192 --token-inputs --exact-layer0 --dtype bfloat16 --out $V11
-     [ -f $V11B ] || rarecache refit --map $V11 --weights-dtype bfloat16 --out $V11B
-     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v11=$V11B \
-         --arms 0.3:attn-source-span@v11 0.3:query-w8@v11 --limit 100 --threads 2 \
-         --out $E/multidoc_qa-2048-v11.jsonl > /dev/null;;
-  v10) [ -f $V10 ] || rarecache calibrate --source $S --target $T --preset general-v4 --tokens 131072 \
-         --heldout-tokens 8192 --token-inputs --exact-layer0 --dtype bfloat16 --out $V10
-     [ -f $V10B ] || rarecache refit --map $V10 --weights-dtype bfloat16 --out $V10B
-     rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map v10=$V10B \
-         --arms 0.3:attn-source-span@v10 0.3:query-w8@v10 --limit 100 --threads 2 \
-         --out $E/multidoc_qa-2048-v10.jsonl > /dev/null;;
+  v10) general_map v10 general-v4 131072;;
+  v11) general_map v11 general-v5 262144;;
   diag) # the task map is made by research/scripts/multidoc_ceiling.sh taskmap (its calibrate line)
      [ -f $MD ] || { echo "make $MD first: bash research/scripts/multidoc_ceiling.sh taskmap" >&2; exit 2; }
-     if [ ! -f $E/multidoc_qa-2048-taskmap.jsonl ]; then
-       gzip -dc research/fidelity/mdceil/multidoc_qa-2048-taskmap.jsonl.gz > $E/multidoc_qa-2048-taskmap.jsonl
-       gzip -dc research/fidelity/mdceil/multidoc_qa-2048-taskmap.timings.jsonl.gz > $E/multidoc_qa-2048-taskmap.timings.jsonl
-       sed "s|RUNS/|$R/|g" research/fidelity/mdceil/multidoc_qa-2048-taskmap.meta.json > $E/multidoc_qa-2048-taskmap.meta.json
-     fi
+     seed_from $E multidoc_qa-2048-taskmap research/fidelity/mdceil
      rarecache eval run --task multidoc_qa --length 2048 --source $S --target $T --map md=$MD \
          --arms 0.3:attn-source-span@md 0.3:query-w8@md --limit 100 --threads 2 \
          --out $E/multidoc_qa-2048-taskmap.jsonl > /dev/null;;
   diag-unseen) [ -f $MD ] || { echo "make $MD first: bash research/scripts/multidoc_ceiling.sh taskmap" >&2; exit 2; }
-     for f in "multidoc_qa-4096 r13-multidoc_qa-4096" "multidoc_qa-1024 multidoc_qa-1024"; do
-       set -- $f; [ -f $E/$1-taskmap.jsonl ] && continue
-       gzip -dc research/fidelity/rule11/$2.jsonl.gz > $E/$1-taskmap.jsonl
-       gzip -dc research/fidelity/rule11/$2.timings.jsonl.gz > $E/$1-taskmap.timings.jsonl
-       sed "s|RUNS/|$R/|g" research/fidelity/rule11/$2.meta.json > $E/$1-taskmap.meta.json
-     done
+     seed_as $E multidoc_qa-4096-taskmap research/fidelity/rule11 r13-multidoc_qa-4096
+     seed_as $E multidoc_qa-1024-taskmap research/fidelity/rule11 multidoc_qa-1024
      rarecache eval run --task multidoc_qa --length 4096 --source $S --target $T --map md=$MD \
          --arms target source 0.3:query-w8@md 0.3:attn-source-span@md --start 30 --limit 30 --threads 2 \
          --out $E/multidoc_qa-4096-taskmap.jsonl > /dev/null

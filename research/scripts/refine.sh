@@ -19,12 +19,7 @@ V4=rarecache/data/general-v4-64k.safetensors
 . research/scripts/lib.sh
 D=research/fidelity/refine
 from() {  # from NAME DIR [FILE]: start RUNS/refine/NAME from DIR's FILE (default NAME), unless committed here
-  local f=${3:-$1}
-  [ ! -f $E/$1.jsonl ] || return 0
-  if [ -f $D/$1.jsonl.gz ]; then seed_from $E $1 $D; return 0; fi
-  gzip -dc $2/$f.jsonl.gz > $E/$1.jsonl
-  gzip -dc $2/$f.timings.jsonl.gz > $E/$1.timings.jsonl
-  sed "s|RUNS/|$R/|g" $2/$f.meta.json > $E/$1.meta.json
+  if [ -f $D/$1.jsonl.gz ]; then seed_from $E $1 $D; else seed_as $E $1 $2 ${3:-$1}; fi
 }
 ARMS="target source 0.3:attn-source-span@v4b 0.3:query-refine@v4b"
 case ${1:?step screen, 4096, 1024, decompose, sinks, window or blend} in
